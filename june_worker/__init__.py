@@ -1,0 +1,28 @@
+"""june-worker: AI-agent turns as durable processes, on Celery, Postgres and Redis.
+
+The public names for building agents and running them in process. The Celery app lives in
+:mod:`june_worker.worker` (``celery -A june_worker.worker ...``).
+"""
+
+from .engine import (
+    Agent,
+    AgentSession,
+    Runtime,
+    Tool,
+    ToolContext,
+    store_write,
+    tool,
+)
+from .errors import FatalToolError
+
+__all__ = [
+    "Agent",
+    "AgentSession",
+    "FatalToolError",
+    "Runtime",
+    "Tool",
+    "ToolContext",
+    "store_write",
+    "tool",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,198 @@
+"""An agent: instructions, tools, a model, and per-source turn policies.
+
+A turn's inbound ``source`` (``slack``, ``web``...) picks a :class:`SurfacePolicy`: an
+overlay appended to (or replacing) the system prompt, and tools denied to that source.
+Denial is enforced in code: a denied tool is not offered to the model, and a call to it
+fails as an unknown tool, so no prompt can talk the model into it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+import tomllib
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import AgentDefinitionError
+from .ids import validate_session_id
+from .model import Model
+from .store import SurfacePolicy
+from .tools import Tool
+from .types import InboundEvent, Principal
+
+__all__ = ["Agent", "AnswerRequest", "AuthorizeAnswer", "Deliver", "derive_policies"]
+
+log = logging.getLogger("june_worker.agent")
+
+
+@dataclass(frozen=True)
+class AnswerRequest:
+    """What ``authorize_answer`` decides on: may ``by`` answer this ``{policy, scope}`` request?"""
+
+    policy: str
+    scope: str | None
+    by: str | None
+    principal: Principal | None
+    turn_id: str
+    input_id: str
+    session: str
+
+
+AuthorizeAnswer = Callable[[AnswerRequest], "bool | Awaitable[bool]"]
+Deliver = Callable[..., Any]
+
+
+@dataclass
+class Agent:
+    """Everything needed to run an agent's turns, independent of where they run."""
+
+    name: str
+    model: Model
+    instructions: str = ""
+    tools: list[Tool] = field(default_factory=list)
+    policies: Mapping[str, SurfacePolicy | str] = field(default_factory=dict)
+    authorize_answer: AuthorizeAnswer | None = None
+    deliver: Deliver | None = None
+
+    def __post_init__(self) -> None:
+        validate_session_id(self.name, what="agent name")
+        if ":" in self.name:
+            raise AgentDefinitionError(f"agent name {self.name!r} must not contain ':'")
+        names = [t.name for t in self.tools]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise AgentDefinitionError(f"agent {self.name}: duplicate tool names {dupes}")
+        self._tools = {t.name: t for t in self.tools}
+
+    # --- policy -------------------------------------------------------------------------------
+
+    def policy_for(self, event: InboundEvent | None) -> SurfacePolicy | None:
+        if event is None:
+            return None
+        entry = self.policies.get(event.source)
+        if entry is None:
+            return None
+        if isinstance(entry, str):
+            return SurfacePolicy(source=event.source, overlay=entry)
+        return entry if entry.source else entry.model_copy(update={"source": event.source})
+
+    def system_prompt(self, policy: SurfacePolicy | None) -> str:
+        if policy is None or policy.overlay is None:
+            return self.instructions
+        if policy.mode == "replace":
+            return policy.overlay
+        return f"{self.instructions}\n\n{policy.overlay}" if self.instructions else policy.overlay
+
+    def tools_for(self, policy: SurfacePolicy | None, principal: Principal | None) -> dict[str, Tool]:
+        """The tools this turn may see and call: minus denied ones, minus principal-gated ones."""
+        denied = set(policy.deny_tools) if policy else set()
+        return {
+            name: t
+            for name, t in self._tools.items()
+            if name not in denied and (principal is not None or not t.requires_principal)
+        }
+
+    # --- assembly from a directory ---------------------------------------------------------------
+
+    @classmethod
+    def from_dir(
+        cls,
+        path: str | Path,
+        *,
+        model: Model,
+        tools: Iterable[Tool] | None = None,
+        known_sources: Iterable[str] | None = None,
+        authorize_answer: AuthorizeAnswer | None = None,
+        deliver: Deliver | None = None,
+    ) -> Agent:
+        """Assemble an agent from ``instructions.md``, ``instructions.<source>.md`` and ``agent.toml``.
+
+        ``agent.toml`` may set ``name`` and ``[surfaces.<source>]`` tables with ``mode``
+        (``append`` or ``replace``) and ``deny_tools``. Tools come from ``tools`` or, when
+        not given, from the ``Tool`` objects defined in ``tools/*.py``.
+        """
+        root = Path(path)
+        if not root.is_dir():
+            raise AgentDefinitionError(f"agent directory {root} does not exist")
+        config: dict[str, Any] = {}
+        toml_path = root / "agent.toml"
+        if toml_path.exists():
+            try:
+                config = tomllib.loads(toml_path.read_text())
+            except tomllib.TOMLDecodeError as exc:
+                raise AgentDefinitionError(f"{toml_path}: {exc}") from exc
+        base = root / "instructions.md"
+        instructions = base.read_text().strip() if base.exists() else ""
+        variants = {
+            p.name[len("instructions.") : -len(".md")]: p.read_text().strip()
+            for p in sorted(root.glob("instructions.*.md"))
+        }
+        policies = derive_policies(
+            variants=variants,
+            surfaces=config.get("surfaces", {}),
+            legacy=config.get("policies", {}),
+            known_sources=known_sources,
+        )
+        return cls(
+            name=config.get("name", root.name),
+            model=model,
+            instructions=instructions,
+            tools=list(tools) if tools is not None else _load_tools(root / "tools"),
+            policies=policies,
+            authorize_answer=authorize_answer,
+            deliver=deliver,
+        )
+
+
+def derive_policies(
+    *,
+    variants: Mapping[str, str],
+    surfaces: Mapping[str, Mapping[str, Any]] | None = None,
+    legacy: Mapping[str, str] | None = None,
+    known_sources: Iterable[str] | None = None,
+) -> dict[str, SurfacePolicy | str]:
+    """Per-source policies from variant files, ``surfaces`` settings and legacy string overlays."""
+    surfaces = surfaces or {}
+    policies: dict[str, SurfacePolicy | str] = dict(legacy or {})
+    for source in sorted(set(variants) | set(surfaces)):
+        settings = dict(surfaces.get(source, {}))
+        mode = settings.pop("mode", None)
+        deny = settings.pop("deny_tools", [])
+        if settings:
+            raise AgentDefinitionError(f"surfaces.{source}: unknown settings {sorted(settings)}")
+        if mode not in (None, "append", "replace"):
+            raise AgentDefinitionError(f"surfaces.{source}.mode must be 'append' or 'replace', not {mode!r}")
+        if mode is not None and source not in variants:
+            raise AgentDefinitionError(
+                f"surfaces.{source} sets mode {mode!r} but instructions.{source}.md does not exist"
+            )
+        policies[source] = SurfacePolicy(
+            source=source, overlay=variants.get(source), mode=mode or "append", deny_tools=list(deny)
+        )
+    if known_sources is not None:
+        known = set(known_sources)
+        for source in sorted(set(policies) - known):
+            log.warning("policy for source %r: no channel emits that source, so it never applies", source)
+    return policies
+
+
+def _load_tools(folder: Path) -> list[Tool]:
+    if not folder.is_dir():
+        return []
+    found: list[Tool] = []
+    for file in sorted(folder.glob("*.py")):
+        if file.name.startswith("_"):
+            continue
+        mod_name = f"_june_agent_tools_{abs(hash(str(file)))}_{file.stem}"
+        spec = importlib.util.spec_from_file_location(mod_name, file)
+        if spec is None or spec.loader is None:
+            raise AgentDefinitionError(f"cannot import tool module {file}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        spec.loader.exec_module(module)
+        found.extend(v for v in vars(module).values() if isinstance(v, Tool))
+    return found

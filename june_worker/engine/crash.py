@@ -1,0 +1,48 @@
+"""Crash injection, for tests only: die at a commit boundary as if the process was killed there.
+
+Points: ``before-model-commit``, ``after-model-commit``, ``before-tool-commit``,
+``after-tool-commit`` and ``before-publish`` (committed, events not yet published). Nothing
+here runs unless a host is handed a hook explicitly; production code paths pass ``None``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+
+from .signals import CrashInjected
+
+__all__ = ["CRASH_POINTS", "CrashAt"]
+
+CRASH_POINTS = frozenset(
+    {"before-model-commit", "after-model-commit", "before-tool-commit", "after-tool-commit", "before-publish"}
+)
+
+
+@dataclass
+class CrashAt:
+    """Crash once at ``point`` (optionally only at ``step``), by raising or by SIGKILL of this process."""
+
+    point: str
+    step: str | None = None
+    kill: bool = False
+    fired: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        if self.point not in CRASH_POINTS:
+            raise ValueError(f"unknown crash point {self.point!r}; expected one of {sorted(CRASH_POINTS)}")
+
+    @classmethod
+    def parse(cls, spec: str, *, kill: bool = False) -> CrashAt:
+        """``"after-tool-commit"`` or ``"after-tool-commit@tool:1:c1"``."""
+        point, _, step = spec.partition("@")
+        return cls(point=point, step=step or None, kill=kill)
+
+    def __call__(self, point: str, step: str) -> None:
+        if self.fired or point != self.point or (self.step is not None and step != self.step):
+            return
+        self.fired = True
+        if self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise CrashInjected(point, step)

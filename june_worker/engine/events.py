@@ -1,0 +1,195 @@
+"""TurnEvents: what a turn tells the world while it runs, and the results it ends with.
+
+Two kinds of event, and the difference matters everywhere:
+
+* **structural** events (``turn.*``, ``message.completed``, ``action.*``,
+  ``input.requested``) are committed with the step that caused them, get a per-session
+  ``seq`` from the store, and are delivered exactly once per session stream;
+* **deltas** (``message.delta``, ``reasoning.delta``) are live tokens: never stored,
+  never replayed, and tagged with their ``step`` so a reader can tell a retried step's
+  text apart.
+
+Terminal events end a turn's stream: ``turn.completed``, ``turn.failed``,
+``turn.cancelled`` and ``input.requested`` (the turn parked).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from .types import (
+    CancelReason,
+    ErrorInfo,
+    InputRequest,
+    JsonValue,
+    ToolCall,
+    Trigger,
+    Usage,
+)
+
+__all__ = [
+    "DELTA_TYPES",
+    "TERMINAL_TYPES",
+    "ActionCompleted",
+    "ActionRequested",
+    "Cancelled",
+    "Completed",
+    "Failed",
+    "InputRequested",
+    "MessageCompleted",
+    "MessageDelta",
+    "ReasoningDelta",
+    "Rejected",
+    "Suspended",
+    "TurnCancelled",
+    "TurnCompleted",
+    "TurnEvent",
+    "TurnEventAdapter",
+    "TurnFailed",
+    "TurnResult",
+    "TurnResultAdapter",
+    "TurnStarted",
+    "is_structural",
+    "is_terminal",
+]
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    turn_id: str
+    seq: int | None = None
+    """Per-session sequence number, set by the store when a structural event commits."""
+
+
+class TurnStarted(_Event):
+    type: Literal["turn.started"] = "turn.started"
+    trigger: Trigger
+
+
+class MessageDelta(_Event):
+    type: Literal["message.delta"] = "message.delta"
+    step: str
+    text: str
+
+
+class ReasoningDelta(_Event):
+    type: Literal["reasoning.delta"] = "reasoning.delta"
+    step: str
+    text: str
+
+
+class MessageCompleted(_Event):
+    type: Literal["message.completed"] = "message.completed"
+    step: str
+    text: str
+
+
+class ActionRequested(_Event):
+    type: Literal["action.requested"] = "action.requested"
+    step: str
+    call: ToolCall
+
+
+class ActionCompleted(_Event):
+    type: Literal["action.completed"] = "action.completed"
+    step: str
+    call: ToolCall
+    result: JsonValue = None
+    error: str | None = None
+
+
+class InputRequested(_Event):
+    type: Literal["input.requested"] = "input.requested"
+    step: str | None = None
+    request: InputRequest
+
+
+class TurnCompleted(_Event):
+    type: Literal["turn.completed"] = "turn.completed"
+    text: str
+    usage: Usage | None = None
+
+
+class TurnFailed(_Event):
+    type: Literal["turn.failed"] = "turn.failed"
+    error: ErrorInfo
+    phase: Literal["model", "tool", "intake"] | None = None
+    step: str | None = None
+
+
+class TurnCancelled(_Event):
+    type: Literal["turn.cancelled"] = "turn.cancelled"
+    reason: CancelReason
+
+
+TurnEvent = Annotated[
+    TurnStarted
+    | MessageDelta
+    | ReasoningDelta
+    | MessageCompleted
+    | ActionRequested
+    | ActionCompleted
+    | InputRequested
+    | TurnCompleted
+    | TurnFailed
+    | TurnCancelled,
+    Field(discriminator="type"),
+]
+TurnEventAdapter: TypeAdapter[TurnEvent] = TypeAdapter(TurnEvent)
+
+DELTA_TYPES = frozenset({"message.delta", "reasoning.delta"})
+TERMINAL_TYPES = frozenset({"turn.completed", "turn.failed", "turn.cancelled", "input.requested"})
+
+
+def is_structural(event: TurnEvent) -> bool:
+    return event.type not in DELTA_TYPES
+
+
+def is_terminal(event: TurnEvent) -> bool:
+    return event.type in TERMINAL_TYPES
+
+
+# --- results ---------------------------------------------------------------------------------
+
+
+class _Result(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    turn_id: str
+
+
+class Completed(_Result):
+    status: Literal["completed"] = "completed"
+    text: str
+    usage: Usage | None = None
+
+
+class Suspended(_Result):
+    status: Literal["suspended"] = "suspended"
+    request: InputRequest
+
+
+class Failed(_Result):
+    status: Literal["failed"] = "failed"
+    error: ErrorInfo
+    phase: Literal["model", "tool", "intake"] | None = None
+    step: str | None = None
+
+
+class Cancelled(_Result):
+    status: Literal["cancelled"] = "cancelled"
+    reason: CancelReason
+
+
+class Rejected(_Result):
+    """The turn was refused before it opened (session parked, bad payload, unknown agent)."""
+
+    status: Literal["rejected"] = "rejected"
+    reason: str
+
+
+TurnResult = Annotated[Completed | Suspended | Failed | Cancelled | Rejected, Field(discriminator="status")]
+TurnResultAdapter: TypeAdapter[TurnResult] = TypeAdapter(TurnResult)

@@ -1,0 +1,770 @@
+"""The turn loop: model step, tool steps, until the model answers without a tool call.
+
+Position is read off the transcript, never off memory: a redelivered turn finds its
+opening message (and does not append it again), finds the calls still owed a result, and
+continues at the first step with nothing stored. Every checkpoint is one
+:meth:`SessionStore.commit`; structural events are published only after it returns.
+
+The one rule a reader must not break: **nothing reaches the store outside a commit, and
+nothing is published before its commit.**
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from ..errors import FatalToolError, LeaseLostError, ModelStepError, ModelStreamError
+from .agent import Agent
+from .events import (
+    ActionCompleted,
+    ActionRequested,
+    Cancelled,
+    Completed,
+    Failed,
+    InputRequested,
+    MessageCompleted,
+    MessageDelta,
+    ReasoningDelta,
+    Rejected,
+    Suspended,
+    TurnCancelled,
+    TurnCompleted,
+    TurnEvent,
+    TurnFailed,
+    TurnResult,
+    TurnStarted,
+)
+from .model import Done, ModelRequest, ReasoningChunk, TextChunk
+from .signals import CrashInjected, ParkSignal, SyncParkError
+from .sink import EventSink
+from .store import (
+    INITIATOR_STEP,
+    Commit,
+    CommitBuilder,
+    SessionRef,
+    SessionStore,
+    StepRecord,
+    StoreHandle,
+    SurfacePolicy,
+    SuspendedCheckpoint,
+    TurnRecord,
+    input_step_id,
+)
+from .tools import (
+    SyncToolReturnedAwaitableError,
+    Tool,
+    ToolContext,
+    ToolInputError,
+    format_tool_error,
+)
+from .types import (
+    Answerers,
+    AssistantMessage,
+    ErrorInfo,
+    Finish,
+    InboundTrigger,
+    InputRequest,
+    JsonValue,
+    Message,
+    Principal,
+    ProactiveTrigger,
+    ToolCall,
+    ToolMessage,
+    Trigger,
+    TriggerMessage,
+    Usage,
+    UserAnswerer,
+    UserMessage,
+)
+
+__all__ = ["NO_CANCEL", "CancelProbe", "CrashHook", "InputBroker", "TurnRunner", "error_info", "reject_turn"]
+
+log = logging.getLogger("june_worker.turn")
+
+CrashHook = Callable[[str, str], None]
+"""Called at ``before-/after-model-commit`` and ``before-/after-tool-commit`` with the step id."""
+
+STACK_MAX_CHARS = 8000
+
+
+class CancelProbe(Protocol):
+    """How a running turn learns it was cancelled. Checked only at checkpoint boundaries."""
+
+    def reason(self) -> str | None: ...
+
+    async def wait(self) -> None:
+        """Return once a cancel is requested."""
+        ...
+
+
+class _NeverCancelled:
+    def reason(self) -> str | None:
+        return None
+
+    async def wait(self) -> None:
+        await asyncio.Event().wait()
+
+
+NO_CANCEL: CancelProbe = _NeverCancelled()
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """Message, class, cause chain (``__cause__``, else ``__context__``) and a stack without locals."""
+    chain: list[str] = []
+    seen = {id(exc)}
+    cur = exc.__cause__ or exc.__context__
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        chain.append(str(cur) or type(cur).__name__)
+        cur = cur.__cause__ or cur.__context__
+    stack = "".join(traceback.format_exception(exc))[-STACK_MAX_CHARS:]
+    return ErrorInfo(message=str(exc) or type(exc).__name__, type=type(exc).__name__, cause_chain=chain, stack=stack)
+
+
+class _Cancel(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _StepFailure(Exception):
+    """Carries the exception that failed a step, with where it happened."""
+
+    def __init__(self, exc: BaseException, phase: str, step: str) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+        self.phase = phase
+        self.step = step
+
+
+class _ToolRaised(BaseException):
+    """Raised inside a sync tool's commit builder so the store rolls the tool's writes back."""
+
+    def __init__(self, exc: Exception) -> None:
+        super().__init__(exc)
+        self.exc = exc
+
+
+def _to_json(value: Any) -> JsonValue:
+    """A tool result as plain JSON; pydantic models are dumped, anything else must already be JSON."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    json.dumps(value, allow_nan=False)
+    return value
+
+
+@dataclass
+class _Park:
+    request: InputRequest
+    step: str
+    call: ToolCall
+
+
+class InputBroker:
+    """Answers ``request_input`` from the stored steps, or raises :class:`ParkSignal`."""
+
+    def __init__(self, runner: TurnRunner) -> None:
+        self._runner = runner
+
+    async def ask(
+        self,
+        ctx: ToolContext,
+        *,
+        id: str,
+        prompt: str,
+        schema: dict[str, JsonValue] | None,
+        answerers: Answerers | None,
+        timeout_s: float | None,
+    ) -> JsonValue:
+        from ..errors import InputTimeoutError
+
+        stored = self._runner.steps.get(input_step_id(ctx.turn_id, id))
+        if stored is not None:
+            data = stored.data or {}
+            if data.get("timeout"):
+                raise InputTimeoutError(id)
+            return data.get("answer")
+        event = ctx.event
+        if answerers is None and event is not None:
+            if event.user is not None and event.user.attested:
+                answerers = UserAnswerer(user=event.user.id)
+            else:
+                raise FatalToolError(
+                    f"input {id!r}: the speaker of this {event.source} turn is not attested, so it cannot be the "
+                    "default answerer; pass answerers={'user': ...} or {'policy': ...} to request_input"
+                )
+        expires_at = time.time() + timeout_s if timeout_s is not None else None
+        raise ParkSignal(
+            InputRequest(
+                id=id,
+                prompt=prompt,
+                schema=schema,
+                answerers=answerers,
+                call_id=ctx.call.id,
+                expires_at=expires_at,
+            )
+        )
+
+
+class TurnRunner:
+    """Runs (or replays) one turn of one session to a result.
+
+    A runner is used once. The host (in-process session, Celery worker) makes sure only one
+    runner works on a session at a time, and passes the session's fencing token when it has
+    one, so that a runner whose lease was taken over cannot commit.
+    """
+
+    def __init__(
+        self,
+        agent: Agent,
+        store: SessionStore,
+        sink: EventSink,
+        ref: SessionRef,
+        record: TurnRecord,
+        *,
+        fence: int | None = None,
+        cancel: CancelProbe = NO_CANCEL,
+        crash: CrashHook | None = None,
+        runtime: Any = None,
+    ) -> None:
+        self.agent = agent
+        self.store = store
+        self.sink = sink
+        self.ref = ref
+        self.record = record
+        self.turn_id = record.turn_id
+        self.fence = fence
+        self.cancel = cancel
+        self._crash = crash
+        self.runtime = runtime
+        self.messages: list[Message] = []
+        self.steps: dict[str, StepRecord] = {}
+        self.usage = Usage()
+        self.policy: SurfacePolicy | None = None
+        self.principal: Principal | None = None
+        self.initiator: Principal | None = None
+        self.tools: dict[str, Tool] = {}
+        self._broker = InputBroker(self)
+
+    # --- entry point -----------------------------------------------------------------------------
+
+    async def run(self) -> TurnResult:
+        rec = self.record
+        if rec.status in ("completed", "failed", "cancelled", "rejected", "suspended") and rec.result is not None:
+            return rec.result  # a redelivered turn that already ended reports its own result
+        snap = self.store.load(self.ref)
+        self.messages = list(snap.messages)
+        self.steps = dict(snap.steps)
+        payload = rec.payload
+        event = payload.event
+        self.policy = self.agent.policy_for(event)
+        self.principal = event.principal if event else None
+        if snap.suspended is not None and snap.suspended.turn_id == self.turn_id:
+            # A parked turn delivered again: it stays parked and announces nothing new.
+            result = Suspended(turn_id=self.turn_id, request=snap.suspended.request)
+            return result
+        initiator_step = self.steps.get(INITIATOR_STEP)
+        self.initiator = Principal.model_validate(initiator_step.data) if initiator_step else None
+        opening = self._opening_index()
+        try:
+            if opening is None:
+                self._check_cancel()  # a turn cancelled before it opened never runs
+                rejected = self._rejection(snap.suspended)
+                if rejected is not None:
+                    return self._reject(rejected)
+                self._open()
+            else:
+                self._restore_turn_state()
+            self.tools = self.agent.tools_for(self.policy, self.principal)
+            return await self._loop()
+        except _Cancel as c:
+            return self._cancelled(c.reason)
+        except _StepFailure as f:
+            return self._failed(f.exc, f.phase, f.step)
+
+    # --- opening ---------------------------------------------------------------------------------
+
+    def _opening_index(self) -> int | None:
+        i = len(self.messages) - 1
+        found = None
+        while i >= 0 and self.messages[i].turn_id == self.turn_id:
+            found = i
+            i -= 1
+        return found
+
+    def _rejection(self, suspended: SuspendedCheckpoint | None) -> str | None:
+        if suspended is not None:
+            return (
+                f"session {self.ref.session} is suspended awaiting input {suspended.request.id!r} "
+                f"(turn {suspended.turn_id}); resume or reset it first"
+            )
+        return None
+
+    def _trigger(self) -> Trigger:
+        payload = self.record.payload
+        if payload.event is not None:
+            return InboundTrigger(event=payload.event.without_raw())
+        return ProactiveTrigger(by=payload.trigger_by or "system")
+
+    def _open(self) -> None:
+        payload = self.record.payload
+        opening: Message
+        if payload.trigger_by is not None:
+            opening = TriggerMessage(turn_id=self.turn_id, text=payload.text, by=payload.trigger_by)
+        else:
+            opening = UserMessage(turn_id=self.turn_id, text=payload.text)
+        steps: list[StepRecord] = []
+        if self.principal is not None and self.initiator is None:
+            # The seat goes to the first resolved principal, in the same transaction as the opening.
+            steps.append(StepRecord(step_id=INITIATOR_STEP, turn_id=self.turn_id, data=self.principal.model_dump()))
+            self.initiator = self.principal
+        commit = Commit(
+            messages=[(len(self.messages), opening)],
+            steps=steps,
+            events=[TurnStarted(turn_id=self.turn_id, trigger=self._trigger())],
+            status="running",
+            turn_id=self.turn_id,
+            turn_status="running",
+        )
+        self._commit(commit)
+
+    def _restore_turn_state(self) -> None:
+        """A replay: sum the usage of the model steps already done, keep the policy saved at park."""
+        answers = f"input:{self.turn_id}:"
+        for step in self.steps.values():
+            if step.turn_id != self.turn_id or not isinstance(step.data, dict):
+                continue
+            if step.step_id.startswith("model:") and step.data.get("usage"):
+                self.usage = self.usage + Usage.model_validate(step.data["usage"])
+            elif step.step_id.startswith(answers) and step.data.get("policy"):
+                self.policy = SurfacePolicy.model_validate(step.data["policy"])
+
+    def _reject(self, reason: str) -> Rejected:
+        return reject_turn(self.store, self.sink, self.ref, self.turn_id, reason, fence=self.fence)
+
+    # --- the loop ----------------------------------------------------------------------------------
+
+    async def _loop(self) -> TurnResult:
+        while True:
+            owed = self._owed_calls()
+            if owed is not None:
+                n, calls = owed
+                for call in calls:
+                    reason = self.cancel.reason()
+                    if reason is not None:
+                        return self._cancelled(reason)
+                    parked = await self._tool_step(n, call)
+                    if parked is not None:
+                        return self._park(parked)
+                continue
+            last = self.messages[-1]
+            if isinstance(last, AssistantMessage) and last.turn_id == self.turn_id:
+                # The final reply committed but the turn was not closed with it (older row); close now.
+                return self._complete_without_step(last.text)
+            result = await self._model_step()
+            if result is not None:
+                return result
+
+    def _owed_calls(self) -> tuple[int, list[ToolCall]] | None:
+        """The calls of this turn's last assistant message that have no tool result yet."""
+        answered: set[str] = set()
+        i = len(self.messages) - 1
+        while i >= 0:
+            m = self.messages[i]
+            if isinstance(m, ToolMessage):
+                answered.add(m.call_id)
+                i -= 1
+                continue
+            if isinstance(m, AssistantMessage) and m.turn_id == self.turn_id and m.tool_calls:
+                owed = [c for c in m.tool_calls if c.id not in answered]
+                return (i, owed) if owed else None
+            return None
+        return None
+
+    def _check_cancel(self) -> None:
+        reason = self.cancel.reason()
+        if reason is not None:
+            raise _Cancel(reason)
+
+    # --- model step --------------------------------------------------------------------------------
+
+    async def _model_step(self) -> TurnResult | None:
+        n = len(self.messages)
+        step = f"model:{n}"
+        self._check_cancel()
+        request = ModelRequest(
+            system=self.agent.system_prompt(self.policy),
+            messages=self.messages,
+            tools=[t.spec for t in self.tools.values()],
+            turn_id=self.turn_id,
+            step=step,
+        )
+        done = await self._stream(request, step)
+        # A cancel can land while the stream closes (its cleanup runs in aclose): recheck.
+        self._check_cancel()
+        reply, finish = done.reply, done.finish
+        if finish is not None and finish.abnormal and reply.empty:
+            provider = f" (provider: {finish.raw})" if finish.raw and finish.raw != finish.reason else ""
+            raise _StepFailure(ModelStepError(f"model stopped abnormally — {finish.reason}{provider}"), "model", step)
+        usage = done.usage
+        if usage is not None:
+            self.usage = self.usage + usage
+        message = AssistantMessage(
+            turn_id=self.turn_id, text=reply.text, tool_calls=reply.tool_calls, reasoning=reply.reasoning
+        )
+        events: list[TurnEvent] = []
+        if reply.text:
+            events.append(MessageCompleted(turn_id=self.turn_id, step=step, text=reply.text))
+        for call in reply.tool_calls:
+            events.append(ActionRequested(turn_id=self.turn_id, step=f"tool:{n}:{call.id}", call=call))
+        step_rec = StepRecord(step_id=step, turn_id=self.turn_id, data=_model_step_data(finish, usage))
+        commit = Commit(messages=[(n, message)], steps=[step_rec], events=events)
+        result: TurnResult | None = None
+        if not reply.tool_calls:
+            result = Completed(turn_id=self.turn_id, text=reply.text, usage=self.usage)
+            events.append(TurnCompleted(turn_id=self.turn_id, text=reply.text, usage=self.usage))
+            commit.status, commit.turn_id, commit.turn_status, commit.turn_result = (
+                "done",
+                self.turn_id,
+                "completed",
+                result,
+            )
+        self._hit("before-model-commit", step)
+        self._commit(commit, step)
+        self._hit("after-model-commit", step)
+        return result
+
+    async def _stream(self, request: ModelRequest, step: str) -> Done:
+        consume = asyncio.ensure_future(self._consume(request, step))
+        waiter = asyncio.ensure_future(self.cancel.wait())
+        try:
+            await asyncio.wait({consume, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not consume.done():
+            consume.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await consume
+            self._check_cancel()
+        return consume.result()
+
+    async def _consume(self, request: ModelRequest, step: str) -> Done:
+        try:
+            stream = self.agent.model.stream(request)
+        except Exception as exc:
+            raise _StepFailure(exc, "model", step) from exc
+        done: Done | None = None
+        try:
+            async for delta in stream:
+                self._check_cancel()
+                if isinstance(delta, TextChunk):
+                    if delta.text:
+                        self.sink.publish_delta(
+                            self.ref, MessageDelta(turn_id=self.turn_id, step=step, text=delta.text)
+                        )
+                elif isinstance(delta, ReasoningChunk):
+                    if delta.text:
+                        self.sink.publish_delta(
+                            self.ref, ReasoningDelta(turn_id=self.turn_id, step=step, text=delta.text)
+                        )
+                elif isinstance(delta, Done):
+                    done = delta
+                    break
+                else:
+                    raise ModelStreamError(f"model yielded {type(delta).__name__}, not a model delta")
+        except (_Cancel, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise _StepFailure(exc, "model", step) from exc
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                # Whatever the stream does after its final reply is ignored, errors included.
+                with contextlib.suppress(Exception):
+                    await aclose()
+        if done is None:
+            raise _StepFailure(ModelStreamError("model stream ended without a final reply"), "model", step)
+        return done
+
+    # --- tool step ---------------------------------------------------------------------------------
+
+    async def _tool_step(self, n: int, call: ToolCall) -> _Park | None:
+        step = f"tool:{n}:{call.id}"
+        tool = self.tools.get(call.name)
+        if tool is None:
+            self._commit_tool_result(
+                step, call, {"error": f"unknown tool {call.name}"}, error=f"unknown tool {call.name}"
+            )
+            return None
+        try:
+            validated = tool.validate(call.input)
+        except ToolInputError as exc:
+            message = str(exc)
+            self._commit_tool_result(step, call, {"error": message}, error=message)
+            return None
+        if tool.is_async:
+            return await self._async_tool_step(tool, step, call, validated)
+        self._sync_tool_step(tool, step, call, validated)
+        return None
+
+    def _context(self, call: ToolCall, step: str, *, store: StoreHandle | None, is_sync: bool) -> ToolContext:
+        ctx = ToolContext(
+            turn_id=self.turn_id,
+            session=self.ref,
+            call=call,
+            step=step,
+            principal=self.principal,
+            initiator=self.initiator,
+            event=self.record.payload.event,
+            runtime=self.runtime,
+            is_sync=is_sync,
+            _broker=self._broker,
+        )
+        if store is not None:
+            ctx.store = store
+        return ctx
+
+    def _sync_tool_step(self, tool: Tool, step: str, call: ToolCall, validated: Any) -> None:
+        def build(handle: StoreHandle) -> Commit:
+            ctx = self._context(call, step, store=handle, is_sync=True)
+            try:
+                out = tool.invoke(ctx, validated)
+                if inspect.isawaitable(out):
+                    if inspect.iscoroutine(out):
+                        out.close()
+                    raise SyncToolReturnedAwaitableError(
+                        f"tool {tool.name!r} is declared with def but returned an awaitable; declare it "
+                        "'async def' so it is awaited (at-least-once) instead of committing a lost result"
+                    )
+                result = _to_json(out)
+            except (FatalToolError, ParkSignal, SyncParkError):
+                raise
+            except Exception as exc:
+                raise _ToolRaised(exc) from exc
+            self._hit("before-tool-commit", step)
+            return self._tool_commit(step, call, result, error=None)
+
+        try:
+            self._commit(build, step)
+        except _ToolRaised as raised:
+            # The store rolled back whatever the tool wrote; the error becomes the call's result.
+            message = format_tool_error(raised.exc)
+            self._commit_tool_result(step, call, {"error": message}, error=message)
+            return
+        except (FatalToolError, SyncParkError) as exc:
+            raise _StepFailure(exc, "tool", step) from exc
+        except ParkSignal as exc:  # cannot happen through request_input; a hand-raised signal
+            raise _StepFailure(
+                SyncParkError(f"tool {tool.name!r} runs sync; only an async tool can park"), "tool", step
+            ) from exc
+        self._hit("after-tool-commit", step)
+
+    async def _async_tool_step(self, tool: Tool, step: str, call: ToolCall, validated: Any) -> _Park | None:
+        ctx = self._context(call, step, store=None, is_sync=False)
+        try:
+            out = await tool.invoke(ctx, validated)
+            result = _to_json(out)
+        except ParkSignal as park:
+            return _Park(request=park.request, step=step, call=call)
+        except FatalToolError as exc:
+            raise _StepFailure(exc, "tool", step) from exc
+        except SyncParkError as exc:
+            raise _StepFailure(exc, "tool", step) from exc
+        except Exception as exc:
+            message = format_tool_error(exc)
+            self._commit_tool_result(step, call, {"error": message}, error=message)
+            return None
+        self._hit("before-tool-commit", step)
+        self._commit(self._tool_commit(step, call, result, error=None), step)
+        self._hit("after-tool-commit", step)
+        return None
+
+    def _tool_commit(self, step: str, call: ToolCall, result: JsonValue, *, error: str | None) -> Commit:
+        message = ToolMessage(
+            turn_id=self.turn_id, call_id=call.id, name=call.name, result=result, is_error=error is not None
+        )
+        return Commit(
+            messages=[(len(self.messages), message)],
+            steps=[StepRecord(step_id=step, turn_id=self.turn_id, data={"result": result, "error": error})],
+            events=[ActionCompleted(turn_id=self.turn_id, step=step, call=call, result=result, error=error)],
+        )
+
+    def _commit_tool_result(self, step: str, call: ToolCall, result: JsonValue, *, error: str | None) -> None:
+        self._hit("before-tool-commit", step)
+        self._commit(self._tool_commit(step, call, result, error=error), step)
+        self._hit("after-tool-commit", step)
+
+    # --- endings -----------------------------------------------------------------------------------
+
+    def _park(self, park: _Park) -> Suspended:
+        request = park.request
+        event = self.record.payload.event
+        checkpoint = SuspendedCheckpoint(
+            turn_id=self.turn_id,
+            request=request,
+            call_id=park.call.id,
+            opening_text=self.record.payload.text,
+            policy=self.policy,
+            event=event.without_raw() if event else None,
+            principal=self.principal,
+        )
+        result = Suspended(turn_id=self.turn_id, request=request)
+        self._commit(
+            Commit(
+                events=[InputRequested(turn_id=self.turn_id, step=park.step, request=request)],
+                status="suspended",
+                suspended=checkpoint,
+                turn_id=self.turn_id,
+                turn_status="suspended",
+                turn_result=result,
+            )
+        )
+        return result
+
+    def _close_batch(self, result_for: Callable[[ToolCall], tuple[JsonValue, str | None]]) -> list[tuple[int, Message]]:
+        """Tool messages for every call still owed one, so the transcript stays valid for the next turn."""
+        owed = self._owed_calls()
+        if owed is None:
+            return []
+        n, calls = owed
+        out: list[tuple[int, Message]] = []
+        at = len(self.messages)
+        for call in calls:
+            result, error = result_for(call)
+            out.append(
+                (
+                    at,
+                    ToolMessage(
+                        turn_id=self.turn_id, call_id=call.id, name=call.name, result=result, is_error=error is not None
+                    ),
+                )
+            )
+            at += 1
+        return out
+
+    def _cancelled(self, reason: str) -> Cancelled:
+        result = Cancelled(turn_id=self.turn_id, reason=reason)  # type: ignore[arg-type]
+        messages = self._close_batch(lambda call: ({"cancelled": True}, None))
+        self._commit(
+            Commit(
+                messages=messages,
+                events=[TurnCancelled(turn_id=self.turn_id, reason=reason)],  # type: ignore[arg-type]
+                status="done",
+                turn_id=self.turn_id,
+                turn_status="cancelled",
+                turn_result=result,
+            )
+        )
+        return result
+
+    def _failed(self, exc: BaseException, phase: str, step: str) -> Failed:
+        if isinstance(exc, (LeaseLostError, CrashInjected)):
+            raise exc
+        info = error_info(exc)
+        result = Failed(turn_id=self.turn_id, error=info, phase=phase, step=step)  # type: ignore[arg-type]
+        failing_call = step.split(":", 2)[2] if phase == "tool" and step.count(":") >= 2 else None
+
+        def closing(call: ToolCall) -> tuple[JsonValue, str | None]:
+            message = info.message if call.id == failing_call else "not run: the turn failed"
+            return {"error": message}, message
+
+        messages = self._close_batch(closing)
+        log.error(
+            'agent "%s" turn %s failed at %s: %s: %s',
+            self.agent.name,
+            self.turn_id,
+            step,
+            info.type,
+            info.message,
+            exc_info=exc,
+        )
+        self._commit(
+            Commit(
+                messages=messages,
+                events=[TurnFailed(turn_id=self.turn_id, error=info, phase=phase, step=step)],  # type: ignore[arg-type]
+                status="done",
+                turn_id=self.turn_id,
+                turn_status="failed",
+                turn_result=result,
+            )
+        )
+        return result
+
+    def _complete_without_step(self, text: str) -> Completed:
+        result = Completed(turn_id=self.turn_id, text=text, usage=self.usage)
+        self._commit(
+            Commit(
+                events=[TurnCompleted(turn_id=self.turn_id, text=text, usage=self.usage)],
+                status="done",
+                turn_id=self.turn_id,
+                turn_status="completed",
+                turn_result=result,
+            )
+        )
+        return result
+
+    # --- plumbing ------------------------------------------------------------------------------------
+
+    def _commit(self, commit: Commit | CommitBuilder, step: str | None = None) -> None:
+        """Write one checkpoint, mirror it in memory, then publish its events (never before)."""
+        built: Commit | None = None
+        if isinstance(commit, Commit):
+            built = commit
+            events = self.store.commit(self.ref, commit, fence=self.fence)
+        else:
+            builder = commit
+
+            def capture(handle: StoreHandle) -> Commit:
+                nonlocal built
+                built = builder(handle)
+                return built
+
+            events = self.store.commit(self.ref, capture, fence=self.fence)
+        assert built is not None
+        self.messages.extend(m for _, m in built.messages)
+        for s in built.steps:
+            self.steps[s.step_id] = s
+        if step is not None:
+            self._hit("before-publish", step)
+        if events:
+            self.sink.publish(self.ref, events)
+
+    def _hit(self, point: str, step: str) -> None:
+        if self._crash is not None:
+            self._crash(point, step)
+
+
+def reject_turn(
+    store: SessionStore, sink: EventSink, ref: SessionRef, turn_id: str, reason: str, *, fence: int | None = None
+) -> Rejected:
+    """Record a turn as refused before it opened, ending its stream with ``turn.failed`` (phase intake).
+
+    A follower of the turn therefore never waits forever, and the producer can read why.
+    """
+    result = Rejected(turn_id=turn_id, reason=reason)
+    event = TurnFailed(turn_id=turn_id, error=ErrorInfo(message=reason, type="TurnRejectedError"), phase="intake")
+    events = store.commit(
+        ref, Commit(events=[event], turn_id=turn_id, turn_status="rejected", turn_result=result), fence=fence
+    )
+    sink.publish(ref, events)
+    return result
+
+
+def _model_step_data(finish: Finish | None, usage: Usage | None) -> dict[str, JsonValue]:
+    data: dict[str, JsonValue] = {}
+    if finish is not None:
+        data["finish"] = finish.model_dump()
+    if usage is not None:
+        data["usage"] = usage.model_dump()
+    return data

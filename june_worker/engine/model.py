@@ -1,0 +1,70 @@
+"""The Model seam: streaming-first.
+
+A model call is an async iterator of :data:`ModelDelta`: any number of ``text`` and
+``reasoning`` deltas, then exactly one ``done`` carrying the authoritative reply and why
+the model stopped. The engine reads up to ``done`` and closes the stream (``aclose()``);
+anything the stream yields or raises after ``done`` is ignored. Deltas are for people
+watching; only the ``done`` reply is committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .types import Finish, JsonValue, Message, ModelReply, Usage
+
+__all__ = ["Done", "Model", "ModelDelta", "ModelRequest", "ReasoningChunk", "TextChunk", "ToolSpec"]
+
+
+class ToolSpec(BaseModel):
+    """What the model is told about a tool."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    description: str = ""
+    input_schema: dict[str, JsonValue] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRequest:
+    """One model call: the system prompt, the whole transcript, and the tools on offer."""
+
+    system: str
+    messages: list[Message]
+    tools: list[ToolSpec] = field(default_factory=list)
+    turn_id: str = ""
+    step: str = ""
+
+
+class TextChunk(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ReasoningChunk(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    type: Literal["reasoning"] = "reasoning"
+    text: str
+
+
+class Done(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    type: Literal["done"] = "done"
+    reply: ModelReply
+    finish: Finish | None = None
+    usage: Usage | None = None
+
+
+ModelDelta = Annotated[TextChunk | ReasoningChunk | Done, Field(discriminator="type")]
+
+
+class Model(Protocol):
+    def stream(self, request: ModelRequest) -> AsyncIterator[ModelDelta]:
+        """Start a model call. Usually an ``async def`` generator."""
+        ...

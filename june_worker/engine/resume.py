@@ -1,0 +1,148 @@
+"""Resuming a parked turn: who may answer, what a valid answer is, and the one commit that applies it.
+
+The checks run against the session's suspended checkpoint, and the commit is conditional
+on that checkpoint still being there (``Commit.expect_suspended``), so of two resumes that
+race for one park exactly one is applied; the other gets a conflict.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
+from .agent import Agent, AnswerRequest
+from .events import TurnStarted
+from .store import Commit, StepRecord, SuspendedCheckpoint, input_step_id
+from .types import JsonValue, PolicyAnswerer, Principal, ResumeTrigger, UserAnswerer
+
+__all__ = ["Grant", "check_parked", "grant_answer", "resume_commit", "timeout_commit"]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Proof that the agent's ``authorize_answer`` let ``by`` answer a ``{policy, scope}`` request."""
+
+    policy: str
+    scope: str | None
+    by: str | None
+
+
+def check_parked(
+    parked: SuspendedCheckpoint | None, turn_id: str, input_id: str, *, reset_pending: bool = False
+) -> SuspendedCheckpoint:
+    """The checkpoint this resume answers, or a :class:`ResumeConflictError` saying why not."""
+    if reset_pending:
+        raise ResumeConflictError("a reset is pending on this session; the parked turn will be archived")
+    if parked is None:
+        raise ResumeConflictError(f"turn {turn_id} is not suspended: the session is not waiting for input")
+    if parked.turn_id != turn_id:
+        raise ResumeConflictError(f"turn {turn_id} is not suspended: the session is parked on turn {parked.turn_id}")
+    if parked.request.id != input_id:
+        raise ResumeConflictError(f"turn {turn_id} is waiting for input {parked.request.id!r}, not {input_id!r}")
+    return parked
+
+
+async def grant_answer(
+    agent: Agent, parked: SuspendedCheckpoint, *, session: str, by: str | None, principal: Principal | None
+) -> Grant | None:
+    """Ask the agent's ``authorize_answer`` hook about a ``{policy}`` request; None for other requests.
+
+    Raises :class:`ResumeAuthorizationError` when the hook says no or the agent has none.
+    An exception from the hook propagates: the answer is not applied and can be retried.
+    """
+    answerers = parked.request.answerers
+    if not isinstance(answerers, PolicyAnswerer):
+        return None
+    if agent.authorize_answer is None:
+        raise ResumeAuthorizationError(
+            f"input {parked.request.id!r} is answered by policy {answerers.policy!r}, "
+            f"but agent {agent.name} has no authorize_answer hook"
+        )
+    decision = agent.authorize_answer(
+        AnswerRequest(
+            policy=answerers.policy,
+            scope=answerers.scope,
+            by=by,
+            principal=principal,
+            turn_id=parked.turn_id,
+            input_id=parked.request.id,
+            session=session,
+        )
+    )
+    if inspect.isawaitable(decision):
+        decision = await decision
+    if decision is not True:
+        raise ResumeAuthorizationError(
+            f"{by or 'an anonymous resumer'} is not authorized to answer input {parked.request.id!r} "
+            f"(policy {answerers.policy!r}, scope {answerers.scope!r})"
+        )
+    return Grant(policy=answerers.policy, scope=answerers.scope, by=by)
+
+
+def _authorize(parked: SuspendedCheckpoint, by: str | None, granted: Grant | None) -> None:
+    answerers = parked.request.answerers
+    if answerers is None:
+        return  # proactive and programmatic turns: the app drives its own resume
+    if isinstance(answerers, UserAnswerer):
+        if by is None or by != answerers.user:
+            who = f"{by!r}" if by is not None else "a resumer with no verified identity"
+            raise ResumeAuthorizationError(f"{who} is not authorized to answer input {parked.request.id!r}")
+        return
+    if granted is None or granted.policy != answerers.policy or granted.scope != answerers.scope:
+        raise ResumeAuthorizationError(
+            f"input {parked.request.id!r} needs a grant for policy {answerers.policy!r} "
+            f"scope {answerers.scope!r}; by alone never answers a policy"
+        )
+
+
+def _validate_answer(parked: SuspendedCheckpoint, value: JsonValue) -> None:
+    schema = parked.request.json_schema
+    if schema is None:
+        return
+    import jsonschema
+
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "the answer"
+        raise InvalidAnswerError(f"answer to {parked.request.id!r} rejected: {where}: {exc.message}") from None
+    except jsonschema.SchemaError as exc:
+        raise InvalidAnswerError(f"input {parked.request.id!r} has an invalid schema: {exc.message}") from None
+
+
+def resume_commit(
+    parked: SuspendedCheckpoint, value: JsonValue, *, by: str | None, granted: Grant | None = None
+) -> Commit:
+    """Authorize and validate the answer, then build the commit that applies it and re-queues the turn."""
+    _authorize(parked, by, granted)
+    _validate_answer(parked, value)
+    return _answer_commit(parked, {"answer": value, "by": by})
+
+
+def timeout_commit(parked: SuspendedCheckpoint, now: float | None = None) -> Commit | None:
+    """The commit that answers an expired park with a timeout, or None while it has not expired."""
+    expires_at = parked.request.expires_at
+    if expires_at is None or (now if now is not None else time.time()) < expires_at:
+        return None
+    return _answer_commit(parked, {"timeout": True})
+
+
+def _answer_commit(parked: SuspendedCheckpoint, data: dict[str, JsonValue]) -> Commit:
+    if parked.policy is not None:
+        data["policy"] = parked.policy.model_dump()
+    return Commit(
+        steps=[StepRecord(step_id=input_step_id(parked.turn_id, parked.request.id), turn_id=parked.turn_id, data=data)],
+        events=[
+            TurnStarted(
+                turn_id=parked.turn_id, trigger=ResumeTrigger(call_id=parked.call_id, input_id=parked.request.id)
+            )
+        ],
+        status="running",
+        clear_suspended=True,
+        turn_id=parked.turn_id,
+        turn_status="queued",
+        turn_result=None,
+        expect_suspended=(parked.turn_id, parked.request.id),
+    )

@@ -1,0 +1,394 @@
+"""The in-process host: a :class:`Runtime` of agents over one store, and one :class:`AgentSession` per session.
+
+Turns of a session run one at a time, in arrival order: ``start`` records the turn in the
+store and a per-session drainer runs whatever is unfinished, oldest first, so a turn left
+running by a crashed process is finished before the next one starts. Everything a caller
+can ask (``result``, ``pending``, ``observe(replay=True)``) is answered from the store, so
+it survives a restart.
+
+Call it from asyncio::
+
+    runtime = Runtime(agents=[agent], store=SQLiteStore("june.db"))
+    session = runtime.session("ops", "s1")
+    text = await session.turn("Order 3 widgets")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..errors import (
+    ConfigError,
+    ResetNotSupportedError,
+    ResumeConflictError,
+    TurnCancelledError,
+    TurnError,
+    TurnFailedError,
+    TurnRejectedError,
+    TurnSuspendedError,
+)
+from .agent import Agent
+from .events import Cancelled, Completed, Failed, Rejected, Suspended, TurnCancelled, TurnResult
+from .fanout import FanoutSink, Observer
+from .ids import new_turn_id, validate_session_id
+from .loop import CrashHook, TurnRunner, reject_turn
+from .resume import Grant, check_parked, grant_answer, resume_commit, timeout_commit
+from .sink import EventSink
+from .store import (
+    UNFINISHED_TURN_STATUSES,
+    Commit,
+    ResetResult,
+    SessionRef,
+    SessionStore,
+    SuspendedCheckpoint,
+    TurnPayload,
+)
+from .types import InboundEvent, JsonValue, Principal, ProactiveTrigger
+
+__all__ = ["AgentSession", "Runtime", "parked_reason"]
+
+log = logging.getLogger("june_worker.session")
+
+
+def parked_reason(ref: SessionRef, parked: SuspendedCheckpoint) -> str:
+    return (
+        f'session {ref.session} is suspended awaiting input "{parked.request.id}" '
+        f"(turn {parked.turn_id}); resume or reset it first"
+    )
+
+
+class _TurnCancel:
+    """The cancel probe of one in-process turn: a reason and an event to wait on."""
+
+    def __init__(self, reason: str | None) -> None:
+        self._reason = reason
+        self._event = asyncio.Event()
+        if reason is not None:
+            self._event.set()
+
+    def reason(self) -> str | None:
+        return self._reason
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+    def set(self, reason: str) -> None:
+        if self._reason is None:
+            self._reason = reason
+            self._event.set()
+
+
+class Runtime:
+    """Agents, one store and one event fan-out, shared by every session of this process."""
+
+    def __init__(
+        self,
+        agents: Iterable[Agent],
+        store: SessionStore,
+        *,
+        sink: EventSink | None = None,
+        crash: CrashHook | None = None,
+    ) -> None:
+        self.agents = {a.name: a for a in agents}
+        self.store = store
+        self.fanout = FanoutSink(sink)
+        self.crash = crash
+        self._sessions: dict[SessionRef, AgentSession] = {}
+
+    def agent(self, name: str) -> Agent:
+        try:
+            return self.agents[name]
+        except KeyError:
+            raise ConfigError(f"unknown agent {name!r}; this runtime serves {sorted(self.agents)}") from None
+
+    def session(self, agent: str, session_id: str) -> AgentSession:
+        """The session object for (agent, session id); the same object every time."""
+        validate_session_id(session_id)
+        ref = SessionRef(agent, session_id)
+        found = self._sessions.get(ref)
+        if found is None:
+            found = self._sessions[ref] = AgentSession(self, self.agent(agent), ref)
+        return found
+
+    async def aclose(self) -> None:
+        """Wait for every running turn of this runtime to reach a checkpoint-free state."""
+        for s in list(self._sessions.values()):
+            await s.idle()
+
+
+class AgentSession:
+    """One session's turns, in process. Create it with :meth:`Runtime.session`."""
+
+    def __init__(self, runtime: Runtime, agent: Agent, ref: SessionRef) -> None:
+        self.runtime = runtime
+        self.agent = agent
+        self.ref = ref
+        self._cancels: dict[str, _TurnCancel] = {}
+        self._waiters: dict[str, list[asyncio.Future[TurnResult]]] = {}
+        self._drainer: asyncio.Task[None] | None = None
+        self._reset_pending = False
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+
+    @property
+    def store(self) -> SessionStore:
+        return self.runtime.store
+
+    @property
+    def session_id(self) -> str:
+        return self.ref.session
+
+    # --- starting and waiting -----------------------------------------------------------------
+
+    async def start(
+        self,
+        text: str,
+        *,
+        turn_id: str | None = None,
+        event: InboundEvent | dict[str, Any] | None = None,
+        trigger: ProactiveTrigger | dict[str, Any] | None = None,
+        replace: bool = False,
+    ) -> str:
+        """Record a turn and return its id without waiting for it to run.
+
+        ``trigger={"kind": "proactive", "by": "cron:daily"}`` opens the turn with a
+        ``trigger`` message instead of a user message. ``replace=True`` cancels every
+        unfinished turn of the session first (never a parked one). Raises
+        :class:`TurnRejectedError` while the session is parked on another turn.
+        """
+        turn_id = turn_id or new_turn_id()
+        parsed_event = InboundEvent.model_validate(event) if isinstance(event, dict) else event
+        parsed_trigger = ProactiveTrigger.model_validate(trigger) if isinstance(trigger, dict) else trigger
+        payload = TurnPayload(
+            text=text,
+            event=parsed_event,
+            trigger_by=parsed_trigger.by if parsed_trigger is not None else None,
+            replace=replace,
+        )
+        if self.store.get_turn(self.ref, turn_id) is None:
+            parked = self.store.pending(self.ref)
+            if parked is not None:
+                reason = parked_reason(self.ref, parked)
+                self.store.enqueue_turn(self.ref, turn_id, payload)
+                reject_turn(self.store, self.runtime.fanout, self.ref, turn_id, reason)
+                raise TurnRejectedError(reason)
+            if replace:
+                self._cancel_unfinished("replaced")
+            self.store.enqueue_turn(self.ref, turn_id, payload)
+        self._kick()
+        return turn_id
+
+    async def result(self, turn_id: str) -> TurnResult:
+        """The turn's result, waiting while it is queued or running. ``suspended`` counts as a result."""
+        rec = self.store.get_turn(self.ref, turn_id)
+        if rec is None:
+            raise TurnError(f"no turn {turn_id} in session {self.ref}")
+        if rec.status not in UNFINISHED_TURN_STATUSES and rec.result is not None:
+            return rec.result
+        fut: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(turn_id, []).append(fut)
+        self._kick()
+        return await fut
+
+    async def turn(self, text: str, **kwargs: Any) -> str:
+        """Start a turn and return its final text. Non-interactive: raises if it parks, fails or is cancelled."""
+        turn_id = await self.start(text, **kwargs)
+        result = await self.result(turn_id)
+        if isinstance(result, Completed):
+            return result.text
+        if isinstance(result, Suspended):
+            raise TurnSuspendedError(
+                f"turn {turn_id} parked awaiting input {result.request.id!r}; use start() and resume()"
+            )
+        if isinstance(result, Failed):
+            raise TurnFailedError(result.error.message)
+        if isinstance(result, Cancelled):
+            raise TurnCancelledError(f"turn {turn_id} was cancelled ({result.reason})")
+        assert isinstance(result, Rejected)
+        raise TurnRejectedError(result.reason)
+
+    def observe(self, callback: Observer, *, turn_id: str | None = None, replay: bool = False) -> Callable[[], None]:
+        """Call ``callback`` with every event of the session (or of one turn); returns an unsubscribe function.
+
+        With ``replay=True`` the structural events already committed are delivered first,
+        from the store, then live ones, none twice.
+        """
+        after = 0
+        if replay:
+            for event in self.store.events(self.ref, turn_id=turn_id):
+                callback(event)
+                after = event.seq or after
+        return self.runtime.fanout.subscribe(self.ref, callback, turn_id=turn_id, after_seq=after)
+
+    def pending(self) -> SuspendedCheckpoint | None:
+        """The parked turn's checkpoint (its request, call id, opening text), or None."""
+        return self.store.pending(self.ref)
+
+    # --- control ------------------------------------------------------------------------------
+
+    async def cancel(self, turn_id: str) -> bool:
+        """Ask a queued or running turn to stop at its next checkpoint boundary. False if there is none."""
+        marked = self.store.request_cancel(self.ref, "requested", turn_ids=[turn_id])
+        for t in marked:
+            self._signal_cancel(t, "requested")
+        return bool(marked)
+
+    async def resume(
+        self,
+        turn_id: str,
+        input_id: str,
+        value: JsonValue,
+        *,
+        by: str | None = None,
+        principal: Principal | None = None,
+        granted: Grant | None = None,
+    ) -> None:
+        """Answer the parked turn and let it continue. ``by`` must be an identity you verified.
+
+        Raises :class:`~june_worker.errors.ResumeAuthorizationError` when ``by`` may not answer,
+        :class:`~june_worker.errors.ResumeConflictError` when the session is not parked on
+        exactly this turn and input (or a reset is pending), and
+        :class:`~june_worker.errors.InvalidAnswerError` when the answer fails the request's schema.
+        """
+        parked = check_parked(self.store.pending(self.ref), turn_id, input_id, reset_pending=self._reset_pending)
+        if granted is None:
+            granted = await grant_answer(self.agent, parked, session=self.ref.session, by=by, principal=principal)
+        self._apply(resume_commit(parked, value, by=by, granted=granted))
+        self._disarm(turn_id)
+        self._kick()
+
+    def reset(self) -> asyncio.Task[ResetResult]:
+        """Retire the session's history: cancel unfinished turns, archive, start generation + 1.
+
+        Takes effect at once (a resume is refused from now on); await the returned task
+        for ``{previous_session, generation}``.
+        """
+        if not callable(getattr(self.store, "reset", None)):
+            raise ResetNotSupportedError(f"{type(self.store).__name__} does not implement reset")
+        self._reset_pending = True
+        self._cancel_unfinished("reset")
+        return asyncio.get_running_loop().create_task(self._reset())
+
+    async def idle(self) -> None:
+        while self._drainer is not None and not self._drainer.done():
+            await asyncio.wait({self._drainer})
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _apply(self, commit: Commit) -> None:
+        events = self.store.commit(self.ref, commit)
+        self.runtime.fanout.publish(self.ref, events)
+
+    def _cancel_unfinished(self, reason: str) -> None:
+        for t in self.store.request_cancel(self.ref, reason):
+            self._signal_cancel(t, reason)
+
+    def _signal_cancel(self, turn_id: str, reason: str) -> None:
+        probe = self._cancels.get(turn_id)
+        if probe is not None:
+            probe.set(reason)
+
+    async def _reset(self) -> ResetResult:
+        try:
+            await self.idle()
+            parked = self.store.pending(self.ref)
+            if parked is not None:
+                # A stale park ends with the reset: archived, and its followers see it end.
+                self._disarm(parked.turn_id)
+                self._apply(
+                    Commit(
+                        events=[TurnCancelled(turn_id=parked.turn_id, reason="reset")],
+                        clear_suspended=True,
+                        turn_id=parked.turn_id,
+                        turn_status="cancelled",
+                        turn_result=Cancelled(turn_id=parked.turn_id, reason="reset"),
+                    )
+                )
+                self._resolve(parked.turn_id, Cancelled(turn_id=parked.turn_id, reason="reset"))
+            return self.store.reset(self.ref)
+        finally:
+            self._reset_pending = False
+            self._kick()
+
+    def _kick(self) -> None:
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        last: tuple[str, str] | None = None
+        while True:
+            turns = self.store.unfinished_turns(self.ref)
+            if not turns:
+                return
+            rec = turns[0]
+            if self._reset_pending and rec.cancel_reason is None:
+                return  # queued after the reset was asked for: runs on the new generation
+            if last == (rec.turn_id, rec.status) and rec.status == "queued":
+                log.error("turn %s of %s did not advance; drain stopped", rec.turn_id, self.ref)
+                return
+            last = (rec.turn_id, rec.status)
+            probe = self._cancels[rec.turn_id] = _TurnCancel(rec.cancel_reason)
+            runner = TurnRunner(
+                self.agent,
+                self.store,
+                self.runtime.fanout,
+                self.ref,
+                rec,
+                cancel=probe,
+                crash=self.runtime.crash,
+                runtime=self.runtime,
+            )
+            try:
+                result = await runner.run()
+            except BaseException as exc:  # an injected crash, a store outage: this host stops here
+                for waiters in self._waiters.values():
+                    for fut in waiters:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                self._waiters.clear()
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                if not isinstance(exc, Exception):
+                    return
+                log.exception("turn %s of %s stopped without a result", rec.turn_id, self.ref)
+                return
+            finally:
+                self._cancels.pop(rec.turn_id, None)
+            self._resolve(rec.turn_id, result)
+            if isinstance(result, Suspended):
+                self._arm(result)
+
+    def _resolve(self, turn_id: str, result: TurnResult) -> None:
+        for fut in self._waiters.pop(turn_id, []):
+            if not fut.done():
+                fut.set_result(result)
+
+    def _arm(self, result: Suspended) -> None:
+        """Answer the park with a timeout when it expires (``request_input(timeout_s=...)``)."""
+        expires_at = result.request.expires_at
+        if expires_at is None:
+            return
+        delay = max(0.0, expires_at - time.time())
+        loop = asyncio.get_running_loop()
+        self._timers[result.turn_id] = loop.call_later(delay, lambda: loop.create_task(self._expire()))
+
+    def _disarm(self, turn_id: str) -> None:
+        timer = self._timers.pop(turn_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    async def _expire(self) -> None:
+        parked = self.store.pending(self.ref)
+        if parked is None:
+            return
+        commit = timeout_commit(parked)
+        if commit is None:
+            return
+        with contextlib.suppress(ResumeConflictError):  # answered just before the timer fired
+            self._apply(commit)
+            self._timers.pop(parked.turn_id, None)
+            self._kick()

@@ -1,0 +1,250 @@
+"""The SessionStore seam: where a session's transcript, steps, turns and events live.
+
+The engine reads a session once per turn (:meth:`SessionStore.load`) and then writes it
+only through :meth:`SessionStore.commit`, one call per checkpoint. The one rule an
+implementation must not break: **a commit is atomic**. Its messages, steps, events,
+session and turn changes, and, when the commit is built by a sync tool, every write the
+tool made through the :class:`StoreHandle`, land together or not at all. Exactly-once for
+sync tools rests on that; the memory store cannot roll back and says so.
+
+The store methods are synchronous on purpose: a sync tool runs inside the step's
+transaction, and it cannot await. A commit is one short local transaction, so blocking
+the event loop for it costs less than a thread hop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeAlias
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .events import TurnEvent, TurnResult
+from .types import InboundEvent, InputRequest, JsonValue, Message, Principal
+
+__all__ = [
+    "INITIATOR_STEP",
+    "UNFINISHED_TURN_STATUSES",
+    "Commit",
+    "CommitBuilder",
+    "ResetResult",
+    "SessionRef",
+    "SessionSnapshot",
+    "SessionStatus",
+    "SessionStore",
+    "StepRecord",
+    "StoreHandle",
+    "SuspendedCheckpoint",
+    "SurfacePolicy",
+    "TurnPayload",
+    "TurnRecord",
+    "TurnStatus",
+    "input_step_id",
+]
+
+SessionStatus = Literal["new", "running", "suspended", "done"]
+TurnStatus = Literal["queued", "running", "suspended", "completed", "failed", "cancelled", "rejected"]
+UNFINISHED_TURN_STATUSES: frozenset[str] = frozenset({"queued", "running"})
+INITIATOR_STEP = "session:initiator"
+"""Reserved step key holding the session's first resolved principal."""
+
+
+def input_step_id(turn_id: str, input_id: str) -> str:
+    """Answers are turn-scoped: a later turn asking with the same id parks again."""
+    return f"input:{turn_id}:{input_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRef:
+    """A session's address: the agent serving it and the app's session id."""
+
+    agent: str
+    session: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.agent}:{self.session}"
+
+    def __str__(self) -> str:
+        return self.key
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True, populate_by_name=True)
+
+
+class SurfacePolicy(_Record):
+    """How turns from one inbound source differ: a system-prompt overlay and denied tools."""
+
+    source: str | None = None
+    overlay: str | None = None
+    mode: Literal["append", "replace"] = "append"
+    deny_tools: list[str] = Field(default_factory=list)
+
+
+class TurnPayload(_Record):
+    """What a turn was asked to do. Stored with the turn so a sweeper can redeliver it."""
+
+    text: str
+    event: InboundEvent | None = None
+    trigger_by: str | None = None
+    """Set for a proactive turn: the opening is a ``trigger`` message attributed to it."""
+    replace: bool = False
+
+
+class TurnRecord(_Record):
+    turn_id: str
+    agent: str
+    session: str
+    position: int = 0
+    """Arrival order within the session; turns run in this order."""
+    status: TurnStatus = "queued"
+    payload: TurnPayload
+    cancel_reason: str | None = None
+    attempts: int = 0
+    result: TurnResult | None = None
+    generation: int = 0
+    created_at: float = 0.0
+    finished_at: float | None = None
+
+
+class StepRecord(_Record):
+    """A memoized step result under a stable id (``model:<n>``, ``tool:<n>:<callId>``, ``input:...``)."""
+
+    step_id: str
+    turn_id: str | None = None
+    data: JsonValue = None
+
+
+class SuspendedCheckpoint(_Record):
+    """Everything a parked turn needs to continue days later, in another process."""
+
+    turn_id: str
+    request: InputRequest
+    call_id: str
+    opening_text: str
+    policy: SurfacePolicy | None = None
+    event: InboundEvent | None = None
+    principal: Principal | None = None
+
+
+class SessionSnapshot(_Record):
+    ref_agent: str
+    ref_session: str
+    generation: int = 0
+    status: SessionStatus = "new"
+    suspended: SuspendedCheckpoint | None = None
+    reset_pending: bool = False
+    messages: list[Message] = Field(default_factory=list)
+    steps: dict[str, StepRecord] = Field(default_factory=dict)
+    event_seq: int = 0
+
+
+class ResetResult(_Record):
+    previous_session: str
+    """The archived address, ``<session>#g<generation>``."""
+    generation: int
+
+
+@dataclass
+class Commit:
+    """One checkpoint: everything in it is written in one transaction.
+
+    ``messages`` carry their transcript index: the engine knows it (it holds the
+    transcript), and a duplicate index fails the commit, which is how a second writer of
+    the same step is refused even without a lease.
+    """
+
+    messages: list[tuple[int, Message]] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    events: list[TurnEvent] = field(default_factory=list)
+    status: SessionStatus | None = None
+    suspended: SuspendedCheckpoint | None = None
+    clear_suspended: bool = False
+    turn_id: str | None = None
+    turn_status: TurnStatus | None = None
+    turn_result: TurnResult | None = None
+    """Written whenever ``turn_status`` is: None clears a previous result (a resumed turn)."""
+    expect_suspended: tuple[str, str] | None = None
+    """(turn_id, input_id): apply only if the session is parked on exactly that, else
+    :class:`~june_worker.errors.ResumeConflictError`. Makes racing resumes apply once."""
+
+
+class StoreHandle(Protocol):
+    """The store's own transaction, lent to a sync tool.
+
+    One placeholder style everywhere: ``?``. Writes made here commit or roll back with the
+    step.
+    """
+
+    def execute(self, sql: str, *params: Any) -> int:
+        """Run a statement in the step's transaction; return the affected row count."""
+        ...
+
+    def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+        """Run a query in the step's transaction and return its rows."""
+        ...
+
+    def unwrap(self) -> Any:
+        """The driver's own connection, for what ``execute`` cannot express."""
+        ...
+
+
+CommitBuilder: TypeAlias = Callable[[StoreHandle], Commit]
+
+
+class SessionStore(Protocol):
+    """Durable state of sessions. Implementations: memory, SQLite, Postgres."""
+
+    supports_rollback: bool
+    """False only for the memory store: a sync tool's writes are not undone on error."""
+
+    def load(self, ref: SessionRef) -> SessionSnapshot:
+        """The whole live session: status, checkpoint, transcript and steps. One read per turn."""
+        ...
+
+    def commit(self, ref: SessionRef, commit: Commit | CommitBuilder, *, fence: int | None = None) -> list[TurnEvent]:
+        """Write one checkpoint atomically; return its events with their assigned ``seq``.
+
+        ``commit`` may be a builder: it is called with a :class:`StoreHandle` on the open
+        transaction (a sync tool runs inside it) and returns the commit to write. If it
+        raises, everything it wrote is rolled back and the exception propagates.
+        ``fence``, when given, must equal the session's current fencing token or the commit
+        fails with :class:`~june_worker.errors.LeaseLostError` and writes nothing.
+        """
+        ...
+
+    def enqueue_turn(self, ref: SessionRef, turn_id: str, payload: TurnPayload) -> tuple[TurnRecord, bool]:
+        """Record a turn as queued unless it exists; return the stored record and whether it is new."""
+        ...
+
+    def get_turn(self, ref: SessionRef, turn_id: str) -> TurnRecord | None: ...
+
+    def pending(self, ref: SessionRef) -> SuspendedCheckpoint | None:
+        """The checkpoint of the turn the session is parked on, if any. Cheap: no transcript read."""
+        ...
+
+    def unfinished_turns(self, ref: SessionRef) -> list[TurnRecord]:
+        """Turns ``queued`` or ``running``, in arrival order."""
+        ...
+
+    def request_cancel(self, ref: SessionRef, reason: str, *, turn_ids: Sequence[str] | None = None) -> list[str]:
+        """Durably mark unfinished turns (all of them when ``turn_ids`` is None) as cancel-requested.
+
+        Never touches a suspended turn. Returns the ids marked.
+        """
+        ...
+
+    def events(self, ref: SessionRef, *, turn_id: str | None = None, after_seq: int = 0) -> list[TurnEvent]:
+        """Committed structural events, in ``seq`` order."""
+        ...
+
+    def reset(self, ref: SessionRef) -> ResetResult:
+        """Archive messages and steps under the current generation, clear them, bump the generation.
+
+        Turns still queued or running are the caller's to cancel first.
+        """
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,262 @@
+"""The data a turn is made of: messages, tool calls, model replies, triggers, inputs, results.
+
+Everything here is a pydantic v2 model that round-trips through JSON, because all of it is
+stored (messages, step records, suspended checkpoints) or sent between processes. Unions
+are discriminated by ``role``, ``kind`` or ``status``; each has one ``TypeAdapter``.
+
+Rule: a field added here must have a default, so that rows written by an older version
+still load (see ``tests/golden``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeAlias
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+__all__ = [
+    "ABNORMAL_FINISHES",
+    "Answerers",
+    "AssistantMessage",
+    "CancelReason",
+    "ErrorInfo",
+    "Finish",
+    "FinishReason",
+    "InboundEvent",
+    "InboundTrigger",
+    "InputRequest",
+    "JsonValue",
+    "Message",
+    "MessageAdapter",
+    "ModelReply",
+    "PolicyAnswerer",
+    "Principal",
+    "ProactiveTrigger",
+    "ReasoningBlock",
+    "ResumeTrigger",
+    "SpeakerIdentity",
+    "ToolCall",
+    "ToolMessage",
+    "Trigger",
+    "TriggerMessage",
+    "Usage",
+    "UserAnswerer",
+    "UserMessage",
+]
+
+JsonValue: TypeAlias = Any
+"""Any JSON value (object, array, string, number, bool, null)."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, populate_by_name=True)
+
+
+# --- identity ------------------------------------------------------------------------------
+
+
+class Principal(_Model):
+    """A verified identity the app resolved for the speaker (e.g. an account), with claims."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    id: str
+
+
+class SpeakerIdentity(_Model):
+    """Who spoke, as the channel reports it; ``attested`` when the channel signs it (Slack does)."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    id: str
+    attested: bool = False
+
+
+class InboundEvent(_Model):
+    """The message that opened a turn, as a channel delivered it.
+
+    ``source`` keys per-source policies and cannot be forged by a user. ``raw`` is the
+    channel's original payload; it is never stored in a checkpoint.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    source: str
+    kind: str | None = None
+    user: SpeakerIdentity | None = None
+    principal: Principal | None = None
+    thread: str | None = None
+    text: str | None = None
+    raw: JsonValue = None
+
+    def without_raw(self) -> InboundEvent:
+        return self.model_copy(update={"raw": None})
+
+
+# --- triggers --------------------------------------------------------------------------------
+
+
+class InboundTrigger(_Model):
+    kind: Literal["inbound"] = "inbound"
+    event: InboundEvent
+
+
+class ProactiveTrigger(_Model):
+    kind: Literal["proactive"] = "proactive"
+    by: str = "system"
+
+
+class ResumeTrigger(_Model):
+    kind: Literal["resume"] = "resume"
+    call_id: str
+    input_id: str | None = None
+
+
+Trigger = Annotated[InboundTrigger | ProactiveTrigger | ResumeTrigger, Field(discriminator="kind")]
+
+
+# --- tool calls and model replies -------------------------------------------------------------
+
+
+class ToolCall(_Model):
+    """One call the model asked for; ``id`` is the provider's call id."""
+
+    id: str
+    name: str
+    input: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class ReasoningBlock(_Model):
+    """A provider's reasoning (thinking) block, kept verbatim so it can be sent back on replay."""
+
+    text: str = ""
+    signature: str | None = None
+    redacted: str | None = None
+
+
+class Usage(_Model):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            input_tokens=self.input_tokens + other.input_tokens,
+            output_tokens=self.output_tokens + other.output_tokens,
+            cache_read_tokens=self.cache_read_tokens + other.cache_read_tokens,
+            cache_write_tokens=self.cache_write_tokens + other.cache_write_tokens,
+        )
+
+
+FinishReason = Literal["stop", "tool_calls", "max_tokens", "content_filter", "refusal", "malformed_tool_call", "other"]
+ABNORMAL_FINISHES: frozenset[str] = frozenset(
+    {"max_tokens", "content_filter", "refusal", "malformed_tool_call", "other"}
+)
+
+
+class Finish(_Model):
+    """Why the model stopped; ``raw`` keeps the provider's own value (``end_turn``, ``pause_turn``...)."""
+
+    reason: FinishReason
+    raw: str | None = None
+
+    @property
+    def abnormal(self) -> bool:
+        return self.reason in ABNORMAL_FINISHES
+
+
+class ModelReply(_Model):
+    """The authoritative result of one model call."""
+
+    text: str = ""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning: list[ReasoningBlock] = Field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.text and not self.tool_calls
+
+
+# --- messages -------------------------------------------------------------------------------------
+
+
+class UserMessage(_Model):
+    role: Literal["user"] = "user"
+    turn_id: str
+    text: str
+
+
+class TriggerMessage(_Model):
+    """The opening of a proactive turn: no human sent it; ``by`` says what did (``cron:daily``)."""
+
+    role: Literal["trigger"] = "trigger"
+    turn_id: str
+    text: str
+    by: str
+
+
+class AssistantMessage(_Model):
+    role: Literal["assistant"] = "assistant"
+    turn_id: str
+    text: str = ""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning: list[ReasoningBlock] = Field(default_factory=list)
+
+
+class ToolMessage(_Model):
+    role: Literal["tool"] = "tool"
+    turn_id: str
+    call_id: str
+    name: str
+    result: JsonValue = None
+    is_error: bool = False
+
+
+Message = Annotated[UserMessage | TriggerMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+MessageAdapter: TypeAdapter[Message] = TypeAdapter(Message)
+
+
+# --- human input ------------------------------------------------------------------------------
+
+
+class UserAnswerer(_Model):
+    """Exactly this verified identity may answer."""
+
+    user: str
+
+
+class PolicyAnswerer(_Model):
+    """An app rule decides who may answer, through the agent's ``authorize_answer`` hook."""
+
+    policy: str
+    scope: str | None = None
+
+
+Answerers = UserAnswerer | PolicyAnswerer
+
+
+class InputRequest(_Model):
+    """What a parked turn waits for. ``json_schema`` (``schema`` on the wire) checks the answer."""
+
+    id: str
+    prompt: str
+    json_schema: dict[str, JsonValue] | None = Field(default=None, alias="schema")
+    answerers: Answerers | None = None
+    call_id: str | None = None
+    expires_at: float | None = None
+    """Unix time after which the sweeper answers the request with a timeout."""
+
+
+# --- errors and results -----------------------------------------------------------------------------
+
+CancelReason = Literal["requested", "replaced", "reset"]
+
+
+class ErrorInfo(_Model):
+    """A failure as it is reported: message, class, cause chain and a stack without locals."""
+
+    message: str
+    type: str | None = None
+    cause_chain: list[str] = Field(default_factory=list)
+    stack: str | None = None

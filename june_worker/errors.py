@@ -1,0 +1,149 @@
+"""Every error june-worker raises on purpose, in one shallow tree.
+
+::
+
+    JuneError                         base of everything below
+    ├── ConfigError                   a deployment or definition mistake; fix the code or settings
+    │   └── AgentDefinitionError      an agent's directory, tools or policies do not assemble
+    ├── TurnError                     a turn could not run to a result
+    │   ├── TurnFailedError           the turn ended ``failed`` (raised by ``turn()``)
+    │   ├── TurnCancelledError        the turn ended ``cancelled`` (raised by ``turn()``)
+    │   ├── TurnSuspendedError        the turn parked for input (raised by ``turn()``)
+    │   ├── TurnRejectedError         the turn was refused before it opened
+    │   ├── ModelStepError            the model stopped abnormally with nothing to say
+    │   └── ModelStreamError          the model stream broke its contract (no final reply)
+    ├── FatalToolError                a tool says the turn cannot go on; fails the turn
+    ├── StoreError                    the store refused an operation
+    │   ├── LeaseLostError            a commit was fenced off: another worker holds the session
+    │   └── ResetNotSupportedError    the store has no reset operation
+    ├── ResumeError                   a resume was not applied
+    │   ├── ResumeAuthorizationError  ``by`` may not answer this request (HTTP 403)
+    │   ├── ResumeConflictError       wrong turn, wrong input id, not suspended, reset pending (409)
+    │   └── InvalidAnswerError        the answer does not match the request's JSON schema (409)
+    ├── InputTimeoutError             a parked input expired before anyone answered
+    └── PayloadError                  a task payload failed validation (never retried)
+
+Exceptions that cross a process boundary (Celery results) must survive pickling, so every
+class passes all of its constructor arguments to ``super().__init__``.
+
+``ParkSignal`` and ``CancelSignal`` in :mod:`june_worker.engine.signals` are deliberately
+*not* here: they derive from ``BaseException`` so that a tool's ``except Exception`` never
+swallows them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentDefinitionError",
+    "ConfigError",
+    "FatalToolError",
+    "InputTimeoutError",
+    "InvalidAnswerError",
+    "JuneError",
+    "LeaseLostError",
+    "ModelStepError",
+    "ModelStreamError",
+    "PayloadError",
+    "ResetNotSupportedError",
+    "ResumeAuthorizationError",
+    "ResumeConflictError",
+    "ResumeError",
+    "StoreError",
+    "TurnCancelledError",
+    "TurnError",
+    "TurnFailedError",
+    "TurnRejectedError",
+    "TurnSuspendedError",
+]
+
+
+class JuneError(Exception):
+    """Base class of every error june-worker raises on purpose."""
+
+    retryable = False
+
+
+class ConfigError(JuneError):
+    """A deployment or definition mistake: retrying will not help, fixing the setup will."""
+
+
+class AgentDefinitionError(ConfigError):
+    """An agent's instructions, tools or surface policies do not assemble."""
+
+
+class TurnError(JuneError):
+    """A turn could not run to a result."""
+
+
+class TurnFailedError(TurnError):
+    """The turn ended ``failed``; ``turn()`` raises this with the turn's error message."""
+
+
+class TurnCancelledError(TurnError):
+    """The turn ended ``cancelled``; ``turn()`` raises this with the reason."""
+
+
+class TurnSuspendedError(TurnError):
+    """The turn parked for human input, which ``turn()`` does not wait for."""
+
+
+class TurnRejectedError(TurnError):
+    """The turn was refused before its opening message was stored."""
+
+
+class ModelStepError(TurnError):
+    """The model stopped abnormally (``max_tokens``, ``refusal``...) with an empty reply."""
+
+
+class ModelStreamError(TurnError):
+    """The model stream ended without a final reply, or yielded something unknown."""
+
+
+class FatalToolError(JuneError):
+    """Raised by a tool for a mistake the model cannot fix; the turn fails instead of continuing."""
+
+
+class StoreError(JuneError):
+    """The store refused an operation."""
+
+
+class LeaseLostError(StoreError):
+    """A commit carried a fencing token that is no longer current; another worker owns the session."""
+
+    retryable = True
+
+
+class ResetNotSupportedError(StoreError):
+    """The store does not implement reset; nothing was cancelled or cleared."""
+
+
+class ResumeError(JuneError):
+    """A resume was not applied; the turn stays as it was."""
+
+
+class ResumeAuthorizationError(ResumeError):
+    """The resumer's verified identity may not answer this request."""
+
+
+class ResumeConflictError(ResumeError):
+    """The resume does not match the session: wrong turn or input id, not suspended, or reset pending."""
+
+
+class InvalidAnswerError(ResumeError):
+    """The answer does not validate against the request's JSON schema."""
+
+
+class InputTimeoutError(JuneError):
+    """Raised inside a tool by ``request_input`` when its park expired unanswered."""
+
+    def __init__(self, input_id: str, message: str | None = None) -> None:
+        super().__init__(input_id, message)
+        self.input_id = input_id
+        self.message = message or f"input {input_id!r} expired before anyone answered"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class PayloadError(JuneError):
+    """A message payload failed validation; it is rejected once and never retried."""

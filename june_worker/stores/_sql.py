@@ -1,0 +1,60 @@
+"""Pieces the SQL stores share: JSON encoding, event stamping, and ``?`` placeholders for psycopg."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ..engine.events import TurnEvent
+
+__all__ = ["dumps", "event_rows", "qmark_to_format"]
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def event_rows(events: Sequence[TurnEvent], last_seq: int) -> tuple[list[TurnEvent], list[tuple[int, str, str, str]]]:
+    """Give each event the next ``seq`` after ``last_seq``; return the stamped events and their rows."""
+    stamped: list[TurnEvent] = []
+    rows: list[tuple[int, str, str, str]] = []
+    for i, event in enumerate(events, start=1):
+        e = event.model_copy(update={"seq": last_seq + i})
+        stamped.append(e)
+        rows.append((last_seq + i, e.turn_id, e.type, e.model_dump_json(by_alias=True)))
+    return stamped, rows
+
+
+def qmark_to_format(sql: str) -> str:
+    """Rewrite ``?`` placeholders as ``%s`` (and ``%`` as ``%%``), leaving quoted text and comments alone."""
+    out: list[str] = []
+    i, n = 0, len(sql)
+    while i < n:
+        ch = sql[i]
+        if ch in ("'", '"'):
+            j = i + 1
+            while j < n:
+                if sql[j] == ch:
+                    if j + 1 < n and sql[j + 1] == ch:  # doubled quote inside the literal
+                        j += 2
+                        continue
+                    break
+                j += 1
+            out.append(sql[i : j + 1].replace("%", "%%"))
+            i = j + 1
+        elif sql.startswith("--", i):
+            j = sql.find("\n", i)
+            j = n if j < 0 else j
+            out.append(sql[i:j].replace("%", "%%"))
+            i = j
+        elif ch == "?":
+            out.append("%s")
+            i += 1
+        elif ch == "%":
+            out.append("%%")
+            i += 1
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)

@@ -1,0 +1,426 @@
+"""SQLiteStore: the embedded default. stdlib ``sqlite3``, a file or ``:memory:``, no server.
+
+A commit is one ``BEGIN IMMEDIATE`` ... ``COMMIT``. A sync tool's writes through
+``ctx.store`` happen inside it, so they commit or roll back with the checkpoint. The file
+runs in WAL mode with ``synchronous=NORMAL``: a killed process loses nothing it
+committed; a power cut may lose the last few commits.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..engine.events import TurnEvent, TurnEventAdapter, TurnResultAdapter
+from ..engine.store import (
+    Commit,
+    CommitBuilder,
+    ResetResult,
+    SessionRef,
+    SessionSnapshot,
+    StepRecord,
+    SuspendedCheckpoint,
+    TurnPayload,
+    TurnRecord,
+)
+from ..engine.types import MessageAdapter
+from ..errors import LeaseLostError, ResumeConflictError, StoreError
+from ._sql import dumps, event_rows
+
+__all__ = ["SQLiteStore"]
+
+_MIGRATIONS: list[str] = [
+    # 1: the whole schema
+    """
+    create table june_sessions (
+        agent text not null,
+        session text not null,
+        generation integer not null default 0,
+        status text not null default 'new',
+        suspended text,
+        event_seq integer not null default 0,
+        relayed_seq integer not null default 0,
+        next_position integer not null default 1,
+        fence integer not null default 0,
+        lease_owner text,
+        lease_expires real,
+        reset_pending integer not null default 0,
+        primary key (agent, session)
+    );
+    create table june_turns (
+        agent text not null,
+        session text not null,
+        turn_id text not null,
+        position integer not null,
+        status text not null,
+        payload text not null,
+        cancel_reason text,
+        attempts integer not null default 0,
+        result text,
+        generation integer not null default 0,
+        created_at real not null,
+        finished_at real,
+        primary key (agent, session, turn_id)
+    );
+    create index june_turns_unfinished on june_turns (agent, session, position)
+        where status in ('queued', 'running');
+    create table june_messages (
+        agent text not null,
+        session text not null,
+        idx integer not null,
+        turn_id text not null,
+        role text not null,
+        body text not null,
+        primary key (agent, session, idx)
+    );
+    create table june_steps (
+        agent text not null,
+        session text not null,
+        step_id text not null,
+        turn_id text,
+        data text not null,
+        primary key (agent, session, step_id)
+    );
+    create table june_events (
+        agent text not null,
+        session text not null,
+        seq integer not null,
+        turn_id text not null,
+        type text not null,
+        body text not null,
+        created_at real not null,
+        primary key (agent, session, seq)
+    );
+    create table june_archived_messages (
+        agent text not null,
+        session text not null,
+        generation integer not null,
+        idx integer not null,
+        turn_id text not null,
+        role text not null,
+        body text not null,
+        primary key (agent, session, generation, idx)
+    );
+    create table june_archived_steps (
+        agent text not null,
+        session text not null,
+        generation integer not null,
+        step_id text not null,
+        turn_id text,
+        data text not null,
+        primary key (agent, session, generation, step_id)
+    );
+    """,
+]
+
+
+class _Handle:
+    """A sync tool's view of the open transaction (``?`` placeholders, as sqlite3 has them)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, *params: Any) -> int:
+        return self._conn.execute(sql, params).rowcount
+
+    def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+        return [tuple(r) for r in self._conn.execute(sql, params).fetchall()]
+
+    def unwrap(self) -> sqlite3.Connection:
+        return self._conn
+
+
+class SQLiteStore:
+    supports_rollback = True
+
+    def __init__(self, path: str | Path = ":memory:") -> None:
+        self.path = str(path)
+        self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        self._lock = threading.RLock()
+        if self.path != ":memory:":
+            self._conn.execute("pragma journal_mode=wal")
+            self._conn.execute("pragma synchronous=normal")
+        self._conn.execute("pragma foreign_keys=on")
+        self.migrate()
+
+    # --- schema ------------------------------------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Apply missing migrations, each in its own transaction; safe to run from many processes."""
+        with self._lock:
+            self._conn.execute("create table if not exists june_schema (version integer primary key, applied_at real)")
+            for version, script in enumerate(_MIGRATIONS, start=1):
+                with self._tx():
+                    done = self._conn.execute("select 1 from june_schema where version = ?", (version,)).fetchone()
+                    if done:
+                        continue
+                    for statement in script.split(";"):
+                        if statement.strip():
+                            self._conn.execute(statement)
+                    self._conn.execute("insert into june_schema values (?, ?)", (version, time.time()))
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._conn.execute("begin immediate")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("rollback")
+                raise
+            self._conn.execute("commit")
+
+    def _ensure_session(self, conn: sqlite3.Connection, ref: SessionRef) -> None:
+        conn.execute("insert or ignore into june_sessions (agent, session) values (?, ?)", (ref.agent, ref.session))
+
+    # --- reads -------------------------------------------------------------------------------------
+
+    def load(self, ref: SessionRef) -> SessionSnapshot:
+        with self._lock:
+            conn = self._conn
+            row = conn.execute(
+                "select generation, status, suspended, event_seq, reset_pending from june_sessions "
+                "where agent = ? and session = ?",
+                (ref.agent, ref.session),
+            ).fetchone()
+            messages = [
+                MessageAdapter.validate_json(body)
+                for (body,) in conn.execute(
+                    "select body from june_messages where agent = ? and session = ? order by idx",
+                    (ref.agent, ref.session),
+                )
+            ]
+            steps = {
+                step_id: StepRecord(step_id=step_id, turn_id=turn_id, data=json.loads(data))
+                for step_id, turn_id, data in conn.execute(
+                    "select step_id, turn_id, data from june_steps where agent = ? and session = ?",
+                    (ref.agent, ref.session),
+                )
+            }
+        if row is None:
+            return SessionSnapshot(ref_agent=ref.agent, ref_session=ref.session, messages=messages, steps=steps)
+        generation, status, suspended, event_seq, reset_pending = row
+        return SessionSnapshot(
+            ref_agent=ref.agent,
+            ref_session=ref.session,
+            generation=generation,
+            status=status,
+            suspended=SuspendedCheckpoint.model_validate_json(suspended) if suspended else None,
+            reset_pending=bool(reset_pending),
+            messages=messages,
+            steps=steps,
+            event_seq=event_seq,
+        )
+
+    def pending(self, ref: SessionRef) -> SuspendedCheckpoint | None:
+        with self._lock:
+            row = self._conn.execute(
+                "select suspended from june_sessions where agent = ? and session = ?", (ref.agent, ref.session)
+            ).fetchone()
+        return SuspendedCheckpoint.model_validate_json(row[0]) if row and row[0] else None
+
+    def get_turn(self, ref: SessionRef, turn_id: str) -> TurnRecord | None:
+        with self._lock:
+            row = self._conn.execute(
+                f"select {_TURN_COLUMNS} from june_turns where agent = ? and session = ? and turn_id = ?",
+                (ref.agent, ref.session, turn_id),
+            ).fetchone()
+        return _turn(ref, row) if row else None
+
+    def unfinished_turns(self, ref: SessionRef) -> list[TurnRecord]:
+        with self._lock:
+            rows = self._conn.execute(
+                f"select {_TURN_COLUMNS} from june_turns where agent = ? and session = ? "
+                "and status in ('queued', 'running') order by position",
+                (ref.agent, ref.session),
+            ).fetchall()
+        return [_turn(ref, r) for r in rows]
+
+    def events(self, ref: SessionRef, *, turn_id: str | None = None, after_seq: int = 0) -> list[TurnEvent]:
+        sql = "select body from june_events where agent = ? and session = ? and seq > ?"
+        params: list[Any] = [ref.agent, ref.session, after_seq]
+        if turn_id is not None:
+            sql += " and turn_id = ?"
+            params.append(turn_id)
+        with self._lock:
+            rows = self._conn.execute(sql + " order by seq", params).fetchall()
+        return [TurnEventAdapter.validate_json(body) for (body,) in rows]
+
+    # --- writes ------------------------------------------------------------------------------------
+
+    def commit(self, ref: SessionRef, commit: Commit | CommitBuilder, *, fence: int | None = None) -> list[TurnEvent]:
+        with self._tx() as conn:
+            if not isinstance(commit, Commit):
+                commit = commit(_Handle(conn))
+            self._ensure_session(conn, ref)
+            key = (ref.agent, ref.session)
+            row = conn.execute(
+                "select fence, suspended, event_seq from june_sessions where agent = ? and session = ?", key
+            ).fetchone()
+            current_fence, suspended, event_seq = row
+            if fence is not None and fence != current_fence:
+                raise LeaseLostError(f"session {ref} is leased under fence {current_fence}, not {fence}")
+            if commit.expect_suspended is not None:
+                parked = SuspendedCheckpoint.model_validate_json(suspended) if suspended else None
+                turn_id, input_id = commit.expect_suspended
+                if parked is None or parked.turn_id != turn_id or parked.request.id != input_id:
+                    raise ResumeConflictError(f"session {ref} is not parked on turn {turn_id} input {input_id!r}")
+            try:
+                conn.executemany(
+                    "insert into june_messages (agent, session, idx, turn_id, role, body) values (?, ?, ?, ?, ?, ?)",
+                    [(*key, idx, m.turn_id, m.role, m.model_dump_json()) for idx, m in commit.messages],
+                )
+            except sqlite3.IntegrityError as exc:
+                raise StoreError(f"session {ref}: a message index of this commit is taken ({exc})") from exc
+            conn.executemany(
+                "insert or ignore into june_steps (agent, session, step_id, turn_id, data) values (?, ?, ?, ?, ?)",
+                [(*key, s.step_id, s.turn_id, dumps(s.data)) for s in commit.steps],
+            )
+            stamped, rows = event_rows(commit.events, event_seq)
+            if rows:
+                now = time.time()
+                conn.executemany(
+                    "insert into june_events (agent, session, seq, turn_id, type, body, created_at) "
+                    "values (?, ?, ?, ?, ?, ?, ?)",
+                    [(*key, *r, now) for r in rows],
+                )
+            sets, params = ["event_seq = ?"], [event_seq + len(rows)]
+            if commit.status is not None:
+                sets.append("status = ?")
+                params.append(commit.status)
+            if commit.suspended is not None:
+                sets.append("suspended = ?")
+                params.append(commit.suspended.model_dump_json(by_alias=True))
+            elif commit.clear_suspended:
+                sets.append("suspended = null")
+            conn.execute(f"update june_sessions set {', '.join(sets)} where agent = ? and session = ?", (*params, *key))
+            if commit.turn_id is not None and commit.turn_status is not None:
+                finished = commit.turn_status not in ("queued", "running")
+                conn.execute(
+                    "update june_turns set status = ?, result = ?, attempts = attempts + ?, finished_at = ? "
+                    "where agent = ? and session = ? and turn_id = ?",
+                    (
+                        commit.turn_status,
+                        commit.turn_result.model_dump_json(by_alias=True) if commit.turn_result else None,
+                        1 if commit.turn_status == "running" else 0,
+                        time.time() if finished else None,
+                        *key,
+                        commit.turn_id,
+                    ),
+                )
+            return stamped
+
+    def enqueue_turn(self, ref: SessionRef, turn_id: str, payload: TurnPayload) -> tuple[TurnRecord, bool]:
+        with self._tx() as conn:
+            self._ensure_session(conn, ref)
+            key = (ref.agent, ref.session)
+            existing = conn.execute(
+                f"select {_TURN_COLUMNS} from june_turns where agent = ? and session = ? and turn_id = ?",
+                (*key, turn_id),
+            ).fetchone()
+            if existing:
+                return _turn(ref, existing), False
+            position, generation = conn.execute(
+                "update june_sessions set next_position = next_position + 1 where agent = ? and session = ? "
+                "returning next_position - 1, generation",
+                key,
+            ).fetchone()
+            now = time.time()
+            conn.execute(
+                "insert into june_turns (agent, session, turn_id, position, status, payload, generation, created_at) "
+                "values (?, ?, ?, ?, 'queued', ?, ?, ?)",
+                (*key, turn_id, position, payload.model_dump_json(), generation, now),
+            )
+            return (
+                TurnRecord(
+                    turn_id=turn_id,
+                    agent=ref.agent,
+                    session=ref.session,
+                    position=position,
+                    payload=payload,
+                    generation=generation,
+                    created_at=now,
+                ),
+                True,
+            )
+
+    def request_cancel(self, ref: SessionRef, reason: str, *, turn_ids: Sequence[str] | None = None) -> list[str]:
+        sql = (
+            "update june_turns set cancel_reason = coalesce(cancel_reason, ?) where agent = ? and session = ? "
+            "and status in ('queued', 'running')"
+        )
+        params: list[Any] = [reason, ref.agent, ref.session]
+        if turn_ids is not None:
+            sql += f" and turn_id in ({', '.join('?' for _ in turn_ids)})"
+            params.extend(turn_ids)
+        with self._tx() as conn:
+            return [r[0] for r in conn.execute(sql + " returning turn_id", params).fetchall()]
+
+    def reset(self, ref: SessionRef) -> ResetResult:
+        with self._tx() as conn:
+            self._ensure_session(conn, ref)
+            key = (ref.agent, ref.session)
+            (generation,) = conn.execute(
+                "select generation from june_sessions where agent = ? and session = ?", key
+            ).fetchone()
+            conn.execute(
+                "insert into june_archived_messages select agent, session, ?, idx, turn_id, role, body "
+                "from june_messages where agent = ? and session = ?",
+                (generation, *key),
+            )
+            conn.execute(
+                "insert into june_archived_steps select agent, session, ?, step_id, turn_id, data "
+                "from june_steps where agent = ? and session = ?",
+                (generation, *key),
+            )
+            conn.execute("delete from june_messages where agent = ? and session = ?", key)
+            conn.execute("delete from june_steps where agent = ? and session = ?", key)
+            conn.execute(
+                "update june_sessions set generation = generation + 1, status = 'new', suspended = null, "
+                "reset_pending = 0 where agent = ? and session = ?",
+                key,
+            )
+        return ResetResult(previous_session=f"{ref.session}#g{generation}", generation=generation)
+
+    def acquire_fence(self, ref: SessionRef) -> int:
+        """Take the session's fencing token (tests of fenced commits; the worker uses Postgres leases)."""
+        with self._tx() as conn:
+            self._ensure_session(conn, ref)
+            (fence,) = conn.execute(
+                "update june_sessions set fence = fence + 1 where agent = ? and session = ? returning fence",
+                (ref.agent, ref.session),
+            ).fetchone()
+        return int(fence)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+_TURN_COLUMNS = (
+    "turn_id, position, status, payload, cancel_reason, attempts, result, generation, created_at, finished_at"
+)
+
+
+def _turn(ref: SessionRef, row: Sequence[Any]) -> TurnRecord:
+    turn_id, position, status, payload, cancel_reason, attempts, result, generation, created_at, finished_at = row
+    return TurnRecord(
+        turn_id=turn_id,
+        agent=ref.agent,
+        session=ref.session,
+        position=position,
+        status=status,
+        payload=TurnPayload.model_validate_json(payload),
+        cancel_reason=cancel_reason,
+        attempts=attempts,
+        result=TurnResultAdapter.validate_json(result) if result else None,
+        generation=generation,
+        created_at=created_at,
+        finished_at=finished_at,
+    )

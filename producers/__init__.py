@@ -1,0 +1,3 @@
+"""Thin clients for services that enqueue turns and follow their events. Imports nothing of the engine."""
+
+__all__: list[str] = []
