@@ -177,7 +177,7 @@ class AgentSession:
                 reject_turn(self.store, self.runtime.fanout, self.ref, turn_id, reason)
                 raise TurnRejectedError(reason)
             if replace:
-                self._cancel_unfinished("replaced")
+                self.cancel_all("replaced")
             self.store.enqueue_turn(self.ref, turn_id, payload)
         self._kick()
         return turn_id
@@ -232,10 +232,14 @@ class AgentSession:
 
     async def cancel(self, turn_id: str) -> bool:
         """Ask a queued or running turn to stop at its next checkpoint boundary. False if there is none."""
-        marked = self.store.request_cancel(self.ref, "requested", turn_ids=[turn_id])
+        return bool(self.cancel_all("requested", turn_ids=[turn_id]))
+
+    def cancel_all(self, reason: str = "requested", *, turn_ids: list[str] | None = None) -> list[str]:
+        """Cancel every unfinished turn (or those named), durably; never a parked one. Usable from a tool."""
+        marked = self.store.request_cancel(self.ref, reason, turn_ids=turn_ids)
         for t in marked:
-            self._signal_cancel(t, "requested")
-        return bool(marked)
+            self._signal_cancel(t, reason)
+        return marked
 
     async def resume(
         self,
@@ -270,7 +274,7 @@ class AgentSession:
         if not callable(getattr(self.store, "reset", None)):
             raise ResetNotSupportedError(f"{type(self.store).__name__} does not implement reset")
         self._reset_pending = True
-        self._cancel_unfinished("reset")
+        self.cancel_all("reset")
         return asyncio.get_running_loop().create_task(self._reset())
 
     async def idle(self) -> None:
@@ -282,10 +286,6 @@ class AgentSession:
     def _apply(self, commit: Commit) -> None:
         events = self.store.commit(self.ref, commit)
         self.runtime.fanout.publish(self.ref, events)
-
-    def _cancel_unfinished(self, reason: str) -> None:
-        for t in self.store.request_cancel(self.ref, reason):
-            self._signal_cancel(t, reason)
 
     def _signal_cancel(self, turn_id: str, reason: str) -> None:
         probe = self._cancels.get(turn_id)

@@ -143,6 +143,7 @@ class SQLiteStore:
         self.path = str(path)
         self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
         self._lock = threading.RLock()
+        self._depth = 0
         if self.path != ":memory:":
             self._conn.execute("pragma journal_mode=wal")
             self._conn.execute("pragma synchronous=normal")
@@ -167,7 +168,22 @@ class SQLiteStore:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
+        """A transaction; nested in an open one (a sync tool calling the store) it is a savepoint."""
         with self._lock:
+            if self._conn.in_transaction:
+                self._depth += 1
+                name = f"june_sp{self._depth}"
+                self._conn.execute(f"savepoint {name}")
+                try:
+                    yield self._conn
+                except BaseException:
+                    self._conn.execute(f"rollback to {name}")
+                    self._conn.execute(f"release {name}")
+                    raise
+                finally:
+                    self._depth -= 1
+                self._conn.execute(f"release {name}")
+                return
             self._conn.execute("begin immediate")
             try:
                 yield self._conn

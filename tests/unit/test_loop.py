@@ -1,0 +1,295 @@
+"""The loop: model step, tool steps, until the model answers without a tool call (scenarios A, C, E, F)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from june_worker.engine.events import Completed
+from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
+from june_worker.engine.store import SessionRef
+from june_worker.engine.types import AssistantMessage, Finish, ModelReply, ToolMessage, UserMessage
+from june_worker.errors import TurnFailedError
+from june_worker.models import Reply, ScriptedModel
+from june_worker.stores import MemoryStore, SQLiteStore
+
+from .kit import ORDER_SCRIPT, Counter, FnModel, Recorder, list_order_tool, order_tool, runtime_with, transcript
+
+
+async def test_step_ids_follow_transcript_indexes(sqlite_store: SQLiteStore) -> None:
+    # Given ORDER_SCRIPT: [0 user, 1 assistant(call c1), 2 tool, 3 assistant]
+    rt = runtime_with(sqlite_store, ScriptedModel(ORDER_SCRIPT), [order_tool()])
+    await rt.session("ops", "s1").turn("Order 3 widgets", turn_id="t1")
+    steps = sqlite_store.load(SessionRef("ops", "s1")).steps
+    assert {"model:1", "tool:1:c1", "model:3"} <= set(steps)
+    assert steps["model:1"].data["finish"]["reason"] == "tool_calls"
+
+
+async def test_s4_s9_step_keys_are_per_session(sqlite_store: SQLiteStore) -> None:
+    # Given one store, sessions alice and bob; When each runs turn t1
+    rt = runtime_with(sqlite_store, ScriptedModel(ORDER_SCRIPT), [order_tool()])
+    for who in ("alice", "bob"):
+        assert await rt.session("ops", who).turn("Order 3 widgets", turn_id="t1") == "Done — order placed."
+    # Then each transcript holds exactly one turn (no cross-session cache hit)
+    for who in ("alice", "bob"):
+        msgs = transcript(sqlite_store, session=who)
+        assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant"]
+        assert {m.turn_id for m in msgs} == {"t1"}
+
+
+async def test_s7_loop_over_sqlite_writes_the_order_in_the_step() -> None:
+    store = SQLiteStore(":memory:")
+    rt = runtime_with(store, ScriptedModel(ORDER_SCRIPT), [order_tool()])
+    assert await rt.session("ops", "s1").turn("Order 3 widgets", turn_id="t1") == "Done — order placed."
+    snap = store.load(SessionRef("ops", "s1"))
+    assert snap.steps["tool:1:c1"].data["result"] == {"orderId": 1, "item": "widget", "qty": 3}
+    assert snap.status == "done"
+
+
+async def test_s12_two_stores_with_identical_step_ids_do_not_interfere() -> None:
+    stores = [SQLiteStore(":memory:"), SQLiteStore(":memory:")]
+    for store in stores:
+        rt = runtime_with(store, ScriptedModel(ORDER_SCRIPT), [order_tool()])
+        await rt.session("ops", "self").turn("Order 3 widgets", turn_id="t1")
+    for store in stores:
+        assert store._conn.execute("select count(*) from orders").fetchone()[0] == 1
+
+
+async def test_s21_structured_event_order_for_a_tool_turn() -> None:
+    orders: list[dict[str, Any]] = []
+    rt = runtime_with(MemoryStore(), ScriptedModel(ORDER_SCRIPT), [list_order_tool(orders)])
+    rec = Recorder()
+    session = rt.session("ops", "s1")
+    session.observe(rec)
+    await session.turn("Order 3 widgets", turn_id="t1")
+    structural = [e for e in rec.events if not e.type.endswith(".delta")]
+    assert [e.type for e in structural] == [
+        "turn.started",
+        "message.completed",
+        "action.requested",
+        "action.completed",
+        "message.completed",
+        "turn.completed",
+    ]
+    started, _, requested, completed, _, last = structural
+    assert started.trigger.model_dump() == {"kind": "proactive", "by": "system"}
+    assert requested.call.name == "create_order"
+    assert completed.call.name == "create_order" and completed.result["orderId"] == 1
+    assert (last.type, last.turn_id, last.text) == ("turn.completed", "t1", "Done — order placed.")
+    assert [e.seq for e in structural] == [1, 2, 3, 4, 5, 6]
+
+
+async def test_s23_done_is_terminal_and_the_stream_is_closed() -> None:
+    closed: list[bool] = []
+
+    async def gen(_: ModelRequest) -> AsyncIterator[ModelDelta]:
+        try:
+            yield TextChunk(text="Hi")
+            yield Done(reply=ModelReply(text="Hi"))
+            raise RuntimeError("after done")
+        finally:
+            closed.append(True)
+
+    rt = runtime_with(MemoryStore(), FnModel(gen))
+    rec = Recorder()
+    s = rt.session("ops", "s1")
+    s.observe(rec)
+    assert await s.turn("hello", turn_id="t1") == "Hi"
+    assert "turn.failed" not in rec.types
+    assert rec.events[-1].type == "turn.completed"
+    assert closed == [True]  # aclose() ran the generator's cleanup
+
+
+async def test_anything_a_stream_yields_after_done_is_ignored() -> None:
+    async def gen(_: ModelRequest) -> AsyncIterator[ModelDelta]:
+        yield Done(reply=ModelReply(text="first"))
+        yield TextChunk(text="late")
+        yield Done(reply=ModelReply(text="second"))
+
+    rt = runtime_with(MemoryStore(), FnModel(gen))
+    rec = Recorder()
+    s = rt.session("ops", "s1")
+    s.observe(rec)
+    assert await s.turn("hello") == "first"
+    assert "message.delta" not in rec.types
+
+
+async def test_s24_an_inbound_event_becomes_the_trigger() -> None:
+    rt = runtime_with(MemoryStore(), ScriptedModel(["ok"]))
+    rec = Recorder()
+    s = rt.session("ops", "s1")
+    s.observe(rec)
+    event = {"source": "slack", "kind": "app_mention", "channelId": "C1", "ts": "1.1", "raw": {"secret": "x"}}
+    await s.turn("hi", turn_id="t1", event=event)
+    first = rec.events[0]
+    assert first.type == "turn.started"
+    assert first.trigger.kind == "inbound"
+    assert first.trigger.event.source == "slack"
+    assert first.trigger.event.raw is None  # the channel's raw payload is never stored or sent
+
+
+async def test_s25_start_returns_at_once_and_result_awaits() -> None:
+    orders: list[dict[str, Any]] = []
+    rt = runtime_with(MemoryStore(), ScriptedModel(ORDER_SCRIPT, delay_s=0.001), [list_order_tool(orders)])
+    s = rt.session("ops", "s1")
+    turn_id = await s.start("Order 3 widgets", turn_id="t1")
+    assert turn_id == "t1"
+    assert orders == []  # start did not wait for the turn
+    result = await s.result("t1")
+    assert isinstance(result, Completed) and result.text == "Done — order placed."
+
+
+async def test_s26_result_answers_twice_from_the_durable_log() -> None:
+    orders: list[dict[str, Any]] = []
+    rt = runtime_with(MemoryStore(), ScriptedModel(ORDER_SCRIPT), [list_order_tool(orders)])
+    s = rt.session("ops", "s1")
+    await s.start("Order 3 widgets", turn_id="t1")
+    first = await s.result("t1")
+    second = await s.result("t1")
+    assert first == second
+    assert isinstance(second, Completed) and second.text == "Done — order placed."
+
+
+async def test_s27_observe_with_replay_folds_the_committed_events() -> None:
+    # DESIGN.md: our log holds every structural event, so the replay starts with turn.started
+    # (the seed's fold skipped it because it had no log of it).
+    orders: list[dict[str, Any]] = []
+    rt = runtime_with(MemoryStore(), ScriptedModel(ORDER_SCRIPT), [list_order_tool(orders)])
+    s = rt.session("ops", "s1")
+    await s.turn("Order 3 widgets", turn_id="t1")
+    rec = Recorder()
+    s.observe(rec, turn_id="t1", replay=True)
+    assert rec.types == [
+        "turn.started",
+        "message.completed",
+        "action.requested",
+        "action.completed",
+        "message.completed",
+        "turn.completed",
+    ]
+    assert rec.events[-1].text == "Done — order placed."
+    folded = rec.of("action.completed")[0]
+    assert folded.call.name == "create_order" and folded.call.input == {"item": "widget", "qty": 3}
+
+
+async def test_s28_replay_of_an_empty_final_text_still_ends_with_turn_completed() -> None:
+    rt = runtime_with(MemoryStore(), ScriptedModel([Reply("")]))
+    s = rt.session("ops", "s1")
+    await s.turn("hi", turn_id="t1")
+    rec = Recorder()
+    s.observe(rec, turn_id="t1", replay=True)
+    assert rec.types == ["turn.started", "turn.completed"]  # no message.completed for an empty text
+    assert rec.events[-1].text == ""
+
+
+async def test_replay_then_live_delivers_nothing_twice() -> None:
+    rt = runtime_with(MemoryStore(), ScriptedModel(["one", "two"]))
+    s = rt.session("ops", "s1")
+    await s.turn("a", turn_id="t1")
+    rec = Recorder()
+    s.observe(rec, replay=True)
+    await s.turn("b", turn_id="t2")
+    seqs = [e.seq for e in rec.events if e.seq is not None]
+    assert seqs == sorted(set(seqs)) and seqs[0] == 1
+
+
+async def test_s37_abnormal_finish_with_content_completes() -> None:
+    model = ScriptedModel([Reply("partial ans", finish=Finish(reason="max_tokens", raw="max_tokens"))])
+    rt = runtime_with(MemoryStore(), model)
+    assert await rt.session("ops", "s1").turn("t") == "partial ans"
+
+
+@pytest.mark.parametrize("finish", [Finish(reason="stop", raw="end_turn"), None])
+async def test_s40_s41_normal_or_missing_finish_with_empty_reply_completes(finish: Finish | None) -> None:
+    async def gen(_: ModelRequest) -> AsyncIterator[ModelDelta]:
+        yield Done(reply=ModelReply(text=""), finish=finish)
+
+    rt = runtime_with(MemoryStore(), FnModel(gen))
+    assert await rt.session("ops", "s1").turn("t") == ""
+
+
+@pytest.mark.parametrize("reason", ["max_tokens", "content_filter", "refusal", "malformed_tool_call", "other"])
+async def test_s42_an_empty_abnormal_stop_fails_before_it_commits(reason: str) -> None:
+    store = MemoryStore()
+    rt = runtime_with(store, ScriptedModel([Reply("", finish=Finish(reason=reason))]))  # type: ignore[arg-type]
+    rec = Recorder()
+    s = rt.session("ops", "s1")
+    s.observe(rec)
+    with pytest.raises(TurnFailedError, match=f"stopped abnormally — {reason}$"):
+        await s.turn("t", turn_id="t1")
+    failed = rec.events[-1]
+    assert failed.type == "turn.failed" and failed.phase == "model" and failed.step == "model:1"
+    assert not any(isinstance(m, AssistantMessage) for m in transcript(store))  # nothing committed
+
+
+async def test_an_empty_abnormal_stop_names_the_provider_value() -> None:
+    rt = runtime_with(MemoryStore(), ScriptedModel([Reply("", finish=Finish(reason="other", raw="pause_turn"))]))
+    with pytest.raises(TurnFailedError, match=r"stopped abnormally — other \(provider: pause_turn\)"):
+        await rt.session("ops", "s1").turn("t")
+
+
+async def test_deltas_are_emitted_live_and_never_stored() -> None:
+    store = SQLiteStore(":memory:")
+    rt = runtime_with(store, ScriptedModel(["three word answer"], delay_s=0.0001))
+    rec = Recorder()
+    s = rt.session("ops", "s1")
+    s.observe(rec)
+    await s.turn("t", turn_id="t1")
+    deltas = rec.of("message.delta")
+    assert "".join(d.text for d in deltas) == "three word answer"
+    assert {d.step for d in deltas} == {"model:1"}
+    assert all(e.type not in ("message.delta", "reasoning.delta") for e in store.events(s.ref))
+
+
+async def test_reasoning_deltas_are_emitted_and_the_blocks_stored_on_the_message() -> None:
+    store = MemoryStore()
+    rt = runtime_with(store, ScriptedModel([Reply("answer", reasoning="thinking hard")]))
+    rec = Recorder()
+    s = rt.session("ops", "s1")
+    s.observe(rec)
+    await s.turn("t")
+    assert [d.text for d in rec.of("reasoning.delta")] == ["thinking hard"]
+    assistant = transcript(store)[-1]
+    assert isinstance(assistant, AssistantMessage) and assistant.reasoning[0].text == "thinking hard"
+
+
+async def test_s55_two_sessions_never_share_a_minted_turn_id() -> None:
+    rt = runtime_with(MemoryStore(), ScriptedModel(["hi"]))
+    ids = []
+    for name in ("s1", "s2"):
+        rec = Recorder()
+        s = rt.session("ops", name)
+        s.observe(rec)
+        await s.turn("hello")
+        ids.append(rec.events[0].turn_id)
+    assert ids[0] != ids[1] and all(i.startswith("t_") and len(i) == 28 for i in ids)
+
+
+async def test_s58_a_programmatic_turn_opens_with_a_user_message() -> None:
+    store = MemoryStore()
+    rt = runtime_with(store, ScriptedModel(["ok"]))
+    await rt.session("ops", "s1").turn("hi", turn_id="t1")
+    assert transcript(store)[0] == UserMessage(turn_id="t1", text="hi")
+
+
+async def test_a_batch_of_calls_runs_in_order_and_each_result_is_its_own_step() -> None:
+    seen: list[str] = []
+    counter = Counter()
+    from june_worker import tool
+
+    @tool
+    def echo(word: str) -> dict[str, str]:
+        """Echo a word."""
+        counter.runs += 1
+        seen.append(word)
+        return {"word": word}
+
+    calls = [{"id": f"c{i}", "name": "echo", "input": {"word": w}} for i, w in enumerate(["a", "b", "c"])]
+    store = MemoryStore()
+    rt = runtime_with(store, ScriptedModel([Reply("", calls=calls), Reply("done")]), [echo])
+    assert await rt.session("ops", "s1").turn("go") == "done"
+    assert seen == ["a", "b", "c"]
+    tools = [m for m in transcript(store) if isinstance(m, ToolMessage)]
+    assert [m.call_id for m in tools] == ["c0", "c1", "c2"]
