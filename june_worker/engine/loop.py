@@ -654,12 +654,12 @@ class TurnRunner:
         return out
 
     def _cancelled(self, reason: str) -> Cancelled:
-        result = Cancelled(turn_id=self.turn_id, reason=reason)  # type: ignore[arg-type]
+        result = Cancelled(turn_id=self.turn_id, reason=reason)
         messages = self._close_batch(lambda call: ({"cancelled": True}, None))
         self._commit(
             Commit(
                 messages=messages,
-                events=[TurnCancelled(turn_id=self.turn_id, reason=reason)],  # type: ignore[arg-type]
+                events=[TurnCancelled(turn_id=self.turn_id, reason=reason)],
                 status="done",
                 turn_id=self.turn_id,
                 turn_status="cancelled",
@@ -672,7 +672,7 @@ class TurnRunner:
         if isinstance(exc, (LeaseLostError, CrashInjected)):
             raise exc
         info = error_info(exc)
-        result = Failed(turn_id=self.turn_id, error=info, phase=phase, step=step)  # type: ignore[arg-type]
+        result = Failed(turn_id=self.turn_id, error=info, phase=phase, step=step)
         failing_call = step.split(":", 2)[2] if phase == "tool" and step.count(":") >= 2 else None
 
         def closing(call: ToolCall) -> tuple[JsonValue, str | None]:
@@ -692,7 +692,7 @@ class TurnRunner:
         self._commit(
             Commit(
                 messages=messages,
-                events=[TurnFailed(turn_id=self.turn_id, error=info, phase=phase, step=step)],  # type: ignore[arg-type]
+                events=[TurnFailed(turn_id=self.turn_id, error=info, phase=phase, step=step)],
                 status="done",
                 turn_id=self.turn_id,
                 turn_status="failed",

@@ -37,7 +37,7 @@ class Reply:
 
     def to_finish(self) -> Finish | None:
         if isinstance(self.finish, str):
-            return Finish(reason=self.finish, raw=self.finish)  # type: ignore[arg-type]
+            return Finish(reason=self.finish, raw=self.finish)
         if self.finish is None:
             return Finish(reason="tool_calls" if self.calls else "stop", raw=None)
         return self.finish

@@ -27,3 +27,23 @@ def sqlite_store() -> Iterator[SQLiteStore]:
     store = SQLiteStore(":memory:")
     yield store
     store.close()
+
+
+_LOOPBACK = ("127.", "::1", "localhost")
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit tests run on fakes: any connection beyond loopback (a real model call) fails the test."""
+    import socket
+
+    real_connect = socket.socket.connect
+
+    def guarded(sock: socket.socket, address: object) -> object:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            host = str(address[0]) if isinstance(address, tuple) else str(address)
+            if not host.startswith(_LOOPBACK):
+                raise PermissionError(f"unit test tried to reach {host}: no network calls in the unit tier")
+        return real_connect(sock, address)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)

@@ -293,3 +293,10 @@ async def test_a_batch_of_calls_runs_in_order_and_each_result_is_its_own_step() 
     assert seen == ["a", "b", "c"]
     tools = [m for m in transcript(store) if isinstance(m, ToolMessage)]
     assert [m.call_id for m in tools] == ["c0", "c1", "c2"]
+
+
+def test_the_unit_tier_refuses_network_calls() -> None:
+    import socket
+
+    with pytest.raises(PermissionError, match="no network calls in the unit tier"):
+        socket.create_connection(("203.0.113.7", 443), timeout=0.1)
