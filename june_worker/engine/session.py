@@ -321,7 +321,11 @@ class AgentSession:
     async def _drain(self) -> None:
         last: tuple[str, str] | None = None
         while True:
-            turns = self.store.unfinished_turns(self.ref)
+            try:
+                turns = self.store.unfinished_turns(self.ref)
+            except Exception:
+                log.exception("cannot list the turns of %s; drain stopped", self.ref)
+                return
             if not turns:
                 return
             rec = turns[0]
