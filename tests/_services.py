@@ -1,18 +1,719 @@
-"""Where the tests find Postgres and Redis.
+"""Where the tests find Postgres and Redis, and how they get them when nobody provides them.
 
-Interim version: ``JUNE_DATABASE_URL`` / ``JUNE_REDIS_URL`` or the local defaults. To be
-replaced by the full provisioning (throwaway servers from local binaries, one clear
-failure line otherwise).
+The test command gets both services on its own, in this order, per service:
+
+1. ``JUNE_DATABASE_URL`` / ``JUNE_REDIS_URL``, when set and answering (checked with a real
+   connection, 3 s timeout);
+2. otherwise a **throwaway server** started from local binaries, when the machine has them:
+   Postgres is ``initdb`` into a temp dir (as the ``postgres`` OS user via ``runuser`` when we
+   run as root) and ``pg_ctl start`` on a free loopback port, fsync off; Redis is
+   ``redis-server --port <free> --save '' --appendonly no``. Postgres' ``initdb`` (the slow
+   part, ~1 s) and Redis start in parallel, in the background, as soon as collection shows a
+   test needs them (see ``tests/conftest.py``);
+3. otherwise the run fails with ONE line saying what to install. It never skips.
+
+The chosen URLs are exported to ``os.environ`` (``JUNE_DATABASE_URL``, ``JUNE_REDIS_URL``) so
+subprocesses started by tests (Celery workers) inherit them.
+
+A test that kills or restarts a server uses :func:`private_postgres` / :func:`private_redis`
+(also fixtures of the same names): a separate throwaway instance on its own free port, with
+``.url``, ``.pid``, ``.stop()``, ``.start()``, ``.restart()`` and ``.kill()`` (SIGKILL). The
+shared instance is never touched. Private Postgres instances are copies of one ``initdb``
+template, so each costs a file copy and a start, not another ``initdb``.
+
+The rule a reader must not break: **every server started here is stopped and its temp dir
+removed**, on a normal exit (``pytest_unconfigure``), on an error (``atexit``), on SIGTERM (a
+handler that cleans up, then dies as SIGTERM would), and even after a SIGKILL of the test
+process: the next run reaps leftovers whose owner process is gone (by pid, after checking the
+pid's working directory is the leftover's own dir). Only the process that started a server
+stops it (forked children inherit the registry but not the duty).
+
+Knobs: ``JUNE_PG_BIN`` (a directory holding ``initdb`` and ``pg_ctl``), ``JUNE_REDIS_SERVER``
+(the ``redis-server`` binary).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import glob
 import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+__all__ = [
+    "PostgresServer",
+    "RedisServer",
+    "ServiceUnavailable",
+    "describe",
+    "postgres_url",
+    "private_postgres",
+    "private_redis",
+    "redis_url",
+    "shutdown",
+    "start_in_background",
+]
+
+_PREFIX = "june-test-"
+_OWNER_PID = os.getpid()
+_START_TIMEOUT_S = 60.0
+
+_INSTALL_PG = (
+    "install the PostgreSQL server binaries (Debian/Ubuntu: apt-get install postgresql; macOS: brew install "
+    "postgresql@15) so the tests can start a throwaway server, or set JUNE_DATABASE_URL to a server that answers"
+)
+_INSTALL_REDIS = (
+    "install redis-server (Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis) so the tests "
+    "can start a throwaway server, or set JUNE_REDIS_URL to a server that answers"
+)
+
+
+class ServiceUnavailable(RuntimeError):
+    """No server for a service the tests need; the message is one line saying what to do."""
+
+
+# --- small helpers ------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (dead, not yet reaped by its parent) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: trust kill(0)
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+        time.sleep(0.01)
+    return not _alive(pid)
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = Path(stat).read_text().rpartition(")")[2].split()
+            if int(fields[1]) == pid:
+                out.append(int(stat.split("/")[2]))
+    return out
+
+
+def _cwd_of(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
+
+
+def _version_key(path: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", path)) or (0,)
+
+
+def _find_pg_bin() -> Path | None:
+    candidates: list[str] = []
+    if os.environ.get("JUNE_PG_BIN"):
+        candidates.append(os.environ["JUNE_PG_BIN"])
+    on_path = shutil.which("pg_ctl")
+    if on_path:
+        candidates.append(str(Path(on_path).parent))
+    for pattern in (
+        "/usr/lib/postgresql/*/bin",
+        "/usr/pgsql-*/bin",
+        "/opt/homebrew/opt/postgresql*/bin",
+        "/usr/local/opt/postgresql*/bin",
+    ):
+        candidates.extend(sorted(glob.glob(pattern), key=_version_key, reverse=True))
+    candidates.append("/usr/local/pgsql/bin")
+    for c in candidates:
+        d = Path(c)
+        if all(os.access(d / exe, os.X_OK) for exe in ("initdb", "pg_ctl", "postgres")):
+            return d
+    return None
+
+
+def _find_redis_server() -> str | None:
+    for c in (os.environ.get("JUNE_REDIS_SERVER"), shutil.which("redis-server"), "/usr/local/bin/redis-server"):
+        if c and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def _postgres_answers(url: str) -> bool:
+    try:
+        import psycopg
+    except ImportError:
+        return False
+    try:
+        with psycopg.connect(url, connect_timeout=3, autocommit=True) as conn:
+            conn.execute("select 1")
+        return True
+    except psycopg.Error:
+        return False
+
+
+def _redis_answers(url: str) -> bool:
+    try:
+        import redis
+    except ImportError:
+        return False
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError):
+        return False
+
+
+def _redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+# --- the workspace: one temp dir per test process, reaped if its owner died ---------------------------
+
+
+class _Workspace:
+    """``/tmp/june-test-XXXX``: the dirs of every server this process starts, and its owner's pid."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._root: Path | None = None
+        self._pg_template: Path | None = None
+        self._pg_template_lock = threading.Lock()
+        self._counter = 0
+
+    @property
+    def root(self) -> Path:
+        with self._lock:
+            if self._root is None:
+                _reap_leftovers()
+                root = Path(tempfile.mkdtemp(prefix=_PREFIX))
+                root.chmod(0o711)  # the postgres OS user must reach its data dir below
+                (root / "owner").write_text(str(os.getpid()))
+                self._root = root
+            return self._root
+
+    def new_dir(self, kind: str) -> Path:
+        root = self.root
+        with self._lock:
+            self._counter += 1
+            d = root / f"{kind}-{self._counter}"
+        d.mkdir(mode=0o700)
+        return d
+
+    def pg_template(self, bindir: Path) -> Path:
+        """An ``initdb``-ed data dir, never started: copied for every private Postgres instance."""
+        with self._pg_template_lock:
+            if self._pg_template is None:
+                parent = self.new_dir("pg-template")
+                _chown_to_postgres(parent)
+                self._pg_template = _initdb(bindir, parent / "data")
+            return self._pg_template
+
+    def remove(self) -> None:
+        with self._lock:
+            root, self._root = self._root, None
+            self._pg_template = None
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _initdb(bindir: Path, datadir: Path) -> Path:
+    cmd = [
+        str(bindir / "initdb"),
+        "-D",
+        str(datadir),
+        "-U",
+        "postgres",
+        "--auth=trust",
+        "--no-sync",
+        "--encoding=UTF8",
+        "--locale=C",
+    ]
+    done = subprocess.run(_as_postgres(cmd), capture_output=True, text=True, timeout=_START_TIMEOUT_S)
+    if done.returncode != 0:
+        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        raise ServiceUnavailable(f"initdb failed ({bindir}): {tail}")
+    return datadir
+
+
+def _running_as_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _as_postgres(cmd: list[str]) -> list[str]:
+    if not _running_as_root():
+        return cmd
+    runuser = shutil.which("runuser") or "/usr/sbin/runuser"
+    return [runuser, "-u", "postgres", "--", *cmd]
+
+
+def _chown_to_postgres(path: Path) -> None:
+    if not _running_as_root():
+        return
+    try:
+        pw = pwd.getpwnam("postgres")
+    except KeyError:
+        raise ServiceUnavailable(
+            "running as root but there is no 'postgres' OS user to run a throwaway Postgres as; "
+            "create one (useradd --system postgres) or set JUNE_DATABASE_URL"
+        ) from None
+    os.chown(path, pw.pw_uid, pw.pw_gid)
+
+
+def _reap_leftovers() -> None:
+    """Stop servers and remove dirs left by test processes that died without cleaning up (SIGKILL)."""
+    for root in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*"):
+        try:
+            owner = int((root / "owner").read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(owner):
+            continue
+        for child in root.iterdir():
+            pid = _leftover_pid(child)
+            if pid is not None and _alive(pid) and _cwd_of(pid) in (str(child), str(child / "data")):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+                _wait_gone(pid, 5)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _leftover_pid(d: Path) -> int | None:
+    for pidfile in (d / "data" / "postmaster.pid", d / "redis.pid"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            return int(pidfile.read_text().split()[0])
+    return None
+
+
+_workspace = _Workspace()
+
+
+# --- servers ------------------------------------------------------------------------------------------
+
+
+class PostgresServer:
+    """A throwaway Postgres: a copy of the ``initdb`` template, run with ``pg_ctl`` on a free loopback port."""
+
+    def __init__(self, bindir: Path, parent: Path, port: int | None = None) -> None:
+        self.bindir = bindir
+        self.parent = parent
+        self.datadir = parent / "data"
+        self.logfile = parent / "postgres.log"
+        self.port = port or _free_port()
+        self._started_once = False
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def pid(self) -> int | None:
+        """The postmaster's pid while it runs (from ``postmaster.pid``)."""
+        try:
+            pid = int((self.datadir / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        return pid if _alive(pid) else None
+
+    def _pg_ctl(self, *args: str, timeout_s: float = _START_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.bindir / "pg_ctl"), "-D", str(self.datadir), *args]
+        return subprocess.run(_as_postgres(cmd), capture_output=True, text=True, timeout=timeout_s + 5)
+
+    def start(self) -> None:
+        options = " ".join(
+            [
+                f"-p {self.port}",
+                "-c listen_addresses=127.0.0.1",
+                f"-c unix_socket_directories={self.parent}",
+                "-c fsync=off",
+                "-c synchronous_commit=off",
+                "-c full_page_writes=off",
+                "-c max_connections=200",
+                "-c shared_buffers=64MB",
+                "-c log_min_messages=warning",
+            ]
+        )
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            done = self._pg_ctl("start", "-w", "-t", "60", "-s", "-l", str(self.logfile), "-o", options)
+            if done.returncode == 0:
+                self._started_once = True
+                return
+            if not self._started_once and any("could not bind" in line for line in self._log_tail()):
+                self.port = _free_port()  # lost the race for the free port; the URL is not out yet
+                continue
+            # After a SIGKILL the old backends may still hold shared memory for a moment.
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable(
+                    f"throwaway Postgres on port {self.port} did not start (log: {self.logfile}): "
+                    + " | ".join(self._log_tail())
+                )
+            time.sleep(0.1)
+
+    def _log_tail(self) -> list[str]:
+        with contextlib.suppress(OSError):
+            return self.logfile.read_text(errors="replace").strip().splitlines()[-3:]
+        return []
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop it (``fast``: sessions are closed; ``immediate``: no shutdown checkpoint)."""
+        pid = self.pid
+        if pid is None:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._pg_ctl("stop", "-w", "-t", "10", "-s", "-m", mode, timeout_s=10)
+        if not _wait_gone(pid, 2):
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and its backends, as a crash of the server's host would."""
+        pid = self.pid
+        if pid is None:
+            return
+        family = [pid, *_children_of(pid)]
+        for p in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        if all(_wait_gone(p, 5) for p in family):
+            # A zombie postmaster (nobody reaps it here) would still pass Postgres' kill(pid, 0) check.
+            for stale in (self.datadir / "postmaster.pid", self.parent / f".s.PGSQL.{self.port}.lock"):
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __repr__(self) -> str:
+        return f"PostgresServer(url={self.url!r}, pid={self.pid})"
+
+
+class RedisServer:
+    """A throwaway ``redis-server`` on a free loopback port, no persistence."""
+
+    def __init__(self, binary: str, workdir: Path, port: int | None = None) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.port = port or _free_port()
+        self.logfile = workdir / "redis.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        if self._proc is None or self._proc.poll() is not None:
+            return None
+        return self._proc.pid
+
+    def start(self) -> None:
+        if self.pid is not None:
+            return
+        cmd = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--logfile",
+            str(self.logfile),
+            "--daemonize",
+            "no",
+        ]
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=self.workdir)
+        (self.workdir / "redis.pid").write_text(str(self._proc.pid))
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not _redis_ping(self.port):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                tail = (
+                    self.logfile.read_text(errors="replace").strip().splitlines()[-3:] if self.logfile.exists() else []
+                )
+                self.kill()
+                raise ServiceUnavailable(
+                    f"throwaway Redis on port {self.port} did not start (log: {self.logfile}): {' | '.join(tail)}"
+                )
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def kill(self) -> None:
+        """SIGKILL it, as a crash would."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.kill()
+        proc.wait(5)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __repr__(self) -> str:
+        return f"RedisServer(url={self.url!r}, pid={self.pid})"
+
+
+# --- the registry: everything started here is stopped at exit ------------------------------------------
+
+_servers: list[PostgresServer | RedisServer] = []
+_servers_lock = threading.Lock()
+
+
+def _register(server: PostgresServer | RedisServer) -> None:
+    with _servers_lock:
+        _servers.append(server)
+
+
+def _unregister(server: PostgresServer | RedisServer) -> None:
+    with _servers_lock:
+        with contextlib.suppress(ValueError):
+            _servers.remove(server)
+
+
+def _stop_quietly(server: PostgresServer | RedisServer) -> None:
+    with contextlib.suppress(Exception):
+        if isinstance(server, PostgresServer):
+            server.stop(mode="immediate")  # throwaway data: no shutdown checkpoint needed
+        else:
+            server.stop()
+
+
+def shutdown() -> None:
+    """Stop every server this process started and remove the temp dirs. Idempotent."""
+    if os.getpid() != _OWNER_PID:
+        return  # a forked child: the servers are its parent's
+    with _servers_lock:
+        servers = list(_servers)
+        _servers.clear()
+    # Plain threads: at interpreter exit an executor refuses new work.
+    threads = [threading.Thread(target=_stop_quietly, args=(s,), daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    _workspace.remove()
+
+
+atexit.register(shutdown)
+_previous_sigterm: Any = None
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    shutdown()
+    signal.signal(signal.SIGTERM, _previous_sigterm if callable(_previous_sigterm) else signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm_handler() -> None:
+    global _previous_sigterm
+    if threading.current_thread() is not threading.main_thread() or _previous_sigterm is not None:
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm:
+        return
+    _previous_sigterm = current if current is not None else signal.SIG_DFL
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _start_postgres(*, private: bool) -> PostgresServer:
+    """The shared instance runs on its own ``initdb``; a private one on a copy of the template (cheaper)."""
+    bindir = _find_pg_bin()
+    if bindir is None:
+        raise ServiceUnavailable(f"no PostgreSQL for the tests: {_INSTALL_PG}")
+    parent = _workspace.new_dir("pg")
+    _chown_to_postgres(parent)
+    if private:
+        template = _workspace.pg_template(bindir)
+        done = subprocess.run(_as_postgres(["cp", "-a", str(template), str(parent / "data")]), capture_output=True)
+        if done.returncode != 0:
+            raise ServiceUnavailable(f"could not copy the Postgres template: {done.stderr.decode(errors='replace')}")
+    else:
+        _initdb(bindir, parent / "data")
+    server = PostgresServer(bindir, parent)
+    _register(server)
+    server.start()
+    return server
+
+
+def _start_redis() -> RedisServer:
+    binary = _find_redis_server()
+    if binary is None:
+        raise ServiceUnavailable(f"no Redis for the tests: {_INSTALL_REDIS}")
+    server = RedisServer(binary, _workspace.new_dir("redis"))
+    _register(server)
+    server.start()
+    return server
+
+
+# --- the shared services --------------------------------------------------------------------------------
+
+
+class _Service:
+    """One shared service: the env URL if it answers, else a throwaway server; resolved once, in the background."""
+
+    def __init__(
+        self,
+        env: str,
+        answers: Callable[[str], bool],
+        start: Callable[[], PostgresServer | RedisServer],
+    ) -> None:
+        self.env = env
+        self._answers = answers
+        self._start = start
+        self._lock = threading.Lock()
+        self._future: Future[str] | None = None
+        self.source = ""
+
+    def _resolve(self) -> str:
+        given = os.environ.get(self.env)
+        if given and self._answers(given):
+            self.source = f"{self.env}={given}"
+            return given
+        try:
+            server = self._start()
+        except ServiceUnavailable as exc:
+            if given:
+                raise ServiceUnavailable(f"{exc} ({self.env}={given} did not answer)") from None
+            raise
+        self.source = f"throwaway server (pid {server.pid}) at {server.url}" + (
+            f"; {self.env}={given} did not answer" if given else ""
+        )
+        os.environ[self.env] = server.url  # subprocesses (Celery workers) inherit it
+        return server.url
+
+    def start(self, executor: ThreadPoolExecutor) -> None:
+        with self._lock:
+            if self._future is None:
+                self._future = executor.submit(self._resolve)
+
+    def url(self, executor: ThreadPoolExecutor) -> str:
+        self.start(executor)
+        assert self._future is not None
+        return self._future.result()
+
+
+_executor = ThreadPoolExecutor(max_workers=3, thread_name_prefix="june-services")
+_postgres = _Service("JUNE_DATABASE_URL", _postgres_answers, lambda: _start_postgres(private=False))
+_redis = _Service("JUNE_REDIS_URL", _redis_answers, _start_redis)
+
+
+def start_in_background(*, postgres: bool = True, redis: bool = True, private_postgres: bool = False) -> None:
+    """Begin resolving the services now (in parallel, without waiting); the URL functions then just wait."""
+    _install_sigterm_handler()
+    if postgres:
+        _postgres.start(_executor)
+    if redis:
+        _redis.start(_executor)
+    if private_postgres:
+        bindir = _find_pg_bin()
+        if bindir is not None:
+            _executor.submit(_workspace.pg_template, bindir)  # errors resurface when a test asks
 
 
 def postgres_url() -> str:
-    return os.environ.get("JUNE_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
+    """A Postgres URL that answers, also exported as ``JUNE_DATABASE_URL``; raises :class:`ServiceUnavailable`."""
+    _install_sigterm_handler()
+    return _postgres.url(_executor)
 
 
 def redis_url() -> str:
-    return os.environ.get("JUNE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    """A Redis URL that answers, also exported as ``JUNE_REDIS_URL``; raises :class:`ServiceUnavailable`."""
+    _install_sigterm_handler()
+    return _redis.url(_executor)
+
+
+def describe() -> list[str]:
+    """Where each resolved service came from, for the end-of-run summary."""
+    return [f"{name}: {s.source}" for name, s in (("postgres", _postgres), ("redis", _redis)) if s.source]
+
+
+@contextlib.contextmanager
+def private_postgres() -> Iterator[PostgresServer]:
+    """A Postgres of the test's own, on a free port: kill it, restart it; it is gone afterwards."""
+    _install_sigterm_handler()
+    server = _start_postgres(private=True)
+    try:
+        yield server
+    finally:
+        _unregister(server)
+        _stop_quietly(server)
+        shutil.rmtree(server.parent, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[RedisServer]:
+    """A Redis of the test's own, on a free port: kill it, restart it; it is gone afterwards."""
+    _install_sigterm_handler()
+    server = _start_redis()
+    try:
+        yield server
+    finally:
+        _unregister(server)
+        _stop_quietly(server)
+        shutil.rmtree(server.workdir, ignore_errors=True)
+
+
+def _main() -> None:  # pragma: no cover - a manual check: python -m tests._services
+    t0 = time.perf_counter()
+    start_in_background()
+    print(postgres_url(), redis_url(), f"{time.perf_counter() - t0:.2f}s", file=sys.stderr)
+    print("\n".join(describe()), file=sys.stderr)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main()
