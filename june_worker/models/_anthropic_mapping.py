@@ -1,0 +1,215 @@
+"""Pure mapping between the engine's types and the Anthropic Messages API (no SDK import, no I/O).
+
+Request side: the transcript becomes alternating ``user`` / ``assistant`` messages of content
+blocks; replies come back as a :class:`ModelReply`, a :class:`Finish` and a :class:`Usage`.
+
+The rule a reader must not break: **an assistant message is replayed as the API returned it**
+— its thinking blocks (signature intact, redacted ones included) first and in their original
+order, then its text, then its ``tool_use`` blocks — otherwise a tool-use turn under thinking
+is rejected on replay.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ..engine.model import ToolSpec
+from ..engine.types import (
+    AssistantMessage,
+    Finish,
+    FinishReason,
+    Message,
+    ModelReply,
+    ReasoningBlock,
+    ToolCall,
+    ToolMessage,
+    TriggerMessage,
+    Usage,
+    UserMessage,
+)
+
+__all__ = [
+    "DEFAULT_TRIGGER_NOTE",
+    "STOP_REASONS",
+    "finish_for",
+    "reply_from",
+    "system_param",
+    "tools_param",
+    "transcript_param",
+    "usage_from",
+]
+
+log = logging.getLogger("june_worker.models.anthropic")
+
+Block = dict[str, Any]
+MessageParam = dict[str, Any]
+
+CACHE_CONTROL: dict[str, str] = {"type": "ephemeral"}
+
+DEFAULT_TRIGGER_NOTE = "[Automated message from {by}. No human sent it.]"
+"""Sent as a text block before a ``trigger`` message's text, so the model knows no person is asking."""
+
+STOP_REASONS: dict[str, FinishReason] = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "tool_use": "tool_calls",
+    "max_tokens": "max_tokens",
+    "model_context_window_exceeded": "max_tokens",
+    "refusal": "refusal",
+    "pause_turn": "other",
+}
+"""Every documented ``stop_reason``; anything else maps to ``other`` (``raw`` keeps the value)."""
+
+_UNCACHEABLE = frozenset({"thinking", "redacted_thinking"})
+
+
+# --- request ---------------------------------------------------------------------------------------
+
+
+def _text(text: str) -> list[Block]:
+    # The API rejects empty text blocks, so an empty text contributes no block at all.
+    return [{"type": "text", "text": text}] if text else []
+
+
+def reasoning_param(block: ReasoningBlock) -> Block | None:
+    """A stored reasoning block as the API wants it back, or None when it cannot be verified."""
+    if block.redacted is not None:
+        return {"type": "redacted_thinking", "data": block.redacted}
+    if block.signature is not None:
+        return {"type": "thinking", "thinking": block.text, "signature": block.signature}
+    return None  # unsigned reasoning (another provider, a scripted model): the API would reject it
+
+
+def tool_result_content(result: Any) -> str:
+    """A tool result as compact JSON text (``{"ok":1}``), the same bytes on every replay."""
+    return json.dumps(result, ensure_ascii=False, separators=(",", ":"))
+
+
+def _assistant_blocks(message: AssistantMessage) -> list[Block]:
+    blocks = [p for p in (reasoning_param(r) for r in message.reasoning) if p is not None]
+    blocks += _text(message.text)
+    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": dict(c.input)} for c in message.tool_calls]
+    return blocks
+
+
+def _tool_result(message: ToolMessage) -> Block:
+    block: Block = {
+        "type": "tool_result",
+        "tool_use_id": message.call_id,
+        "content": tool_result_content(message.result),
+    }
+    if message.is_error:
+        block["is_error"] = True
+    return block
+
+
+def _role_and_blocks(message: Message, trigger_note: str | None) -> tuple[str, list[Block]]:
+    if isinstance(message, UserMessage):
+        return "user", _text(message.text)
+    if isinstance(message, TriggerMessage):
+        note = _text(trigger_note.format(by=message.by)) if trigger_note else []
+        return "user", note + _text(message.text)
+    if isinstance(message, AssistantMessage):
+        return "assistant", _assistant_blocks(message)
+    return "user", [_tool_result(message)]
+
+
+def transcript_param(
+    messages: Sequence[Message], *, trigger_note: str | None = DEFAULT_TRIGGER_NOTE, cache: bool = False
+) -> list[MessageParam]:
+    """The transcript as Messages API ``messages``, roles strictly alternating.
+
+    Consecutive messages of one role are folded into one message: the results of one batch of
+    tool calls become one ``user`` message of ``tool_result`` blocks, as the API requires. A
+    message with no content (an empty assistant reply) is left out. With ``cache``, the last
+    block of the last message carries a cache breakpoint, so the whole prefix is cached.
+    """
+    out: list[MessageParam] = []
+    for message in messages:
+        role, blocks = _role_and_blocks(message, trigger_note)
+        if not blocks:
+            continue
+        if out and out[-1]["role"] == role:
+            out[-1]["content"].extend(blocks)
+        else:
+            out.append({"role": role, "content": blocks})
+    if cache and out:
+        last = out[-1]["content"][-1]
+        if last["type"] not in _UNCACHEABLE:
+            last["cache_control"] = dict(CACHE_CONTROL)
+    return out
+
+
+def system_param(system: str, *, cache: bool) -> list[Block] | None:
+    """The system prompt as one text block (a cache breakpoint when ``cache``), or None when empty."""
+    if not system:
+        return None
+    block: Block = {"type": "text", "text": system}
+    if cache:
+        block["cache_control"] = dict(CACHE_CONTROL)
+    return [block]
+
+
+def tools_param(tools: Sequence[ToolSpec], *, cache: bool) -> list[Block] | None:
+    """Tool definitions; with ``cache`` the last one carries the breakpoint that caches them all."""
+    if not tools:
+        return None
+    out: list[Block] = []
+    for spec in tools:
+        definition: Block = {"name": spec.name, "input_schema": dict(spec.input_schema)}
+        if spec.description:
+            definition["description"] = spec.description
+        out.append(definition)
+    if cache:
+        out[-1]["cache_control"] = dict(CACHE_CONTROL)
+    return out
+
+
+# --- reply ------------------------------------------------------------------------------------------
+
+
+def finish_for(stop_reason: str | None) -> Finish:
+    """Why the model stopped, in the engine's words; ``raw`` is always the provider's own value."""
+    return Finish(reason=STOP_REASONS.get(stop_reason or "", "other"), raw=stop_reason)
+
+
+def reply_from(message: Any) -> ModelReply:
+    """The authoritative reply from the SDK's final assembled message.
+
+    Text blocks are joined (the same text the deltas spelled out); thinking and redacted
+    thinking blocks are kept verbatim, in order, for replay. Server-side blocks (web search and
+    the like) have no place in the transcript and are left out.
+    """
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    reasoning: list[ReasoningBlock] = []
+    for block in getattr(message, "content", None) or []:
+        kind = getattr(block, "type", None)
+        if kind == "text":
+            texts.append(block.text)
+        elif kind == "thinking":
+            reasoning.append(ReasoningBlock(text=block.thinking, signature=block.signature))
+        elif kind == "redacted_thinking":
+            reasoning.append(ReasoningBlock(redacted=block.data))
+        elif kind == "tool_use":
+            raw_input = block.input
+            calls.append(ToolCall(id=block.id, name=block.name, input=dict(raw_input) if raw_input else {}))
+        else:
+            log.debug("anthropic reply: ignoring a %s block", kind)
+    return ModelReply(text="".join(texts), tool_calls=calls, reasoning=reasoning)
+
+
+def usage_from(message: Any) -> Usage | None:
+    """Token counts; ``input_tokens`` excludes the cached ones, which are reported apart."""
+    usage = getattr(message, "usage", None)
+    if usage is None:
+        return None
+    return Usage(
+        input_tokens=getattr(usage, "input_tokens", None) or 0,
+        output_tokens=getattr(usage, "output_tokens", None) or 0,
+        cache_read_tokens=getattr(usage, "cache_read_input_tokens", None) or 0,
+        cache_write_tokens=getattr(usage, "cache_creation_input_tokens", None) or 0,
+    )

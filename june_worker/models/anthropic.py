@@ -1,0 +1,344 @@
+"""AnthropicModel: the Model seam on the official ``anthropic`` SDK (the ``anthropic`` extra).
+
+One model call is one streamed Messages API request. Text and thinking deltas are forwarded
+as they arrive; the SDK's final assembled message is the authoritative reply, yielded once as
+``Done``. The transcript mapping lives in :mod:`._anthropic_mapping`.
+
+Retries happen before the engine commits anything, and never yield ``Done`` twice:
+
+* HTTP-level failures (overloaded 529, rate limit 429, 5xx, connection errors) are retried
+  by the SDK itself, with its exponential backoff (honouring ``retry-after``), at most
+  ``max_retries`` times.
+* An error that arrives *inside* the stream (an SSE ``error`` event such as
+  ``overloaded_error``, or the connection dropping mid-body) restarts the request, at most
+  ``stream_retries`` times, but only while nothing has been forwarded yet: a delta already
+  shown to a subscriber is never shown twice.
+
+Anything else raises :class:`ModelProviderError` with the provider's own message, or
+:class:`~june_worker.errors.ModelStreamError` for a stream that broke the protocol.
+
+The one rule a reader must not break: **the API key never leaves the client** — not in a
+log line, an exception message, or ``repr()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator, Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from ..engine.model import Done, ModelDelta, ModelRequest, ReasoningChunk, TextChunk
+from ..errors import ConfigError, ModelStreamError, TurnError
+from ._anthropic_mapping import (
+    DEFAULT_TRIGGER_NOTE,
+    finish_for,
+    reply_from,
+    system_param,
+    tools_param,
+    transcript_param,
+    usage_from,
+)
+
+if TYPE_CHECKING:
+    from anthropic import AsyncAnthropic
+
+__all__ = ["DEFAULT_MODEL", "INSTALL_HINT", "AnthropicModel", "ModelProviderError"]
+
+log = logging.getLogger("june_worker.models.anthropic")
+
+DEFAULT_MODEL = "claude-sonnet-4-6"
+INSTALL_HINT = "pip install 'june-worker[anthropic]'"
+
+RETRYABLE_STREAM_ERRORS = frozenset({"overloaded_error", "api_error", "rate_limit_error", "timeout_error"})
+"""``error.type`` values of an in-stream ``error`` event that a fresh request may not hit again."""
+
+_MAX_STREAM_RETRY_DELAY_S = 8.0
+_MIN_THINKING_BUDGET = 1024
+
+
+class ModelProviderError(TurnError):
+    """The model provider refused or broke a call; ``retryable`` says whether a later attempt may succeed."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int | None = None,
+        error_type: str | None = None,
+        request_id: str | None = None,
+        retryable: bool = False,
+    ) -> None:
+        super().__init__(message, status_code, error_type, request_id, retryable)
+        self.message = message
+        self.status_code = status_code
+        self.error_type = error_type
+        self.request_id = request_id
+        self.retryable = retryable
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _sdk() -> ModuleType:
+    try:
+        import anthropic
+    except ImportError as exc:
+        raise ConfigError(f"AnthropicModel needs the Anthropic SDK, which is not installed: {INSTALL_HINT}") from exc
+    return anthropic
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP library's transport errors (a connection dropped mid-body is raised unwrapped)."""
+    found: list[type[BaseException]] = []
+    for name in ("httpx2", "httpx"):
+        module = sys.modules.get(name)
+        error = getattr(module, "TransportError", None) if module is not None else None
+        if isinstance(error, type) and issubclass(error, BaseException):
+            found.append(error)
+    return tuple(found)
+
+
+def _chunk(event: Any) -> TextChunk | ReasoningChunk | None:
+    """The live delta in one raw stream event, if any (signature and tool-input deltas are not shown)."""
+    if getattr(event, "type", None) != "content_block_delta":
+        return None
+    delta = event.delta
+    kind = getattr(delta, "type", None)
+    if kind == "text_delta" and delta.text:
+        return TextChunk(text=delta.text)
+    if kind == "thinking_delta" and delta.thinking:
+        return ReasoningChunk(text=delta.thinking)
+    return None
+
+
+class AnthropicModel:
+    """The Model seam on Anthropic's Messages API.
+
+    ``thinking``: ``False`` (default) sends no thinking configuration; ``True`` asks for
+    adaptive thinking; an int asks for extended thinking with that token budget (at least
+    1024 and below ``max_tokens``). Thinking blocks are stored on the assistant message and
+    echoed back on replay.
+
+    ``cache``: put cache breakpoints on the system prompt, the tool definitions and the last
+    block of the transcript, so each step of a turn reads the previous step's prefix from cache.
+
+    ``trigger_note``: how a ``trigger`` message (a proactive turn) is attributed; formatted with
+    ``{by}`` and sent as a text block before the trigger's text. ``None`` sends the text alone.
+
+    ``temperature``: sent only when set. The Messages API version that SDK 2.x sends
+    (``2026-10-21``) rejects every sampling parameter, so set it only for an older API version
+    or a compatible gateway.
+
+    ``client``: an ``AsyncAnthropic`` (or a look-alike) to use as is; otherwise one is made per
+    event loop from ``api_key`` / ``base_url`` (the SDK reads ``ANTHROPIC_API_KEY`` when no key
+    is given; :meth:`from_env` reads it explicitly). ``max_retries`` bounds the SDK's HTTP retries; ``stream_retries`` and
+    ``stream_retry_delay_s`` bound the restarts after an in-stream error.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        max_tokens: int = 8192,
+        temperature: float | None = None,
+        thinking: bool | int = False,
+        cache: bool = True,
+        trigger_note: str | None = DEFAULT_TRIGGER_NOTE,
+        client: AsyncAnthropic | Any | None = None,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        max_retries: int | None = None,
+        stream_retries: int = 2,
+        stream_retry_delay_s: float = 1.0,
+    ) -> None:
+        if max_tokens < 1:
+            raise ConfigError(f"max_tokens must be a positive number of tokens, got {max_tokens}")
+        if thinking is not True and thinking is not False:
+            if thinking < _MIN_THINKING_BUDGET or thinking >= max_tokens:
+                raise ConfigError(
+                    f"thinking budget must be at least {_MIN_THINKING_BUDGET} tokens and below max_tokens "
+                    f"({max_tokens}), got {thinking}; or pass thinking=True for adaptive thinking"
+                )
+        if stream_retries < 0 or (max_retries is not None and max_retries < 0):
+            raise ConfigError("max_retries and stream_retries must be 0 or more")
+        if client is None:
+            _sdk()  # a missing extra is a deployment mistake: say so when the model is built
+        elif max_retries is not None and callable(getattr(client, "with_options", None)):
+            client = client.with_options(max_retries=max_retries)
+        self.model = model
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.thinking = thinking
+        self.cache = cache
+        self.trigger_note = trigger_note
+        self.max_retries = max_retries
+        self.stream_retries = stream_retries
+        self.stream_retry_delay_s = stream_retry_delay_s
+        self._client = client
+        self._api_key = api_key
+        self._base_url = base_url
+        client_key = getattr(client, "api_key", None)
+        # the key to keep out of every message we raise or log, whichever side holds it
+        self._secret: str | None = api_key or (client_key if isinstance(client_key, str) else None)
+        self._owned: tuple[asyncio.AbstractEventLoop, AsyncAnthropic] | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> AnthropicModel:
+        """Build from the environment: ``ANTHROPIC_API_KEY`` (required), ``ANTHROPIC_MODEL`` and
+        ``ANTHROPIC_BASE_URL`` (optional). Keyword arguments win over the environment."""
+        env = os.environ if env is None else env
+        if "client" not in kwargs and "api_key" not in kwargs:
+            key = env.get("ANTHROPIC_API_KEY", "").strip()
+            if not key:
+                raise ConfigError("ANTHROPIC_API_KEY is not set; export it, or pass api_key= or client=")
+            kwargs["api_key"] = key
+        if env.get("ANTHROPIC_MODEL") and "model" not in kwargs:
+            kwargs["model"] = env["ANTHROPIC_MODEL"]
+        if env.get("ANTHROPIC_BASE_URL") and "base_url" not in kwargs and "client" not in kwargs:
+            kwargs["base_url"] = env["ANTHROPIC_BASE_URL"]
+        return cls(**kwargs)
+
+    def __repr__(self) -> str:
+        if self._client is not None:
+            auth = "client=<injected>"
+        else:
+            auth = "api_key=<set>" if self._api_key else "api_key=<from environment>"
+        return (
+            f"AnthropicModel(model={self.model!r}, max_tokens={self.max_tokens}, thinking={self.thinking!r}, "
+            f"cache={self.cache}, {auth})"
+        )
+
+    # --- the request ------------------------------------------------------------------------------
+
+    def thinking_param(self) -> dict[str, Any] | None:
+        if self.thinking is False:
+            return None
+        if self.thinking is True:
+            return {"type": "adaptive"}
+        return {"type": "enabled", "budget_tokens": int(self.thinking)}
+
+    def build_params(self, request: ModelRequest) -> dict[str, Any]:
+        """The keyword arguments of ``client.messages.stream`` for one call (no I/O; handy in tests)."""
+        params: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "messages": transcript_param(request.messages, trigger_note=self.trigger_note, cache=self.cache),
+        }
+        system = system_param(request.system, cache=self.cache)
+        if system is not None:
+            params["system"] = system
+        tools = tools_param(request.tools, cache=self.cache)
+        if tools is not None:
+            params["tools"] = tools
+        thinking = self.thinking_param()
+        if thinking is not None:
+            params["thinking"] = thinking
+        if self.temperature is not None:
+            params["extra_body"] = {"temperature": self.temperature}
+        return params
+
+    # --- the call -----------------------------------------------------------------------------------
+
+    def _client_for_this_loop(self) -> Any:
+        if self._client is not None:
+            return self._client
+        loop = asyncio.get_running_loop()
+        if self._owned is None or self._owned[0] is not loop:
+            # An SDK client's connection pool belongs to the loop it was used on; a worker that runs
+            # each task in a fresh loop gets a fresh client.
+            sdk = _sdk()
+            options: dict[str, Any] = {"api_key": self._api_key, "base_url": self._base_url}
+            if self.max_retries is not None:
+                options["max_retries"] = self.max_retries
+            self._owned = (loop, sdk.AsyncAnthropic(**options))
+        return self._owned[1]
+
+    async def aclose(self) -> None:
+        """Close the client this model made (an injected client is the caller's to close)."""
+        if self._owned is not None:
+            owned, self._owned = self._owned[1], None
+            await owned.close()
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelDelta]:
+        client = self._client_for_this_loop()
+        params = self.build_params(request)
+        restarts = 0
+        while True:
+            forwarded = False
+            try:
+                async with client.messages.stream(**params) as events:
+                    async for event in events:
+                        chunk = _chunk(event)
+                        if chunk is not None:
+                            forwarded = True
+                            yield chunk
+                    final = await events.get_final_message()
+            except Exception as exc:
+                error = self._translate(exc)
+                if forwarded or restarts >= self.stream_retries or not self._restartable(exc):
+                    if error is exc:
+                        raise
+                    raise error from (None if self._leaks_key(exc) else exc)
+                restarts += 1
+                delay = min(self.stream_retry_delay_s * 2 ** (restarts - 1), _MAX_STREAM_RETRY_DELAY_S)
+                log.warning(
+                    "anthropic stream failed before any output (%s); restart %d/%d in %.2fs",
+                    error,
+                    restarts,
+                    self.stream_retries,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                continue
+            break
+        if getattr(final, "stop_reason", None) is None:
+            raise ModelStreamError("the Anthropic stream ended before the model finished (no stop_reason)")
+        yield Done(reply=reply_from(final), finish=finish_for(final.stop_reason), usage=usage_from(final))
+
+    # --- errors -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _restartable(exc: BaseException) -> bool:
+        """An error from inside a stream that a fresh request may not hit (HTTP errors: the SDK retried)."""
+        sdk = sys.modules.get("anthropic")
+        if sdk is not None and isinstance(exc, sdk.APIStatusError):
+            return exc.status_code < 400 and getattr(exc, "type", None) in RETRYABLE_STREAM_ERRORS
+        return isinstance(exc, _transport_errors())
+
+    def _leaks_key(self, exc: BaseException) -> bool:
+        return self._secret is not None and self._secret != "" and self._secret in str(exc)
+
+    def _scrub(self, text: str) -> str:
+        return text.replace(self._secret, "<redacted>") if self._secret else text
+
+    def _translate(self, exc: Exception) -> Exception:
+        """The error the engine sees: the provider's message, never the key; unknown errors pass through."""
+        sdk = sys.modules.get("anthropic")
+        if sdk is not None and isinstance(exc, sdk.APIStatusError):
+            error_type = getattr(exc, "type", None)
+            detail = getattr(exc, "api_message", None) or exc.message
+            in_stream = exc.status_code < 400
+            where = "stream error" if in_stream else f"API error {exc.status_code}"
+            kind = f" {error_type}" if error_type else ""
+            request = f" (request {exc.request_id})" if getattr(exc, "request_id", None) else ""
+            retryable = error_type in RETRYABLE_STREAM_ERRORS if in_stream else exc.status_code in (408, 409, 429)
+            return ModelProviderError(
+                self._scrub(f"Anthropic {where}{kind}: {detail}{request}"),
+                None if in_stream else exc.status_code,
+                error_type,
+                getattr(exc, "request_id", None),
+                retryable or exc.status_code >= 500,
+            )
+        if (sdk is not None and isinstance(exc, sdk.APIConnectionError)) or isinstance(exc, _transport_errors()):
+            return ModelProviderError(
+                self._scrub(f"Anthropic connection failed: {exc or type(exc).__name__}"), retryable=True
+            )
+        if sdk is not None and isinstance(exc, sdk.AnthropicError):
+            return ModelProviderError(self._scrub(f"Anthropic client error: {exc}"))
+        if isinstance(exc, (ValueError, RuntimeError, AssertionError, LookupError, TypeError)):
+            # raised by the SDK while decoding or assembling the stream
+            return ModelStreamError(self._scrub(f"malformed Anthropic stream: {type(exc).__name__}: {exc}"))
+        return exc
