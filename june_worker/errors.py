@@ -11,7 +11,8 @@
     │   ├── TurnSuspendedError        the turn parked for input (raised by ``turn()``)
     │   ├── TurnRejectedError         the turn was refused before it opened
     │   ├── ModelStepError            the model stopped abnormally with nothing to say
-    │   └── ModelStreamError          the model stream broke its contract (no final reply)
+    │   ├── ModelStreamError          the model stream broke its contract (no final reply)
+    │   └── ModelProviderError        the provider refused or broke a call (``retryable`` says which)
     ├── FatalToolError                a tool says the turn cannot go on; fails the turn
     ├── StoreError                    the store refused an operation
     │   ├── LeaseLostError            a commit was fenced off: another worker holds the session
@@ -41,6 +42,7 @@ __all__ = [
     "InvalidAnswerError",
     "JuneError",
     "LeaseLostError",
+    "ModelProviderError",
     "ModelStepError",
     "ModelStreamError",
     "PayloadError",
@@ -97,6 +99,28 @@ class ModelStepError(TurnError):
 
 class ModelStreamError(TurnError):
     """The model stream ended without a final reply, or yielded something unknown."""
+
+
+class ModelProviderError(TurnError):
+    """The model provider refused or broke a call; ``retryable`` says whether a later attempt may succeed."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int | None = None,
+        error_type: str | None = None,
+        request_id: str | None = None,
+        retryable: bool = False,
+    ) -> None:
+        super().__init__(message, status_code, error_type, request_id, retryable)
+        self.message = message
+        self.status_code = status_code
+        self.error_type = error_type
+        self.request_id = request_id
+        self.retryable = retryable
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class FatalToolError(JuneError):

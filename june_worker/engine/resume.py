@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
 from .agent import Agent, AnswerRequest
-from .events import TurnStarted
+from .events import Cancelled, TurnCancelled, TurnStarted
 from .store import Commit, StepRecord, SuspendedCheckpoint, input_step_id
 from .types import JsonValue, PolicyAnswerer, Principal, ResumeTrigger, UserAnswerer
 
-__all__ = ["Grant", "check_parked", "grant_answer", "resume_commit", "timeout_commit"]
+__all__ = ["Grant", "check_parked", "grant_answer", "reset_park_commit", "resume_commit", "timeout_commit"]
 
 
 @dataclass(frozen=True)
@@ -145,4 +145,15 @@ def _answer_commit(parked: SuspendedCheckpoint, data: dict[str, JsonValue]) -> C
         turn_status="queued",
         turn_result=None,
         expect_suspended=(parked.turn_id, parked.request.id),
+    )
+
+
+def reset_park_commit(parked: SuspendedCheckpoint) -> Commit:
+    """A reset ends the parked turn: cancelled (reason ``reset``), so its followers see it end."""
+    return Commit(
+        events=[TurnCancelled(turn_id=parked.turn_id, reason="reset")],
+        clear_suspended=True,
+        turn_id=parked.turn_id,
+        turn_status="cancelled",
+        turn_result=Cancelled(turn_id=parked.turn_id, reason="reset"),
     )

@@ -33,11 +33,11 @@ from ..errors import (
     TurnSuspendedError,
 )
 from .agent import Agent
-from .events import Cancelled, Completed, Failed, Rejected, Suspended, TurnCancelled, TurnResult
+from .events import Cancelled, Completed, Failed, Rejected, Suspended, TurnResult
 from .fanout import FanoutSink, Observer
 from .ids import new_turn_id, validate_session_id
 from .loop import CrashHook, TurnRunner, reject_turn
-from .resume import Grant, check_parked, grant_answer, resume_commit, timeout_commit
+from .resume import Grant, check_parked, grant_answer, reset_park_commit, resume_commit, timeout_commit
 from .sink import EventSink
 from .store import (
     UNFINISHED_TURN_STATUSES,
@@ -299,15 +299,7 @@ class AgentSession:
             if parked is not None:
                 # A stale park ends with the reset: archived, and its followers see it end.
                 self._disarm(parked.turn_id)
-                self._apply(
-                    Commit(
-                        events=[TurnCancelled(turn_id=parked.turn_id, reason="reset")],
-                        clear_suspended=True,
-                        turn_id=parked.turn_id,
-                        turn_status="cancelled",
-                        turn_result=Cancelled(turn_id=parked.turn_id, reason="reset"),
-                    )
-                )
+                self._apply(reset_park_commit(parked))
                 self._resolve(parked.turn_id, Cancelled(turn_id=parked.turn_id, reason="reset"))
             return self.store.reset(self.ref)
         finally:

@@ -91,6 +91,8 @@ class TurnPayload(_Record):
     trigger_by: str | None = None
     """Set for a proactive turn: the opening is a ``trigger`` message attributed to it."""
     replace: bool = False
+    target: dict[str, JsonValue] | None = None
+    """Where the agent's ``deliver`` hook renders the result (proactive turns)."""
 
 
 class TurnRecord(_Record):

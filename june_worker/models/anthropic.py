@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ..engine.model import Done, ModelDelta, ModelRequest, ReasoningChunk, TextChunk
-from ..errors import ConfigError, ModelStreamError, TurnError
+from ..errors import ConfigError, ModelProviderError, ModelStreamError
 from ._anthropic_mapping import (
     DEFAULT_TRIGGER_NOTE,
     finish_for,
@@ -58,28 +58,6 @@ RETRYABLE_STREAM_ERRORS = frozenset({"overloaded_error", "api_error", "rate_limi
 
 _MAX_STREAM_RETRY_DELAY_S = 8.0
 _MIN_THINKING_BUDGET = 1024
-
-
-class ModelProviderError(TurnError):
-    """The model provider refused or broke a call; ``retryable`` says whether a later attempt may succeed."""
-
-    def __init__(
-        self,
-        message: str,
-        status_code: int | None = None,
-        error_type: str | None = None,
-        request_id: str | None = None,
-        retryable: bool = False,
-    ) -> None:
-        super().__init__(message, status_code, error_type, request_id, retryable)
-        self.message = message
-        self.status_code = status_code
-        self.error_type = error_type
-        self.request_id = request_id
-        self.retryable = retryable
-
-    def __str__(self) -> str:
-        return self.message
 
 
 def _sdk() -> ModuleType:
