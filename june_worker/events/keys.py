@@ -1,0 +1,87 @@
+"""Every Redis key, stream and channel name june-worker uses, in one place.
+
+Layout (``<p>`` is the default prefix ``june``; ``{...}`` are literal braces, a Redis
+Cluster hash tag: only the text between them picks the slot)::
+
+    june:events:{<agent>:<session>}           stream   one session's events, structural and deltas
+    june:relayed:{<agent>:<session>}          string   highest seq appended to that stream
+    june:control:{<agent>:<session>}          channel  cancel / control signals to the running worker
+    june:events:all:<n>                       stream   firehose partition n: every session's structural events
+    june:firehose:relayed:{june:events:all:<n>}  hash  session key -> highest seq appended to partition n
+
+The rule a reader must not break: **a marker lives in the same hash slot as the stream it
+guards**, because the script that compares and appends touches both in one call. A session's
+keys share the tag ``{<agent>:<session>}``. A firehose partition keeps the bare name
+``june:events:all:<n>`` of the design; a key with no braces hashes as a whole, so its marker
+uses the stream's full name as its tag and lands in the same slot.
+
+A session goes to partition ``crc32(<agent>:<session>) % partitions``: stable across
+processes and versions (never Python's salted ``hash``). Changing the partition count moves
+sessions to other partitions; their new partition has no marker for them yet, so the next
+publish backfills their history there (see :mod:`.redis_stream`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from ..engine.store import SessionRef
+
+__all__ = ["DEFAULT_KEYS", "EventKeys"]
+
+
+@dataclass(frozen=True, slots=True)
+class EventKeys:
+    """Names of the event keys; ``prefix`` isolates deployments (and tests) sharing one Redis."""
+
+    prefix: str = "june"
+    firehose_partitions: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c in self.prefix for c in "{} \r\n"):
+            raise ValueError(f"invalid key prefix {self.prefix!r}: expected a non-empty name without braces or spaces")
+        if self.firehose_partitions < 1:
+            raise ValueError(f"firehose_partitions must be at least 1, not {self.firehose_partitions}")
+
+    # --- one session ---------------------------------------------------------------------------
+
+    @staticmethod
+    def session_tag(ref: SessionRef) -> str:
+        """The hash tag shared by all of a session's keys."""
+        return "{" + ref.key + "}"
+
+    def session_stream(self, ref: SessionRef) -> str:
+        return f"{self.prefix}:events:{self.session_tag(ref)}"
+
+    def session_marker(self, ref: SessionRef) -> str:
+        """Highest structural ``seq`` appended to :meth:`session_stream` (a string key)."""
+        return f"{self.prefix}:relayed:{self.session_tag(ref)}"
+
+    def control_channel(self, ref: SessionRef) -> str:
+        """Pub/sub channel that tells the worker running the session to cancel (or other control)."""
+        return f"{self.prefix}:control:{self.session_tag(ref)}"
+
+    # --- the firehose --------------------------------------------------------------------------
+
+    def partition(self, ref: SessionRef) -> int:
+        """The firehose partition of a session: a stable hash of its key."""
+        return zlib.crc32(ref.key.encode()) % self.firehose_partitions
+
+    def firehose_stream(self, partition: int) -> str:
+        self._check_partition(partition)
+        return f"{self.prefix}:events:all:{partition}"
+
+    def firehose_marker(self, partition: int) -> str:
+        """Hash ``<agent>:<session>`` -> highest ``seq`` of that session appended to the partition."""
+        return f"{self.prefix}:firehose:relayed:{{{self.firehose_stream(partition)}}}"
+
+    def firehose_streams(self) -> list[str]:
+        return [self.firehose_stream(p) for p in range(self.firehose_partitions)]
+
+    def _check_partition(self, partition: int) -> None:
+        if not 0 <= partition < self.firehose_partitions:
+            raise ValueError(f"firehose partition {partition} out of range 0..{self.firehose_partitions - 1}")
+
+
+DEFAULT_KEYS = EventKeys()

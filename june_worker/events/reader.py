@@ -1,0 +1,330 @@
+"""Reading events back: follow one session (or one turn), read the firehose, share it in a group.
+
+``follow`` catches up from ``last_id`` and then waits for new entries with XREAD BLOCK; a
+stream id is the resume token (the gateway's SSE ``Last-Event-ID``). Following one turn
+ends after that turn's terminal event (``turn.completed``, ``turn.failed``,
+``turn.cancelled``, or ``input.requested``: the turn parked; follow again from that entry's
+id to see it continue after a resume). Following a whole session ends only at ``timeout_s``.
+
+The rule a reader must not break: **resume from the last ``stream_id`` you handled**, never
+from a ``seq``: deltas have no seq, and ids are what XREAD understands. Within one follow a
+structural event is yielded at most once even if the stream holds it twice (after Redis lost
+its keys and the stream was rebuilt from the store).
+
+Entries that do not decode (a newer version's event type) are logged and skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, Generator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from ..engine.events import TurnEvent, TurnEventAdapter, is_structural, is_terminal
+from ..engine.store import SessionRef
+from .keys import DEFAULT_KEYS, EventKeys
+
+__all__ = [
+    "StreamEvent",
+    "ack",
+    "afollow",
+    "claim_stale",
+    "decode_entry",
+    "ensure_group",
+    "follow",
+    "read_firehose",
+    "read_group",
+]
+
+log = logging.getLogger("june_worker.events.reader")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """One decoded stream entry: its id (the resume token), the event, and where it came from."""
+
+    stream_id: str
+    event: TurnEvent
+    agent: str
+    session: str
+    stream: str = ""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def decode_entry(stream: str, entry_id: str, fields: dict[Any, Any] | None) -> StreamEvent | None:
+    """A stream entry (fields ``type`` and ``data``) as a :class:`StreamEvent`; None if it does not decode."""
+    if not fields:
+        return None
+    raw: Any = fields.get("data", fields.get(b"data"))
+    try:
+        data = json.loads(raw)
+        agent = str(data.pop("agent"))
+        session = str(data.pop("session"))
+        event = TurnEventAdapter.validate_python(data)
+    except (TypeError, KeyError, ValueError, ValidationError) as exc:
+        log.warning("skipped entry %s of %s: it does not decode as a TurnEvent (%s)", entry_id, stream, exc)
+        return None
+    return StreamEvent(stream_id=entry_id, event=event, agent=agent, session=session, stream=stream)
+
+
+def _entries(response: Any) -> list[tuple[str, str, dict[Any, Any] | None]]:
+    """(stream, id, fields) of an XREAD / XREADGROUP reply, in RESP2 (list) or RESP3 (dict) shape."""
+    if not response:
+        return []
+    pairs = response.items() if isinstance(response, dict) else response
+    out: list[tuple[str, str, dict[Any, Any] | None]] = []
+    for stream, entries in pairs:
+        name = _text(stream)
+        for entry_id, fields in entries:
+            out.append((name, _text(entry_id), fields))
+    return out
+
+
+def _safe_block_ms(client: Any, block_ms: int) -> int:
+    """``block_ms`` cut below the client's socket timeout: a BLOCK longer than it would end in a TimeoutError."""
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
+    socket_timeout = kwargs.get("socket_timeout")
+    if socket_timeout:
+        block_ms = min(block_ms, max(1, int(socket_timeout * 800)))
+    return max(1, block_ms)
+
+
+class _Follow:
+    """The state of one follow, shared by the sync and async loops: position, filter, deadline."""
+
+    def __init__(
+        self, stream: str, turn_id: str | None, last_id: str, block_ms: int, timeout_s: float | None, deltas: bool
+    ) -> None:
+        self.stream = stream
+        self.turn_id = turn_id
+        self.last_id = last_id
+        self.block_ms = block_ms
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.include_deltas = deltas
+        self.last_seq = 0
+        self.done = False
+
+    def block(self) -> int | None:
+        """How long the next XREAD may block; None (do not block) once the deadline has passed."""
+        if self.deadline is None:
+            return self.block_ms
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        return max(1, min(self.block_ms, math.ceil(remaining * 1000)))
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def take(self, response: Any) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        for stream, entry_id, fields in _entries(response):
+            self.last_id = entry_id
+            item = decode_entry(stream, entry_id, fields)
+            if item is None:
+                continue
+            event = item.event
+            if is_structural(event):
+                seq = event.seq or 0
+                if seq and seq <= self.last_seq:
+                    continue  # the same event again, in a stream rebuilt from the store
+                self.last_seq = max(self.last_seq, seq)
+            elif not self.include_deltas:
+                continue
+            if self.turn_id is not None and event.turn_id != self.turn_id:
+                continue
+            out.append(item)
+            if self.turn_id is not None and is_terminal(event):
+                self.done = True
+                break
+        return out
+
+
+def _resolve_last_id(last_id: str, tail: Any) -> str:
+    if last_id != "$":
+        return last_id
+    return _text(tail[0][0]) if tail else "0-0"
+
+
+def follow(
+    client: redis.Redis,
+    agent: str,
+    session: str,
+    *,
+    turn_id: str | None = None,
+    last_id: str = "0-0",
+    block_ms: int = 2000,
+    timeout_s: float | None = None,
+    count: int = 100,
+    include_deltas: bool = True,
+    keys: EventKeys = DEFAULT_KEYS,
+) -> Generator[StreamEvent, None, None]:
+    """Events of a session after ``last_id`` (``"0-0"``: from the start; ``"$"``: only what comes next).
+
+    With ``turn_id``, only that turn's events, ending after its terminal event. ``timeout_s``
+    bounds how long to wait for new entries (0: catch up, then stop); what is already in the
+    stream is always read. ``block_ms`` is one XREAD's wait, kept below the client's socket
+    timeout. ``"$"`` is pinned to the stream's last id by this call, before iterating.
+    Redis errors propagate: reconnect and follow again from the last ``stream_id``.
+    """
+    stream = keys.session_stream(SessionRef(agent, session))
+    if last_id == "$":
+        last_id = _resolve_last_id(last_id, client.xrevrange(stream, count=1))
+    state = _Follow(stream, turn_id, last_id, _safe_block_ms(client, block_ms), timeout_s, include_deltas)
+    return _follow(client, state, count)
+
+
+def _follow(client: redis.Redis, state: _Follow, count: int) -> Generator[StreamEvent, None, None]:
+    while not state.done:
+        response = client.xread({state.stream: state.last_id}, count=count, block=state.block())
+        yield from state.take(response)
+        if not response and state.expired():
+            return
+
+
+async def afollow(
+    client: aioredis.Redis,
+    agent: str,
+    session: str,
+    *,
+    turn_id: str | None = None,
+    last_id: str = "0-0",
+    block_ms: int = 2000,
+    timeout_s: float | None = None,
+    count: int = 100,
+    include_deltas: bool = True,
+    keys: EventKeys = DEFAULT_KEYS,
+) -> AsyncGenerator[StreamEvent, None]:
+    """:func:`follow` on ``redis.asyncio``, for the HTTP gateway (SSE, ``Last-Event-ID`` = ``stream_id``).
+
+    An async generator: ``"$"`` is pinned when iteration starts, not at the call.
+    """
+    stream = keys.session_stream(SessionRef(agent, session))
+    if last_id == "$":
+        last_id = _resolve_last_id(last_id, await client.xrevrange(stream, count=1))
+    state = _Follow(stream, turn_id, last_id, _safe_block_ms(client, block_ms), timeout_s, include_deltas)
+    while not state.done:
+        response = await client.xread({stream: state.last_id}, count=count, block=state.block())
+        for item in state.take(response):
+            yield item
+        if not response and state.expired():
+            return
+
+
+# --- the firehose ----------------------------------------------------------------------------------
+
+
+def read_firehose(
+    client: redis.Redis,
+    partition: int = 0,
+    *,
+    last_id: str = "0-0",
+    count: int = 100,
+    block_ms: int | None = None,
+    keys: EventKeys = DEFAULT_KEYS,
+) -> list[StreamEvent]:
+    """Up to ``count`` structural events of all sessions after ``last_id`` in one firehose partition.
+
+    Continue from the last item's ``stream_id``. One call reads one partition: partitions
+    live in different hash slots, and a multi-key XREAD would fail on a cluster.
+    """
+    stream = keys.firehose_stream(partition)
+    response = client.xread({stream: last_id}, count=count, block=block_ms)
+    return [e for s, i, f in _entries(response) if (e := decode_entry(s, i, f)) is not None]
+
+
+def ensure_group(
+    client: redis.Redis,
+    group: str,
+    *,
+    partition: int = 0,
+    start_id: str = "0",
+    keys: EventKeys = DEFAULT_KEYS,
+) -> bool:
+    """Create consumer group ``group`` on a firehose partition (and the stream if needed); False if it exists.
+
+    ``start_id="0"`` hands the group everything still in the stream; ``"$"`` only what comes next.
+    """
+    try:
+        client.xgroup_create(keys.firehose_stream(partition), group, id=start_id, mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" in str(exc):
+            return False
+        raise
+    return True
+
+
+def _group_items(client: redis.Redis, group: str, response: Any) -> list[StreamEvent]:
+    out: list[StreamEvent] = []
+    poison: dict[str, list[str]] = {}
+    for stream, entry_id, fields in _entries(response):
+        item = decode_entry(stream, entry_id, fields)
+        if item is None:
+            poison.setdefault(stream, []).append(entry_id)
+        else:
+            out.append(item)
+    for stream, ids in poison.items():
+        # No consumer of this group can handle them; left pending they would be claimed forever.
+        log.error("acknowledged %d undecodable entr(ies) of %s for group %s: %s", len(ids), stream, group, ids)
+        client.xack(stream, group, *ids)
+    return out
+
+
+def read_group(
+    client: redis.Redis,
+    group: str,
+    consumer: str,
+    *,
+    partition: int = 0,
+    count: int = 100,
+    block_ms: int | None = None,
+    pending: bool = False,
+    keys: EventKeys = DEFAULT_KEYS,
+) -> list[StreamEvent]:
+    """Up to ``count`` events of a firehose partition no other consumer of ``group`` was given.
+
+    Each event goes to one consumer of the group and stays pending until :func:`ack`.
+    ``pending=True`` re-reads this consumer's own unacknowledged events instead (after a
+    restart, before reading new ones). Undecodable entries are logged and acknowledged.
+    """
+    stream = keys.firehose_stream(partition)
+    response = client.xreadgroup(group, consumer, {stream: "0" if pending else ">"}, count=count, block=block_ms)
+    return _group_items(client, group, response)
+
+
+def ack(client: redis.Redis, group: str, events: Iterable[StreamEvent]) -> int:
+    """Acknowledge handled events (from :func:`read_group` / :func:`claim_stale`); returns how many were pending."""
+    by_stream: dict[str, list[str]] = {}
+    for e in events:
+        if not e.stream:
+            raise ValueError(f"event {e.stream_id} has no stream name; ack the events read_group returned")
+        by_stream.setdefault(e.stream, []).append(e.stream_id)
+    return sum(int(client.xack(stream, group, *ids)) for stream, ids in by_stream.items())
+
+
+def claim_stale(
+    client: redis.Redis,
+    group: str,
+    consumer: str,
+    *,
+    min_idle_ms: int,
+    partition: int = 0,
+    count: int = 100,
+    keys: EventKeys = DEFAULT_KEYS,
+) -> list[StreamEvent]:
+    """Take over events another consumer of ``group`` read but did not ack for ``min_idle_ms`` (it died)."""
+    stream = keys.firehose_stream(partition)
+    reply = client.xautoclaim(stream, group, consumer, min_idle_ms, start_id="0-0", count=count)
+    entries = [(i, f) for i, f in reply[1] if i is not None] if reply else []
+    return _group_items(client, group, [[stream, entries]])

@@ -1,0 +1,319 @@
+"""RedisStreamSink: the EventSink that appends a session's events to its Redis Stream.
+
+Structural events (they carry their per-session ``seq``) go to the session's stream and to
+its firehose partition, each **exactly once and in seq order**, however often they are
+published: a Lua script (``append.lua``, run by EVALSHA) compares each event's ``seq`` with
+the stream's marker and appends only ``seq > marker``, then moves the marker, atomically.
+Deltas are appended to the session stream as they come: never deduplicated, never sent to
+the firehose.
+
+The rule a reader must not break: **the session stream is always a gap-free prefix of the
+store's event log.** An event whose ``seq`` is past ``marker + 1`` (an earlier publish was
+lost: Redis was down, the worker died between commit and publish, Redis lost its keys) is
+not appended ahead of the missing ones. With a ``store`` the sink fills the gap from it at
+once (:meth:`RedisStreamSink.relay`) and the later events follow in order; without one the
+events wait in the store until someone calls :meth:`~RedisStreamSink.relay` (a new worker,
+the sweeper). The store is the source of truth; Redis only ever holds a prefix of it.
+
+The sink never raises into the turn: a Redis error is logged (no URL, no password) and the
+call returns. After an error the sink stays quiet for ``retry_after_s`` (publishes return
+at once), so an unreachable Redis does not slow every step of every turn; the first
+publish after that finds the gap and fills it from the store.
+
+Limits, all of them the price of keeping the markers in Redis beside the streams:
+
+* Redis loses a session's keys (restart without persistence, FLUSHALL, eviction): the next
+  publish finds no marker, sees a gap, and rebuilds the stream from the store, whole
+  history, trimmed as usual. A reader resuming from an id of the old stream gets that
+  history again (new ids are newer); :func:`~.reader.follow` drops repeats within one call,
+  a reader across calls must dedupe by ``seq``.
+* Only the marker lost (evicted alone, deleted by hand): the script recovers it from the
+  ``seq`` of the newest structural entry among the stream's last 1000; no duplicates, unless
+  deltas fill all of those 1000 entries.
+* Only the firehose's hash lost: each session's history is appended to the firehose again as
+  it next publishes. Firehose consumers dedupe by (agent, session, seq).
+* The firehose hash keeps one small field per session ever published, until deleted.
+* Trimming drops entries, never markers: a reader that was away longer than the stream keeps
+  misses what was trimmed (the store still has it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Protocol
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError
+from redis.retry import Retry
+
+from ..engine.events import TurnEvent, is_structural
+from ..engine.store import SessionRef
+from .keys import DEFAULT_KEYS, EventKeys
+
+__all__ = ["EventLog", "RedisStreamSink", "Trim", "encode_event", "redact"]
+
+log = logging.getLogger("june_worker.events.redis")
+
+_APPEND_LUA = resources.files(__package__).joinpath("append.lua").read_text(encoding="utf-8")
+_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^@/\s]*@")
+
+
+class EventLog(Protocol):
+    """What :meth:`RedisStreamSink.relay` needs of a store: its committed structural events."""
+
+    def events(self, ref: SessionRef, *, turn_id: str | None = None, after_seq: int = 0) -> list[TurnEvent]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Trim:
+    """How a stream is trimmed when it is appended to: by length, by age, or both.
+
+    Approximate trimming (``exact=False``, Redis ``~``) removes whole internal nodes only,
+    so a stream may hold somewhat more than ``maxlen`` entries; it is much cheaper.
+    Deltas count towards ``maxlen`` too: size it for a session's tokens, or trim by age.
+    """
+
+    maxlen: int | None = None
+    max_age_s: float | None = None
+    exact: bool = False
+
+    def __post_init__(self) -> None:
+        if self.maxlen is not None and self.maxlen < 0:
+            raise ValueError(f"maxlen must be >= 0, not {self.maxlen}")
+        if self.max_age_s is not None and self.max_age_s <= 0:
+            raise ValueError(f"max_age_s must be > 0, not {self.max_age_s}")
+
+    def script_args(self) -> tuple[str, str, str]:
+        """(MAXLEN, operator, MINID) as the append script takes them; '' means none."""
+        return (
+            "" if self.maxlen is None else str(self.maxlen),
+            "=" if self.exact else "~",
+            self.minid() or "",
+        )
+
+    def minid(self) -> str | None:
+        """The oldest stream id to keep: now minus ``max_age_s`` (ids are milliseconds of the clock)."""
+        if self.max_age_s is None:
+            return None
+        return f"{int((time.time() - self.max_age_s) * 1000)}-0"
+
+
+def encode_event(ref: SessionRef, event: TurnEvent) -> str:
+    """The ``data`` field of a stream entry: the event as snake_case JSON, plus ``agent`` and ``session``."""
+    head = json.dumps({"agent": ref.agent, "session": ref.session}, separators=(",", ":"))
+    return head[:-1] + "," + event.model_dump_json(by_alias=True)[1:]
+
+
+def redact(text: str) -> str:
+    """``text`` with the user-info part of any URL (``user:password@``) replaced by ``***@``."""
+    return _USERINFO.sub(r"\g<scheme>***@", text)
+
+
+def _where(client: Any) -> str:
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
+    if "path" in kwargs:
+        return f"unix:{kwargs['path']}"
+    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
+
+
+class RedisStreamSink:
+    """Publishes a session's events to ``june:events:{<agent>:<session>}`` and the firehose.
+
+    ``store``: where to fill a gap from (see the module docstring); pass the same store the
+    engine commits to. ``session_trim`` / ``firehose_trim``: applied on every append.
+    ``firehose=False`` leaves the firehose out (each publish is then one script call).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        keys: EventKeys = DEFAULT_KEYS,
+        store: EventLog | None = None,
+        session_trim: Trim = Trim(maxlen=10_000),
+        firehose: bool = True,
+        firehose_trim: Trim = Trim(maxlen=100_000),
+        retry_after_s: float = 1.0,
+        relay_batch: int = 500,
+    ) -> None:
+        if relay_batch < 1:
+            raise ValueError(f"relay_batch must be at least 1, not {relay_batch}")
+        self.client = client
+        self.keys = keys
+        self.store = store
+        self.session_trim = session_trim
+        self.firehose = firehose
+        self.firehose_trim = firehose_trim
+        self.retry_after_s = retry_after_s
+        self.relay_batch = relay_batch
+        self._where = _where(client)
+        self._sha: str | None = None
+        self._quiet_until = 0.0
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        socket_timeout_s: float = 2.0,
+        connect_timeout_s: float = 1.0,
+        **options: Any,
+    ) -> RedisStreamSink:
+        """A sink with its own client. Short timeouts and a single immediate retry on a dropped
+        connection: a Redis outage costs a turn at most one timeout per ``retry_after_s``."""
+        client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+        )
+        return cls(client, **options)
+
+    # --- EventSink -------------------------------------------------------------------------------
+
+    def publish(self, ref: SessionRef, events: Sequence[TurnEvent]) -> None:
+        """Append committed structural events once each, in seq order; never raises."""
+        structural: list[TurnEvent] = []
+        for event in events:
+            if not is_structural(event):
+                self.publish_delta(ref, event)
+            elif event.seq is None:
+                log.error("%s event of %s has no seq (not committed?); not published", event.type, ref)
+            else:
+                structural.append(event)
+        if not structural or self._quiet():
+            return
+        structural.sort(key=lambda e: e.seq or 0)
+        try:
+            gap = self._append(ref, structural, lenient=False)
+            if gap:
+                if self.store is not None:
+                    self.relay(self.store, ref)
+                else:
+                    log.warning(
+                        "events of %s are ahead of its stream (missing before seq %d); they wait for relay()", ref, gap
+                    )
+        except Exception as exc:
+            self._failed(exc, f"publish of {len(structural)} event(s) of {ref}")
+
+    def publish_delta(self, ref: SessionRef, event: TurnEvent) -> None:
+        """Append one live delta to the session stream; never deduplicated, never raises."""
+        if is_structural(event):
+            self.publish(ref, [event])
+            return
+        if self._quiet():
+            return
+        trim = self.session_trim
+        stream = self.keys.session_stream(ref)
+        fields: dict[Any, Any] = {"type": event.type, "data": encode_event(ref, event)}
+        try:
+            minid = trim.minid()
+            if minid is None or trim.maxlen is None:
+                self.client.xadd(stream, fields, maxlen=trim.maxlen, minid=minid, approximate=not trim.exact)
+            else:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.xadd(stream, fields, maxlen=trim.maxlen, approximate=not trim.exact)
+                pipe.xtrim(stream, minid=minid, approximate=not trim.exact)
+                pipe.execute()
+        except Exception as exc:
+            self._failed(exc, f"delta of {ref}")
+
+    # --- relay -----------------------------------------------------------------------------------
+
+    def relay(self, store: EventLog, ref: SessionRef) -> int:
+        """Append whatever the store holds past this session's markers; return how many reached its stream.
+
+        Safe to run at any time, from any process, alongside live publishes: every append is
+        idempotent. Unlike :meth:`publish` it raises on a Redis error, so that its caller (a
+        new worker, the sweeper) can retry. It trusts the store: a seq missing from the store
+        is skipped, not waited for.
+        """
+        after = self.relayed_seq(ref)
+        events = store.events(ref, after_seq=after)
+        appended = 0
+        for i in range(0, len(events), self.relay_batch):
+            appended += self._append(ref, events[i : i + self.relay_batch], lenient=True, count=True)
+        if appended:
+            log.info("relayed %d event(s) of %s after seq %d", appended, ref, after)
+        return appended
+
+    def relayed_seq(self, ref: SessionRef) -> int:
+        """The highest seq appended everywhere this sink writes (session stream and firehose)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(self.keys.session_marker(ref))
+        if self.firehose:
+            pipe.hget(self.keys.firehose_marker(self.keys.partition(ref)), ref.key)
+        return min(int(v or 0) for v in pipe.execute())
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _append(self, ref: SessionRef, events: Sequence[TurnEvent], *, lenient: bool, count: bool = False) -> int:
+        """Run the append script on the session stream (and the firehose partition) in one round trip.
+
+        Returns the number appended to the session stream when ``count``, else the first seq
+        refused for a gap (0: none).
+        """
+        triples: list[str | int] = []
+        for e in events:
+            triples += [e.seq or 0, e.type, encode_event(ref, e)]
+        mode = "1" if lenient else "0"
+        calls: list[tuple[list[str], list[str | int]]] = [
+            (
+                [self.keys.session_stream(ref), self.keys.session_marker(ref)],
+                ["", mode, *self.session_trim.script_args(), *triples],
+            )
+        ]
+        if self.firehose:
+            p = self.keys.partition(ref)
+            calls.append(
+                (
+                    [self.keys.firehose_stream(p), self.keys.firehose_marker(p)],
+                    [ref.key, mode, *self.firehose_trim.script_args(), *triples],
+                )
+            )
+        results = self._run(calls)
+        if count:
+            return int(results[0][0])
+        gaps = [int(r[2]) for r in results if int(r[2])]
+        return min(gaps) if gaps else 0
+
+    def _run(self, calls: list[tuple[list[str], list[str | int]]]) -> list[list[Any]]:
+        """EVALSHA every call in one pipeline; load the script and run them all again on NOSCRIPT
+        (harmless: the script is idempotent)."""
+        for attempt in (1, 2):
+            if self._sha is None:
+                self._sha = str(self.client.script_load(_APPEND_LUA))
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args in calls:
+                pipe.evalsha(self._sha, len(keys), *keys, *args)
+            results = pipe.execute(raise_on_error=False)
+            errors = [r for r in results if isinstance(r, Exception)]
+            if not errors:
+                return [list(r) for r in results]
+            if attempt == 1 and all(isinstance(r, NoScriptError) for r in errors):
+                self._sha = None  # flushed, or a failover to a replica that never saw it
+                continue
+            raise errors[0]
+        raise AssertionError("unreachable")
+
+    def _quiet(self) -> bool:
+        return time.monotonic() < self._quiet_until
+
+    def _failed(self, exc: Exception, what: str) -> None:
+        self._quiet_until = time.monotonic() + self.retry_after_s
+        log.warning(
+            "redis at %s failed during %s: %s: %s; structural events stay in the store for relay, deltas are dropped; "
+            "quiet for %.1fs",
+            self._where,
+            what,
+            type(exc).__name__,
+            redact(str(exc)),
+            self.retry_after_s,
+        )
