@@ -9,6 +9,7 @@ fails as an unknown tool, so no prompt can talk the model into it.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import sys
 import tomllib
@@ -24,7 +25,7 @@ from .store import SurfacePolicy
 from .tools import Tool
 from .types import InboundEvent, Principal
 
-__all__ = ["Agent", "AnswerRequest", "AuthorizeAnswer", "Deliver", "derive_policies"]
+__all__ = ["Agent", "AnswerRequest", "AuthorizeAnswer", "Deliver", "deliver_result", "derive_policies"]
 
 log = logging.getLogger("june_worker.agent")
 
@@ -44,6 +45,7 @@ class AnswerRequest:
 
 AuthorizeAnswer = Callable[[AnswerRequest], "bool | Awaitable[bool]"]
 Deliver = Callable[..., Any]
+"""``deliver(target=..., result=..., events=..., session=...)``: render a finished turn to a target."""
 
 
 @dataclass
@@ -196,3 +198,14 @@ def _load_tools(folder: Path) -> list[Tool]:
         spec.loader.exec_module(module)
         found.extend(v for v in vars(module).values() if isinstance(v, Tool))
     return found
+
+
+async def deliver_result(
+    agent: Agent, *, target: Mapping[str, Any], result: Any, events: list[Any], session: str
+) -> None:
+    """Render a turn to its ``target`` with the agent's ``deliver`` hook. A missing hook is an error."""
+    if agent.deliver is None:
+        raise AgentDefinitionError(f"agent {agent.name} has no deliver hook, so a target cannot be rendered")
+    out = agent.deliver(target=dict(target), result=result, events=events, session=session)
+    if inspect.isawaitable(out):
+        await out

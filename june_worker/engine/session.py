@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import (
+    AgentDefinitionError,
     ConfigError,
     ResetNotSupportedError,
     ResumeConflictError,
@@ -32,7 +33,7 @@ from ..errors import (
     TurnRejectedError,
     TurnSuspendedError,
 )
-from .agent import Agent
+from .agent import Agent, deliver_result
 from .events import Cancelled, Completed, Failed, Rejected, Suspended, TurnResult
 from .fanout import FanoutSink, Observer
 from .ids import new_turn_id, validate_session_id
@@ -152,15 +153,19 @@ class AgentSession:
         event: InboundEvent | dict[str, Any] | None = None,
         trigger: ProactiveTrigger | dict[str, Any] | None = None,
         replace: bool = False,
+        target: dict[str, Any] | None = None,
     ) -> str:
         """Record a turn and return its id without waiting for it to run.
 
         ``trigger={"kind": "proactive", "by": "cron:daily"}`` opens the turn with a
         ``trigger`` message instead of a user message. ``replace=True`` cancels every
-        unfinished turn of the session first (never a parked one). Raises
+        unfinished turn of the session first (never a parked one). ``target`` renders the
+        finished turn there with the agent's ``deliver`` hook (an error if it has none). Raises
         :class:`TurnRejectedError` while the session is parked on another turn.
         """
         turn_id = turn_id or new_turn_id()
+        if target is not None and self.agent.deliver is None:
+            raise AgentDefinitionError(f"agent {self.agent.name} has no deliver hook, so a target cannot be rendered")
         parsed_event = InboundEvent.model_validate(event) if isinstance(event, dict) else event
         parsed_trigger = ProactiveTrigger.model_validate(trigger) if isinstance(trigger, dict) else trigger
         payload = TurnPayload(
@@ -168,6 +173,7 @@ class AgentSession:
             event=parsed_event,
             trigger_by=parsed_trigger.by if parsed_trigger is not None else None,
             replace=replace,
+            target=target,
         )
         if self.store.get_turn(self.ref, turn_id) is None:
             parked = self.store.pending(self.ref)
@@ -354,6 +360,14 @@ class AgentSession:
                 return
             finally:
                 self._cancels.pop(rec.turn_id, None)
+            if rec.payload.target is not None and not isinstance(result, Rejected):
+                try:
+                    events = self.store.events(self.ref, turn_id=rec.turn_id)
+                    await deliver_result(
+                        self.agent, target=rec.payload.target, result=result, events=events, session=self.ref.session
+                    )
+                except Exception:
+                    log.exception("delivering turn %s of %s failed", rec.turn_id, self.ref)
             self._resolve(rec.turn_id, result)
             if isinstance(result, Suspended):
                 self._arm(result)

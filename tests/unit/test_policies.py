@@ -257,3 +257,33 @@ def test_s112_legacy_entries_pass_through_and_orphan_policies_warn(caplog: pytes
     assert [r.getMessage() for r in caplog.records] == [
         "policy for source 'crisp': no channel emits that source, so it never applies"
     ]
+
+
+async def test_a_proactive_turn_is_delivered_to_its_target_by_the_agents_hook() -> None:
+    delivered: list[dict[str, Any]] = []
+
+    async def deliver(*, target: dict[str, Any], result: Any, events: list[Any], session: str) -> None:
+        delivered.append({"target": target, "text": result.text, "types": [e.type for e in events], "session": session})
+
+    rt = runtime_with(MemoryStore(), ScriptedModel(["Good morning."]), deliver=deliver)
+    s = rt.session("ops", "slack:C-ops:daily")
+    turn_id = await s.start(
+        "Summarize today's open threads.",
+        trigger={"kind": "proactive", "by": "cron:daily"},
+        target={"channel": "C-ops"},
+    )
+    await s.result(turn_id)
+    assert delivered == [
+        {
+            "target": {"channel": "C-ops"},
+            "text": "Good morning.",
+            "types": ["turn.started", "message.completed", "turn.completed"],
+            "session": "slack:C-ops:daily",
+        }
+    ]
+
+
+async def test_a_target_without_a_deliver_hook_is_an_error_not_a_silent_drop() -> None:
+    rt = runtime_with(MemoryStore(), ScriptedModel(["x"]))
+    with pytest.raises(AgentDefinitionError, match="no deliver hook"):
+        await rt.session("ops", "s1").start("x", trigger={"kind": "proactive", "by": "cron"}, target={"channel": "C"})
