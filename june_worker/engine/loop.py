@@ -337,7 +337,7 @@ class TurnRunner:
             turn_id=self.turn_id,
             turn_status="running",
         )
-        self._commit(commit)
+        self._commit(commit, "turn:open")
 
     def _restore_turn_state(self) -> None:
         """A replay: sum the usage of the model steps already done, keep the policy saved at park."""
@@ -628,7 +628,8 @@ class TurnRunner:
                 turn_id=self.turn_id,
                 turn_status="suspended",
                 turn_result=result,
-            )
+            ),
+            "turn:end",
         )
         return result
 
@@ -664,7 +665,8 @@ class TurnRunner:
                 turn_id=self.turn_id,
                 turn_status="cancelled",
                 turn_result=result,
-            )
+            ),
+            "turn:end",
         )
         return result
 
@@ -697,7 +699,8 @@ class TurnRunner:
                 turn_id=self.turn_id,
                 turn_status="failed",
                 turn_result=result,
-            )
+            ),
+            "turn:end",
         )
         return result
 
@@ -710,7 +713,8 @@ class TurnRunner:
                 turn_id=self.turn_id,
                 turn_status="completed",
                 turn_result=result,
-            )
+            ),
+            "turn:end",
         )
         return result
 
