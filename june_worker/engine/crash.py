@@ -1,7 +1,8 @@
 """Crash injection, for tests only: die at a commit boundary as if the process was killed there.
 
 Points: ``before-model-commit``, ``after-model-commit``, ``before-tool-commit``,
-``after-tool-commit`` and ``before-publish`` (committed, events not yet published). Nothing
+``after-tool-commit`` and ``before-publish`` (committed, events not yet published; its step
+is ``turn:open`` for the opening commit and ``turn:end`` for a park, cancel or failure). Nothing
 here runs unless a host is handed a hook explicitly; production code paths pass ``None``.
 """
 
