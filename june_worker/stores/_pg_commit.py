@@ -1,0 +1,193 @@
+"""The Postgres commit statement: one checkpoint as ONE data-modifying statement (a CTE).
+
+``upd`` updates the session row only if the fencing token (and the expected park) match,
+bumps ``event_seq`` and returns it; every other part selects ``from upd``, so it writes
+nothing unless ``upd`` returned the row. What ``upd`` returns is the whole answer on the
+happy path; when it returns nothing the caller asks why, off the happy path.
+
+The statement is specialised to the commit's *shape* (which parts it has, how many rows of
+each) and cached: a shape the engine repeats every step (one message, one step, one or two
+events) is a short statement whose rows are plain parameters, prepared once per connection.
+Past :data:`VALUES_MAX` rows, a part's rows travel as two parameters zipped with ``ROWS
+FROM``: the small columns as one JSON array of arrays, the JSON documents joined by newlines
+(compact JSON never holds a raw newline). The documents never pass through a JSON operator,
+which would refuse a ``\\u0000`` in them.
+
+Event bodies are sent without their leading ``{``; the statement puts ``{"seq":<n>,`` in
+front, since the sequence number is known only once the session row is updated.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from psycopg.types.numeric import Int8
+
+from ..engine.store import Commit, SessionRef
+from ._sql import dumps
+
+__all__ = ["VALUES_MAX", "commit_statement"]
+
+VALUES_MAX = 4
+"""Up to this many rows of a part are sent as plain parameters; more go as JSON arrays."""
+
+
+class _Shape(NamedTuple):
+    messages: int
+    steps: int
+    events: int
+    status: bool
+    suspended: str  # "keep" | "set" | "clear"
+    fenced: bool
+    expect: bool
+    turn: bool
+
+
+def commit_statement(ref: SessionRef, commit: Commit, fence: int | None) -> tuple[str, dict[str, Any]]:
+    """The statement for this commit and its parameters."""
+    messages, steps, events = commit.messages, commit.steps, commit.events
+    turn = commit.turn_id is not None and commit.turn_status is not None
+    shape = _Shape(
+        messages=_count(len(messages)),
+        steps=_count(len(steps)),
+        events=_count(len(events)),
+        status=commit.status is not None,
+        suspended="set" if commit.suspended is not None else "clear" if commit.clear_suspended else "keep",
+        fenced=fence is not None,
+        expect=commit.expect_suspended is not None,
+        turn=turn,
+    )
+    p: dict[str, Any] = {"agent": ref.agent, "session": ref.session, "n_events": Int8(len(events))}
+    if fence is not None:
+        p["fence"] = Int8(fence)  # one parameter type whatever the value: one prepared statement
+    if commit.status is not None:
+        p["status"] = commit.status
+    if commit.suspended is not None:
+        p["suspended"] = commit.suspended.model_dump_json(by_alias=True)
+    if commit.expect_suspended is not None:
+        p["exp_turn"], p["exp_input"] = commit.expect_suspended
+    _rows(
+        p,
+        "m",
+        shape.messages,
+        [(Int8(i), m.turn_id, m.role) for i, m in messages],
+        [m.model_dump_json() for _, m in messages],
+    )
+    _rows(p, "s", shape.steps, [(s.step_id, s.turn_id) for s in steps], [dumps(s.data) for s in steps])
+    _rows(
+        p,
+        "e",
+        shape.events,
+        [(e.turn_id, e.type) for e in events],
+        [e.model_dump_json(by_alias=True, exclude={"seq"})[1:] for e in events],
+    )
+    if turn:
+        p["t_id"], p["t_status"] = commit.turn_id, commit.turn_status
+        p["t_result"] = commit.turn_result.model_dump_json(by_alias=True) if commit.turn_result is not None else None
+    return _sql(shape), p
+
+
+def _count(n: int) -> int:
+    return n if n <= VALUES_MAX else VALUES_MAX + 1
+
+
+def _keys(prefix: str, width: int) -> list[tuple[str, ...]]:
+    return [tuple(f"{prefix}{i}_{j}" for j in range(width)) + (f"{prefix}{i}_doc",) for i in range(VALUES_MAX)]
+
+
+_KEYS = {"m": _keys("m", 3), "s": _keys("s", 2), "e": _keys("e", 2)}
+"""Parameter names of the VALUES rows, made once: this runs on every step."""
+
+
+def _rows(p: dict[str, Any], prefix: str, shape: int, small: Sequence[tuple[Any, ...]], docs: list[str]) -> None:
+    if shape == 0:
+        return
+    if shape <= VALUES_MAX:
+        for keys, cols, doc in zip(_KEYS[prefix], small, docs, strict=False):
+            p.update(zip(keys, (*cols, doc), strict=True))
+        return
+    p[f"{prefix}_small"] = "[" + ",".join("[" + ",".join(_json_scalar(v) for v in cols) + "]" for cols in small) + "]"
+    p[f"{prefix}_docs"] = "\n".join(docs)
+
+
+def _json_scalar(value: Any) -> str:
+    return str(int(value)) if isinstance(value, int) else dumps(value)
+
+
+# --- the SQL, per shape ----------------------------------------------------------------------------------
+
+
+def _source(prefix: str, n: int, columns: list[tuple[str, str]], doc: str, *, ordinal: bool = False) -> str:
+    """A row source ``v(<columns>, <doc>[, n])``: a VALUES list, or JSON arrays zipped with ROWS FROM."""
+    names = [c for c, _ in columns] + [doc] + (["n"] if ordinal else [])
+    if n <= VALUES_MAX:
+        rows = []
+        for i in range(n):
+            cells = [f"%({prefix}{i}_{j})s::{t}" for j, (_, t) in enumerate(columns)]
+            cells.append(f"%({prefix}{i}_doc)s::text")
+            if ordinal:
+                cells.append(str(i + 1))
+            rows.append("(" + ", ".join(cells) + ")")
+        return f"(values {', '.join(rows)}) as v({', '.join(names)})"
+    small = ", ".join(f"(r.small->>{j})::{t} as {c}" for j, (c, t) in enumerate(columns))
+    return (
+        f"(select {small}, r.{doc}{', r.n' if ordinal else ''} from rows from ("
+        f"json_array_elements(%({prefix}_small)s::json), unnest(string_to_array(%({prefix}_docs)s::text, E'\\n'))"
+        f"){' with ordinality' if ordinal else ''} as r(small, {doc}{', n' if ordinal else ''})) as v"
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _sql(shape: _Shape) -> str:
+    sets = ["event_seq = s.event_seq + %(n_events)s::bigint", "updated_at = extract(epoch from now())"]
+    if shape.status:
+        sets.append("status = %(status)s::text")
+    if shape.suspended == "set":
+        sets.append("suspended = %(suspended)s::json")
+    elif shape.suspended == "clear":
+        sets.append("suspended = null")
+    where = ["s.agent = %(agent)s::text", "s.session = %(session)s::text"]
+    if shape.fenced:
+        where.append("s.fence = %(fence)s::bigint")
+    if shape.expect:
+        where.append("s.suspended->>'turn_id' = %(exp_turn)s::text")
+        where.append("s.suspended->'request'->>'id' = %(exp_input)s::text")
+    parts = [
+        f"upd as (\n    update june_sessions s set {', '.join(sets)}\n    where {' and '.join(where)}\n"
+        "    returning s.event_seq\n)"
+    ]
+    if shape.messages:
+        source = _source("m", shape.messages, [("idx", "integer"), ("turn_id", "text"), ("role", "text")], "body")
+        parts.append(
+            "msgs as (\n    insert into june_messages (agent, session, idx, turn_id, role, body)\n"
+            "    select %(agent)s::text, %(session)s::text, v.idx, v.turn_id, v.role, v.body::json\n"
+            f"    from upd, {source}\n)"
+        )
+    if shape.steps:
+        source = _source("s", shape.steps, [("step_id", "text"), ("turn_id", "text")], "data")
+        parts.append(
+            "steps as (\n    insert into june_steps (agent, session, step_id, turn_id, data)\n"
+            "    select %(agent)s::text, %(session)s::text, v.step_id, v.turn_id, v.data::json\n"
+            f"    from upd, {source}\n    on conflict do nothing\n)"
+        )
+    if shape.events:
+        source = _source("e", shape.events, [("turn_id", "text"), ("type", "text")], "rest", ordinal=True)
+        seq = "(upd.event_seq - %(n_events)s::bigint + v.n)"
+        parts.append(
+            "evs as (\n    insert into june_events (agent, session, seq, turn_id, type, body)\n"
+            f"    select %(agent)s::text, %(session)s::text, {seq}, v.turn_id, v.type,\n"
+            f"        ('{{\"seq\":' || {seq} || ',' || v.rest)::json\n"
+            f"    from upd, {source}\n)"
+        )
+    if shape.turn:
+        parts.append(
+            "turn as (\n    update june_turns t set status = %(t_status)s::text, result = %(t_result)s::json,\n"
+            "        attempts = t.attempts + case when %(t_status)s::text = 'running' then 1 else 0 end,\n"
+            "        finished_at = case when %(t_status)s::text in ('queued', 'running') then null\n"
+            "            else extract(epoch from now()) end\n"
+            "    from upd\n"
+            "    where t.agent = %(agent)s::text and t.session = %(session)s::text and t.turn_id = %(t_id)s::text\n)"
+        )
+    return "with " + ", ".join(parts) + "\nselect event_seq from upd"

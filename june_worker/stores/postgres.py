@@ -1,0 +1,560 @@
+"""PostgresStore: the source of truth for workers. psycopg 3 over a ``psycopg_pool`` pool.
+
+Per step the cost is **one round trip**: a plain :class:`Commit` is ONE data-modifying
+statement (a CTE, see ``_COMMIT``) sent in autocommit. Its first part updates the session
+row only if the fencing token (and ``expect_suspended``) match, bumping ``event_seq``; every
+insert (messages, steps, events) and the turn update run only if that update returned a row.
+What comes back says whether it applied; if not, the snapshot it read says why
+(:class:`LeaseLostError`, :class:`ResumeConflictError`), with no second round trip on the
+happy path. A taken message index is a unique violation, so the statement fails whole:
+:class:`StoreError`, nothing written.
+
+A commit given as a builder (a sync tool runs inside it) gets a handle whose first use sends
+``BEGIN``; the CTE then runs in that transaction and ``COMMIT`` follows, or ``ROLLBACK`` on
+any error (the tool's writes go with it, the exception propagates unchanged). A tool that
+never touches the handle costs what a plain commit costs.
+
+Per-step work never reads the transcript: only :meth:`PostgresStore.load` does, in one
+statement (one snapshot, one round trip).
+
+JSON columns are ``json``, not ``jsonb``: rows are written once and read whole, ``json`` keeps
+the exact text and is cheaper both ways, and it accepts every JSON string SQLite accepts
+(``jsonb`` refuses ``\\u0000``, which a tool result may well contain). Times are unix seconds
+(``double precision``) from the server's clock, as in SQLite, so lease and sweeper queries
+compare them with plain numbers.
+
+The one rule a reader must not break: **a commit either applies whole, in one statement or
+one transaction, or writes nothing**; never retry a commit whose outcome is unknown (a
+connection lost mid-commit raises ``psycopg.OperationalError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import select
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeAlias, TypeVar
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.rows import TupleRow
+from psycopg_pool import ConnectionPool
+from pydantic import TypeAdapter
+
+from ..engine.events import TurnEvent, TurnResultAdapter
+from ..engine.store import (
+    Commit,
+    CommitBuilder,
+    ResetResult,
+    SessionRef,
+    SessionSnapshot,
+    StepRecord,
+    SuspendedCheckpoint,
+    TurnPayload,
+    TurnRecord,
+)
+from ..engine.types import Message
+from ..errors import LeaseLostError, ResumeConflictError, StoreError
+from ._pg_commit import commit_statement
+from ._sql import qmark_to_format
+
+__all__ = ["PostgresStore", "turn_from_row"]
+
+Conn: TypeAlias = psycopg.Connection[TupleRow]
+T = TypeVar("T")
+
+_MIGRATION_LOCK = 0x6A756E65  # "june": the advisory lock that serializes migration runners
+_COMMIT_ATTEMPTS = 3
+_MessagesAdapter: TypeAdapter[list[Message]] = TypeAdapter(list[Message])
+_EventsAdapter: TypeAdapter[list[TurnEvent]] = TypeAdapter(list[TurnEvent])
+
+_MIGRATIONS: list[str] = [
+    # 1: the whole schema (the names and meaning of SQLiteStore's, Postgres types)
+    """
+    create table june_sessions (
+        agent text not null,
+        session text not null,
+        generation integer not null default 0,
+        status text not null default 'new' check (status in ('new', 'running', 'suspended', 'done')),
+        suspended json,
+        event_seq bigint not null default 0,
+        relayed_seq bigint not null default 0,
+        next_position bigint not null default 1,
+        fence bigint not null default 0,
+        lease_owner text,
+        lease_expires double precision,
+        reset_pending boolean not null default false,
+        updated_at double precision not null default extract(epoch from now()),
+        primary key (agent, session)
+    ) with (fillfactor = 80);
+    create table june_turns (
+        agent text not null,
+        session text not null,
+        turn_id text not null,
+        position bigint not null,
+        status text not null check (
+            status in ('queued', 'running', 'suspended', 'completed', 'failed', 'cancelled', 'rejected')
+        ),
+        payload json not null,
+        cancel_reason text,
+        attempts integer not null default 0,
+        result json,
+        generation integer not null default 0,
+        created_at double precision not null default extract(epoch from now()),
+        finished_at double precision,
+        dispatched_at double precision,
+        primary key (agent, session, turn_id)
+    ) with (fillfactor = 90);
+    create index june_turns_unfinished on june_turns (agent, session, position)
+        where status in ('queued', 'running');
+    create table june_messages (
+        agent text not null,
+        session text not null,
+        idx integer not null,
+        turn_id text not null,
+        role text not null,
+        body json not null,
+        primary key (agent, session, idx)
+    );
+    create table june_steps (
+        agent text not null,
+        session text not null,
+        step_id text not null,
+        turn_id text,
+        data json not null,
+        primary key (agent, session, step_id)
+    );
+    create table june_events (
+        agent text not null,
+        session text not null,
+        seq bigint not null,
+        turn_id text not null,
+        type text not null,
+        body json not null,
+        created_at double precision not null default extract(epoch from now()),
+        primary key (agent, session, seq)
+    );
+    create table june_archived_messages (
+        agent text not null,
+        session text not null,
+        generation integer not null,
+        idx integer not null,
+        turn_id text not null,
+        role text not null,
+        body json not null,
+        primary key (agent, session, generation, idx)
+    );
+    create table june_archived_steps (
+        agent text not null,
+        session text not null,
+        generation integer not null,
+        step_id text not null,
+        turn_id text,
+        data json not null,
+        primary key (agent, session, generation, step_id)
+    );
+    """,
+]
+
+_WHY_NOT = """
+select fence, suspended->>'turn_id', suspended->'request'->>'id' from june_sessions
+where agent = %(agent)s and session = %(session)s
+"""
+
+_ENSURE_SESSION = "insert into june_sessions (agent, session) values (%(agent)s, %(session)s) on conflict do nothing"
+
+_LOAD = """
+select s.generation, s.status, s.suspended::text, s.event_seq, s.reset_pending,
+    (select coalesce(json_agg(m.body order by m.idx), '[]'::json)::text
+       from june_messages m where m.agent = %(agent)s and m.session = %(session)s),
+    (select coalesce(json_agg(json_build_array(st.step_id, st.turn_id, st.data)), '[]'::json)::text
+       from june_steps st where st.agent = %(agent)s and st.session = %(session)s)
+from (select 1) as one
+left join june_sessions s on s.agent = %(agent)s and s.session = %(session)s
+"""
+
+_TURN_COLUMNS = "turn_id, position, status, payload::text, cancel_reason, attempts, result::text, generation, created_at, finished_at"
+
+_ENQUEUE = f"""
+with existing as (
+    select {_TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s
+), sess as (
+    insert into june_sessions as s (agent, session, next_position)
+    select %(agent)s, %(session)s, 2 where not exists (select 1 from existing)
+    on conflict (agent, session) do update set next_position = s.next_position + 1
+    returning s.next_position - 1 as position, s.generation
+), ins as (
+    insert into june_turns (agent, session, turn_id, position, status, payload, generation)
+    select %(agent)s, %(session)s, %(turn_id)s, sess.position, 'queued', %(payload)s::json, sess.generation from sess
+    on conflict do nothing
+    returning {_TURN_COLUMNS}
+)
+select true, * from ins union all select false, * from existing
+"""
+
+_GET_TURN = f"select {_TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s"
+
+_UNFINISHED = (
+    f"select {_TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s "
+    "and status in ('queued', 'running') order by position"
+)
+
+_CANCEL = """
+with marked as (
+    update june_turns set cancel_reason = coalesce(cancel_reason, %(reason)s::text)
+    where agent = %(agent)s and session = %(session)s and status in ('queued', 'running')
+      and (%(ids)s::text[] is null or turn_id = any(%(ids)s::text[]))
+    returning turn_id, position
+)
+select turn_id from marked order by position
+"""
+
+_EVENTS = """
+select coalesce(json_agg(body order by seq), '[]'::json)::text from june_events
+where agent = %(agent)s and session = %(session)s and seq > %(after)s::bigint
+  and (%(turn_id)s::text is null or turn_id = %(turn_id)s::text)
+"""
+
+_RESET_LOCK = """
+insert into june_sessions as s (agent, session) values (%(agent)s, %(session)s)
+on conflict (agent, session) do update set generation = s.generation
+returning s.generation
+"""
+
+_RESET = """
+with am as (
+    insert into june_archived_messages (agent, session, generation, idx, turn_id, role, body)
+    select agent, session, %(generation)s::integer, idx, turn_id, role, body
+    from june_messages where agent = %(agent)s and session = %(session)s
+), ast as (
+    insert into june_archived_steps (agent, session, generation, step_id, turn_id, data)
+    select agent, session, %(generation)s::integer, step_id, turn_id, data
+    from june_steps where agent = %(agent)s and session = %(session)s
+), dm as (
+    delete from june_messages where agent = %(agent)s and session = %(session)s
+), ds as (
+    delete from june_steps where agent = %(agent)s and session = %(session)s
+)
+update june_sessions set generation = generation + 1, status = 'new', suspended = null, reset_pending = false
+where agent = %(agent)s and session = %(session)s
+"""
+
+_ACQUIRE_FENCE = """
+insert into june_sessions as s (agent, session, fence) values (%(agent)s, %(session)s, 1)
+on conflict (agent, session) do update set fence = s.fence + 1
+returning s.fence
+"""
+
+
+@functools.lru_cache(maxsize=512)
+def _format(sql: str) -> str:
+    return qmark_to_format(sql)
+
+
+class _Handle:
+    """A sync tool's view of the step's transaction. ``BEGIN`` goes out with the first use."""
+
+    def __init__(self, conn: Conn) -> None:
+        self._conn = conn
+        self.begun = False
+
+    def begin(self) -> Conn:
+        if not self.begun:
+            self._conn.execute("begin", prepare=False)
+            self.begun = True
+        return self._conn
+
+    def execute(self, sql: str, *params: Any) -> int:
+        return self.begin().execute(_format(sql), params, prepare=False).rowcount
+
+    def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+        return self.begin().execute(_format(sql), params, prepare=False).fetchall()
+
+    def unwrap(self) -> Conn:
+        """The psycopg connection, inside the step's transaction (autocommit is on: do not commit it)."""
+        return self.begin()
+
+
+def _readable(conn: Conn) -> bool:
+    """True when an idle connection has something to read: the server closed it (or sent a notice)."""
+    try:
+        ready, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+    except (OSError, ValueError, psycopg.OperationalError):
+        return True
+    return bool(ready)
+
+
+def _configure(conn: Conn) -> None:
+    """Every statement of the store is prepared on first use; plan each once, generically.
+
+    A custom plan of the commit CTE costs more than executing it. Tool statements run through
+    the handle are never prepared, so this setting does not touch them.
+    """
+    conn.execute("set plan_cache_mode = force_generic_plan")
+
+
+def _check(conn: Conn) -> None:
+    """The pool's check on every checkout: one ``select()`` syscall; a round trip only if the socket stirred.
+
+    A backend killed while the connection sat idle (``pg_terminate_backend``, a restart) has
+    already written its goodbye, so this catches it before a commit is sent on it.
+    """
+    if conn.closed or _readable(conn):
+        ConnectionPool.check_connection(conn)
+
+
+class PostgresStore:
+    """Sessions in Postgres. ``url_or_pool``: a libpq URL/DSN, or a ``ConnectionPool`` you own.
+
+    The store's pool is opened at once and the schema migrated (``migrate=False`` to skip).
+    Connections are used in autocommit mode. The store's statements are server-side prepared
+    on first use with a generic plan; pass ``prepare=False`` behind a pooler that cannot keep
+    prepared statements (PgBouncer before 1.21 in transaction mode).
+    """
+
+    supports_rollback = True
+
+    def __init__(
+        self,
+        url_or_pool: str | ConnectionPool[Conn],
+        *,
+        min_size: int = 1,
+        max_size: int = 4,
+        timeout_s: float = 30.0,
+        migrate: bool = True,
+        prepare: bool = True,
+    ) -> None:
+        if isinstance(url_or_pool, ConnectionPool):
+            self._pool: ConnectionPool[Conn] = url_or_pool
+            self._owns_pool = False
+        else:
+            self._pool = ConnectionPool(
+                url_or_pool,
+                min_size=min_size,
+                max_size=max(min_size, max_size),
+                kwargs={"autocommit": True, "prepare_threshold": 0 if prepare else None},
+                configure=_configure if prepare else None,
+                check=_check,
+                timeout=timeout_s,
+                open=False,
+                name="june-store",
+            )
+            self._pool.open(wait=True, timeout=timeout_s)
+            self._owns_pool = True
+        if migrate:
+            self.migrate()
+
+    @property
+    def pool(self) -> ConnectionPool[Conn]:
+        """The store's connection pool, for hosts that keep their own tables beside the store's (leases)."""
+        return self._pool
+
+    # --- plumbing ------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[Conn]:
+        # getconn/putconn, not pool.connection(): every statement here runs in autocommit or
+        # in a transaction this module ends itself, and the plain pair costs half as much.
+        conn = self._pool.getconn()
+        try:
+            if not conn.autocommit:  # a pool handed in by the caller
+                conn.autocommit = True
+            yield conn
+        finally:
+            self._pool.putconn(conn)
+
+    def _read(self, fn: Callable[[Conn], T]) -> T:
+        """Run an idempotent read; once more on a fresh connection if the first one turned out dead."""
+        used: Conn | None = None
+        try:
+            with self._connection() as conn:
+                used = conn
+                return fn(conn)
+        except psycopg.OperationalError:
+            if used is None or not used.broken:
+                raise
+        with self._connection() as conn:
+            return fn(conn)
+
+    # --- schema ------------------------------------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Apply missing migrations, each in its own transaction under an advisory lock: safe from many workers."""
+        with self._connection() as conn:
+            for version, script in enumerate(_MIGRATIONS, start=1):
+                with conn.transaction():
+                    conn.execute("select pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+                    conn.execute(
+                        "create table if not exists june_schema ("
+                        "version integer primary key, applied_at timestamptz not null default now())"
+                    )
+                    done = conn.execute("select 1 from june_schema where version = %s", (version,)).fetchone()
+                    if done:
+                        continue
+                    conn.execute(script, prepare=False)
+                    conn.execute("insert into june_schema (version) values (%s)", (version,))
+
+    # --- reads -------------------------------------------------------------------------------------
+
+    def load(self, ref: SessionRef) -> SessionSnapshot:
+        key = {"agent": ref.agent, "session": ref.session}
+        row = self._read(lambda c: c.execute(_LOAD, key).fetchone())
+        assert row is not None
+        generation, status, suspended, event_seq, reset_pending, messages, steps = row
+        return SessionSnapshot(
+            ref_agent=ref.agent,
+            ref_session=ref.session,
+            generation=generation or 0,
+            status=status or "new",
+            suspended=SuspendedCheckpoint.model_validate_json(suspended) if suspended else None,
+            reset_pending=bool(reset_pending),
+            messages=_MessagesAdapter.validate_json(messages),
+            steps={
+                step_id: StepRecord(step_id=step_id, turn_id=turn_id, data=data)
+                for step_id, turn_id, data in json.loads(steps)
+            },
+            event_seq=event_seq or 0,
+        )
+
+    def pending(self, ref: SessionRef) -> SuspendedCheckpoint | None:
+        key = {"agent": ref.agent, "session": ref.session}
+        row = self._read(
+            lambda c: c.execute(
+                "select suspended::text from june_sessions where agent = %(agent)s and session = %(session)s", key
+            ).fetchone()
+        )
+        return SuspendedCheckpoint.model_validate_json(row[0]) if row and row[0] else None
+
+    def get_turn(self, ref: SessionRef, turn_id: str) -> TurnRecord | None:
+        key = {"agent": ref.agent, "session": ref.session, "turn_id": turn_id}
+        row = self._read(lambda c: c.execute(_GET_TURN, key).fetchone())
+        return turn_from_row(ref, row) if row else None
+
+    def unfinished_turns(self, ref: SessionRef) -> list[TurnRecord]:
+        key = {"agent": ref.agent, "session": ref.session}
+        rows = self._read(lambda c: c.execute(_UNFINISHED, key).fetchall())
+        return [turn_from_row(ref, r) for r in rows]
+
+    def events(self, ref: SessionRef, *, turn_id: str | None = None, after_seq: int = 0) -> list[TurnEvent]:
+        key = {"agent": ref.agent, "session": ref.session, "after": after_seq, "turn_id": turn_id}
+        row = self._read(lambda c: c.execute(_EVENTS, key).fetchone())
+        assert row is not None
+        return _EventsAdapter.validate_json(row[0])
+
+    # --- writes ------------------------------------------------------------------------------------
+
+    def commit(self, ref: SessionRef, commit: Commit | CommitBuilder, *, fence: int | None = None) -> list[TurnEvent]:
+        with self._connection() as conn:
+            if isinstance(commit, Commit):
+                return self._apply(conn, ref, commit, fence)
+            handle = _Handle(conn)
+            try:
+                built = commit(handle)
+                events = self._apply(conn, ref, built, fence)
+            except BaseException:
+                if handle.begun:
+                    with contextlib.suppress(psycopg.Error):  # a dead connection has no transaction left
+                        conn.execute("rollback", prepare=False)
+                raise
+            if handle.begun:
+                conn.execute("commit", prepare=False)
+            return events
+
+    def _apply(self, conn: Conn, ref: SessionRef, commit: Commit, fence: int | None) -> list[TurnEvent]:
+        sql, params = commit_statement(ref, commit, fence)
+        for _ in range(_COMMIT_ATTEMPTS):
+            try:
+                row = conn.execute(sql, params).fetchone()
+            except pg_errors.UniqueViolation as exc:
+                raise StoreError(
+                    f"session {ref}: a message index of this commit is taken ({exc.diag.message_detail or exc})"
+                ) from exc
+            if row is not None:
+                base = row[0] - len(commit.events)
+                return [e.model_copy(update={"seq": base + i}) for i, e in enumerate(commit.events, start=1)]
+            # Nothing was written. Ask why: off the happy path, so a second round trip is fine.
+            found = conn.execute(_WHY_NOT, params).fetchone()
+            current_fence, parked_turn, parked_input = found if found is not None else (0, None, None)
+            if fence is not None and fence != current_fence:
+                raise LeaseLostError(f"session {ref} is leased under fence {current_fence}, not {fence}")
+            if commit.expect_suspended is not None:
+                turn_id, input_id = commit.expect_suspended
+                if parked_turn != turn_id or parked_input != input_id:
+                    raise ResumeConflictError(f"session {ref} is not parked on turn {turn_id} input {input_id!r}")
+            if found is None:  # the session's first write: create its row, then write
+                conn.execute(_ENSURE_SESSION, params)
+            # else the row changed between the statement and this look at it: run it again.
+        raise StoreError(
+            f"session {ref}: the commit kept racing concurrent changes of the session row; nothing written"
+        )
+
+    def enqueue_turn(self, ref: SessionRef, turn_id: str, payload: TurnPayload) -> tuple[TurnRecord, bool]:
+        params = {
+            "agent": ref.agent,
+            "session": ref.session,
+            "turn_id": turn_id,
+            "payload": payload.model_dump_json(),
+        }
+        with self._connection() as conn:
+            for _ in range(_COMMIT_ATTEMPTS):
+                row = conn.execute(_ENQUEUE, params).fetchone()
+                if row is not None:  # none: a concurrent enqueue of the same turn won; its row is visible now
+                    return turn_from_row(ref, row[1:]), bool(row[0])
+        raise StoreError(f"session {ref}: could not enqueue turn {turn_id}")
+
+    def request_cancel(self, ref: SessionRef, reason: str, *, turn_ids: Sequence[str] | None = None) -> list[str]:
+        params = {
+            "agent": ref.agent,
+            "session": ref.session,
+            "reason": reason,
+            "ids": list(turn_ids) if turn_ids is not None else None,
+        }
+        with self._connection() as conn:
+            return [r[0] for r in conn.execute(_CANCEL, params).fetchall()]
+
+    def reset(self, ref: SessionRef) -> ResetResult:
+        key: dict[str, Any] = {"agent": ref.agent, "session": ref.session}
+        with self._connection() as conn, conn.transaction():
+            row = conn.execute(_RESET_LOCK, key).fetchone()  # creates and locks the session row
+            assert row is not None
+            generation = int(row[0])
+            conn.execute(_RESET, {**key, "generation": generation})
+        return ResetResult(previous_session=f"{ref.session}#g{generation}", generation=generation)
+
+    def acquire_fence(self, ref: SessionRef) -> int:
+        """Take the session's fencing token: every later commit with an older token fails."""
+        with self._connection() as conn:
+            row = conn.execute(_ACQUIRE_FENCE, {"agent": ref.agent, "session": ref.session}).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def close(self) -> None:
+        if self._owns_pool:
+            self._pool.close()
+
+
+def turn_from_row(ref: SessionRef, row: Sequence[Any]) -> TurnRecord:
+    """A turn from its columns in schema order (``turn_id`` ... ``finished_at``), JSON as text or as psycopg decoded it."""
+    turn_id, position, status, payload, cancel_reason, attempts, result, generation, created_at, finished_at = row[:10]
+    return TurnRecord(
+        turn_id=turn_id,
+        agent=ref.agent,
+        session=ref.session,
+        position=position,
+        status=status,
+        payload=TurnPayload.model_validate_json(payload)
+        if isinstance(payload, str | bytes)
+        else TurnPayload.model_validate(payload),
+        cancel_reason=cancel_reason,
+        attempts=attempts,
+        result=None
+        if result is None
+        else TurnResultAdapter.validate_json(result)
+        if isinstance(result, str | bytes)
+        else TurnResultAdapter.validate_python(result),
+        generation=generation,
+        created_at=float(created_at),
+        finished_at=float(finished_at) if finished_at is not None else None,
+    )
