@@ -1,0 +1,267 @@
+"""``june-produce``: enqueue turns, answer parked ones, cancel, reset, and watch events, from a shell.
+
+::
+
+    june-produce turn ops s1 "refund order 42"          # enqueue, then show the turn live
+    june-produce turn ops s1 "..." --no-follow           # print the turn id and return
+    june-produce follow ops s1 [--turn T] [--from ID]    # a session's (or a turn's) events
+    june-produce resume ops s1 T approve-refund true --by U024BE7LH [--follow]
+    june-produce cancel ops s1 [T]
+    june-produce reset ops s1
+
+Configuration comes from the worker's variables (``JUNE_REDIS_URL``, ``CELERY_BROKER_URL``,
+``CELERY_RESULT_BACKEND``, ``JUNE_QUEUE``, ``JUNE_CONTROL_QUEUE``, ``JUNE_KEY_PREFIX``). With
+``--json``, or when stdout is not a terminal, stdout carries JSON lines only (one per event, with
+its ``stream_id``); messages for people go to stderr. Exit codes: see :mod:`producers.render`.
+
+The rule a reader must not break: argument parsing and I/O live here, drawing lives in
+:mod:`producers.render`, so each can be tested without the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import redis
+from rich.console import Console
+
+from . import render
+from .client import JuneProducer
+from .errors import ProducerError
+from .events import FollowedEvent
+from .render import LiveView, write_json
+
+__all__ = ["build_parser", "main", "parse_value"]
+
+_CANCEL_FAILURES = frozenset({"rejected", "error", "invalid", "forbidden", "not_found"})
+
+
+def parse_value(text: str) -> Any:
+    """An answer typed on the command line: JSON when it parses (``true``, ``42``, ``{"a": 1}``), else the string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must not be negative")
+    return value
+
+
+class _Out:
+    """Where output goes: JSON lines on stdout, or the live view; messages for people on stderr."""
+
+    def __init__(self, stdout: TextIO, stderr: TextIO, json_mode: bool, agent: str, session: str) -> None:
+        self.stdout, self.stderr, self.json_mode = stdout, stderr, json_mode
+        self.view = LiveView(Console(file=stdout, highlight=False), agent, session)
+
+    def info(self, text: str) -> None:
+        if self.json_mode:
+            print(f"june-produce: {text}", file=self.stderr, flush=True)
+        else:
+            self.view.note(text)
+
+    def event(self, event: FollowedEvent) -> None:
+        if self.json_mode:
+            write_json(self.stdout, event.to_json())
+            if event.type == "input.requested":
+                command = render.resume_command(self.view.agent, self.view.session, event)
+                print(f"june-produce: answer with: {command}", file=self.stderr, flush=True)
+        else:
+            self.view.show(event)
+
+    def outcome(self, command: str, data: dict[str, Any], ok: bool) -> None:
+        if self.json_mode:
+            write_json(self.stdout, data)
+        else:
+            self.view.outcome(command, data, ok)
+
+
+def _follow(producer: JuneProducer, out: _Out, args: argparse.Namespace, turn_id: str | None, last_id: str) -> int:
+    last: FollowedEvent | None = None
+    for event in producer.follow(args.agent, args.session, turn_id=turn_id, last_id=last_id, timeout_s=args.timeout):
+        out.event(event)
+        last = event
+    if turn_id is None:
+        return render.EXIT_OK
+    if not out.json_mode:
+        out.view.finish(last)
+    elif last is None or not last.terminal:
+        out.info(f"stopped waiting after {args.timeout:g}s; turn {turn_id} has not ended")
+    return render.exit_code(last)
+
+
+def _cmd_turn(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> int:
+    trigger = {"kind": "proactive", "by": args.proactive_by} if args.proactive_by else None
+    # A new turn's events all come after the stream's current end; a resent turn id may have older ones.
+    start = "0-0" if args.turn_id or args.no_follow else producer.last_stream_id(args.agent, args.session)
+    turn_id = producer.start_turn(
+        args.agent,
+        args.session,
+        args.text,
+        event=args.event,
+        turn_id=args.turn_id,
+        replace=args.replace,
+        trigger=trigger,
+    )
+    if args.no_follow:
+        if out.json_mode:
+            write_json(out.stdout, {"turn_id": turn_id, "agent": args.agent, "session": args.session})
+        else:
+            print(turn_id, file=out.stdout, flush=True)
+        return render.EXIT_OK
+    if out.json_mode:
+        out.info(f"queued {turn_id} for {args.agent}:{args.session} on {producer.queue}")
+    else:
+        out.view.enqueued(turn_id, producer.queue)
+    return _follow(producer, out, args, turn_id, start)
+
+
+def _cmd_follow(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> int:
+    return _follow(producer, out, args, args.turn, args.from_id)
+
+
+def _cmd_resume(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> int:
+    start = producer.last_stream_id(args.agent, args.session) if args.follow else "0-0"
+    outcome = producer.resume(
+        args.agent,
+        args.session,
+        args.turn,
+        args.input,
+        parse_value(args.value),
+        by=args.by,
+        timeout_s=args.wait,
+    )
+    out.outcome("resume", {**outcome.raw, "status": outcome.status}, outcome.accepted)
+    if not outcome.accepted:
+        return render.EXIT_FAILED
+    if args.follow:
+        return _follow(producer, out, args, args.turn, start)
+    return render.EXIT_OK
+
+
+def _cmd_cancel(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> int:
+    result = producer.cancel(args.agent, args.session, args.turn, timeout_s=args.wait)
+    ok = result["status"] not in _CANCEL_FAILURES
+    out.outcome("cancel", result, ok)
+    return render.EXIT_OK if ok else render.EXIT_FAILED
+
+
+def _cmd_reset(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> int:
+    outcome = producer.reset(args.agent, args.session, timeout_s=args.wait)
+    ok = outcome.status != "rejected"
+    out.outcome("reset", {**outcome.raw, "status": outcome.status}, ok)
+    return render.EXIT_OK if ok else render.EXIT_FAILED
+
+
+Command = Callable[[JuneProducer, _Out, argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="june-produce",
+        description="Send june turns and control messages, and follow their events. "
+        "Configured by JUNE_REDIS_URL, CELERY_BROKER_URL, CELERY_RESULT_BACKEND, JUNE_QUEUE, "
+        "JUNE_CONTROL_QUEUE and JUNE_KEY_PREFIX.",
+        epilog="exit codes: 0 completed/accepted, 1 failed/cancelled/rejected/not accepted, 2 usage, "
+        "3 suspended (waiting for input), 4 --timeout passed first, 5 broker/Redis/worker unavailable",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, handler: Command, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(handler=handler)
+        p.add_argument("agent", metavar="AGENT")
+        p.add_argument("session", metavar="SESSION")
+        p.add_argument("--json", action="store_true", help="JSON lines on stdout (the default when not a terminal)")
+        return p
+
+    def follow_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--timeout", type=_seconds, default=None, metavar="S", help="stop waiting after S seconds")
+
+    def wait_option(p: argparse.ArgumentParser, default: float) -> None:
+        p.add_argument(
+            "--wait",
+            type=_seconds,
+            default=default,
+            metavar="S",
+            help=f"how long to wait for the worker's answer (default {default:g})",
+        )
+
+    p = command("turn", _cmd_turn, "enqueue a turn, then show its events until it ends")
+    p.add_argument("text", metavar="TEXT")
+    p.add_argument("--turn-id", help="resend this turn id (the worker runs a turn id once)")
+    p.add_argument("--replace", action="store_true", help="cancel the session's unfinished turns for this one")
+    p.add_argument("--event", type=_json_object, metavar="JSON", help="the inbound event, a JSON object")
+    p.add_argument("--proactive-by", metavar="BY", help="a turn nobody typed, started by BY (e.g. cron:daily)")
+    p.add_argument("--no-follow", action="store_true", help="print the turn id and return")
+    follow_options(p)
+
+    p = command("follow", _cmd_follow, "show a session's events (catch-up, then live)")
+    p.add_argument("--turn", metavar="TURN", help="only this turn's events, ending after its last one")
+    p.add_argument("--from", dest="from_id", default="0-0", metavar="ID", help="after this stream id (default 0-0)")
+    follow_options(p)
+
+    p = command("resume", _cmd_resume, "answer a parked turn's input request")
+    p.add_argument("turn", metavar="TURN")
+    p.add_argument("input", metavar="INPUT")
+    p.add_argument("value", metavar="VALUE", help="JSON when it parses (true, 42, {...}), else a string")
+    p.add_argument("--by", required=True, metavar="USER", help="the verified identity answering")
+    p.add_argument("--follow", action="store_true", help="when accepted, show the turn until it ends")
+    wait_option(p, 30)
+    follow_options(p)
+
+    p = command("cancel", _cmd_cancel, "cancel a turn, or all unfinished turns of the session")
+    p.add_argument("turn", metavar="TURN", nargs="?")
+    wait_option(p, 30)
+
+    p = command("reset", _cmd_reset, "retire the session's history (a new generation)")
+    wait_option(p, 60)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    stdout, stderr = sys.stdout, sys.stderr
+    out = _Out(stdout, stderr, args.json or not stdout.isatty(), args.agent, args.session)
+    handler: Command = args.handler
+    try:
+        with JuneProducer.from_env() as producer:
+            return handler(producer, out, args)
+    except KeyboardInterrupt:
+        if not out.json_mode:
+            out.view.end_line()
+        return render.EXIT_INTERRUPTED
+    except ValueError as exc:  # a bad argument, checked before anything was sent (ProducerConfigError too)
+        print(f"june-produce: {exc}", file=stderr)
+        return render.EXIT_USAGE
+    except ProducerError as exc:
+        print(f"june-produce: {exc}", file=stderr)
+        return render.EXIT_UNAVAILABLE
+    except redis.RedisError as exc:
+        print(f"june-produce: reading events from Redis failed: {type(exc).__name__}: {exc}", file=stderr)
+        return render.EXIT_UNAVAILABLE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""What can go wrong when a producer talks to june: one shallow tree.
+
+::
+
+    ProducerError
+     ├── ProducerConfigError     (also ValueError)       a setting is wrong; fix it, do not retry
+     ├── BrokerUnavailable       (also ConnectionError)  the message was not sent; retry later
+     ├── ResultUnavailable       (also ConnectionError)  sent, but the answer could not be read
+     ├── ResultTimeout           (also TimeoutError)     sent, no answer in time: is a worker on the queue?
+     ├── TaskFailed                                      the task raised on the worker
+     └── UnexpectedResult                                the worker answered in a shape this client does not know
+
+Bad arguments (an agent name with a space, an empty input id) are plain ``ValueError`` and are
+raised before anything is sent. Every class survives pickling: ``__init__`` passes all of its
+arguments to ``super().__init__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BrokerUnavailable",
+    "ProducerConfigError",
+    "ProducerError",
+    "ResultTimeout",
+    "ResultUnavailable",
+    "TaskFailed",
+    "UnexpectedResult",
+]
+
+
+class ProducerError(Exception):
+    """Base class of every error a producer raises on purpose."""
+
+    retryable = False
+
+
+class ProducerConfigError(ProducerError, ValueError):
+    """A setting (URL, queue name, key prefix) is missing or malformed."""
+
+
+class BrokerUnavailable(ProducerError, ConnectionError):
+    """The broker (or, for waited calls, the result backend) refused or did not answer: nothing was sent."""
+
+    retryable = True
+
+
+class ResultUnavailable(ProducerError, ConnectionError):
+    """The message was sent but its result could not be read back; the task may have run."""
+
+    retryable = False
+
+
+class ResultTimeout(ProducerError, TimeoutError):
+    """A task's result did not arrive within the wait; the message stays queued and may still run."""
+
+    def __init__(self, task: str, what: str, timeout_s: float, queue: str, task_id: str) -> None:
+        super().__init__(task, what, timeout_s, queue, task_id)
+        self.task, self.what, self.timeout_s, self.queue, self.task_id = task, what, timeout_s, queue, task_id
+
+    def __str__(self) -> str:
+        return (
+            f"{self.task} for {self.what} got no result within {self.timeout_s:g}s (task id {self.task_id}): "
+            f"is a june worker consuming queue {self.queue!r}? The message stays queued and may still run."
+        )
+
+
+class TaskFailed(ProducerError):
+    """The task raised on the worker instead of returning its summary."""
+
+    def __init__(self, task: str, what: str, error: str) -> None:
+        super().__init__(task, what, error)
+        self.task, self.what, self.error = task, what, error
+
+    def __str__(self) -> str:
+        return f"{self.task} for {self.what} failed on the worker: {self.error}"
+
+
+class UnexpectedResult(ProducerError):
+    """The task returned something other than the summary this client expects (a version mismatch?)."""

@@ -1,0 +1,246 @@
+"""How ``june-produce`` shows events and outcomes: JSON lines for programs, a live rich view for people.
+
+No I/O of its own beyond the stream or :class:`rich.console.Console` it is handed, so tests
+render onto a ``StringIO``. The rule a reader must not break: **text from a turn is printed as
+text, never as rich markup** (a model reply with ``[bold]`` in it must print verbatim), so
+everything goes through :class:`rich.text.Text`.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.text import Text
+
+from .events import FollowedEvent
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_SUSPENDED",
+    "EXIT_TIMEOUT",
+    "EXIT_UNAVAILABLE",
+    "EXIT_USAGE",
+    "LiveView",
+    "exit_code",
+    "resume_command",
+    "turn_status",
+    "write_json",
+]
+
+EXIT_OK = 0
+"""The turn completed; a control message was accepted."""
+EXIT_FAILED = 1
+"""The turn failed, was cancelled or rejected; a control message was not accepted."""
+EXIT_USAGE = 2
+"""Bad command line or argument (argparse's code)."""
+EXIT_SUSPENDED = 3
+"""The turn parked on an input request: answer it with ``june-produce resume``."""
+EXIT_TIMEOUT = 4
+"""``--timeout`` passed before the turn ended."""
+EXIT_UNAVAILABLE = 5
+"""The broker, the result backend or Redis could not be reached, or a worker did not answer in time."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C."""
+
+_CLIP = 300
+
+
+def write_json(out: TextIO, value: Any) -> None:
+    """One JSON line, flushed, so a reader of a pipe sees each event as it comes."""
+    out.write(json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str) + "\n")
+    out.flush()
+
+
+def turn_status(event: FollowedEvent | None) -> str:
+    """``completed`` / ``failed`` / ``rejected`` / ``cancelled`` / ``suspended`` for a terminal event, else ``unfinished``."""
+    if event is None or not event.terminal:
+        return "unfinished"
+    if event.type == "turn.failed":
+        return "rejected" if event.data.get("phase") == "intake" else "failed"
+    return {"turn.completed": "completed", "turn.cancelled": "cancelled", "input.requested": "suspended"}[event.type]
+
+
+def exit_code(event: FollowedEvent | None) -> int:
+    """The exit code for a turn whose last event followed was ``event``."""
+    return {
+        "completed": EXIT_OK,
+        "failed": EXIT_FAILED,
+        "rejected": EXIT_FAILED,
+        "cancelled": EXIT_FAILED,
+        "suspended": EXIT_SUSPENDED,
+    }.get(turn_status(event), EXIT_TIMEOUT)
+
+
+def _compact(value: Any) -> str:
+    text = (
+        value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+    )
+    return text if len(text) <= _CLIP else text[: _CLIP - 1] + "…"
+
+
+def _request(event: FollowedEvent) -> dict[str, Any]:
+    request = event.data.get("request")
+    return request if isinstance(request, dict) else {}
+
+
+def resume_command(agent: str, session: str, event: FollowedEvent) -> str:
+    """The ``june-produce resume`` command line that answers the input request ``event`` announces."""
+    request = _request(event)
+    schema = request.get("schema")
+    value = "true" if isinstance(schema, dict) and schema.get("type") == "boolean" else "VALUE"
+    answerers = request.get("answerers")
+    by = "USER"
+    if isinstance(answerers, dict) and isinstance(answerers.get("user"), str):
+        by = answerers["user"]
+    turn = event.turn_id or "TURN"
+    return shlex.join(
+        ["june-produce", "resume", agent, session, turn, str(request.get("id", "INPUT")), value, "--by", by]
+    )
+
+
+class LiveView:
+    """Writes events to a console as they come: streamed text inline, one line per structural event."""
+
+    def __init__(self, console: Console, agent: str, session: str, *, show_reasoning: bool = True) -> None:
+        self.console = console
+        self.agent = agent
+        self.session = session
+        self.show_reasoning = show_reasoning
+        self._open = False  # streamed text is on the current line, without its newline
+        self._streamed: dict[tuple[str | None, str], str] = {}
+
+    # --- lines ------------------------------------------------------------------------------------
+
+    def _line(self, *parts: tuple[str, str] | str) -> None:
+        self._close()
+        self.console.print(Text.assemble(*parts), soft_wrap=True)
+
+    def _stream(self, text: str, style: str) -> None:
+        self.console.print(Text(text, style=style), end="", soft_wrap=True)
+        self._open = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        """Finish a line of streamed text (before a note, or when the user interrupts)."""
+        self._close()
+
+    def _close(self) -> None:
+        if self._open:
+            self.console.print()
+            self._open = False
+
+    # --- what the CLI calls -------------------------------------------------------------------------
+
+    def enqueued(self, turn_id: str, queue: str) -> None:
+        self._line(("queued ", "dim"), (turn_id, "bold"), (f" for {self.agent}:{self.session} on {queue}", "dim"))
+
+    def note(self, text: str, style: str = "dim") -> None:
+        self._line((text, style))
+
+    def show(self, event: FollowedEvent) -> None:
+        handler = getattr(self, "_on_" + event.type.replace(".", "_"), None)
+        if handler is None:
+            self._line(("· ", "dim"), (event.type, "dim"), " ", (_compact(event.data), "dim"))
+        else:
+            handler(event)
+
+    def finish(self, last: FollowedEvent | None) -> None:
+        """The closing line of a followed turn: its status, or that the wait ended first."""
+        self._close()
+        if last is None or not last.terminal:
+            self._line(("… stopped waiting; the turn has not ended (follow it again to see the rest)", "yellow"))
+
+    def outcome(self, command: str, data: dict[str, Any], ok: bool) -> None:
+        """A control message's answer: ``resume: accepted`` and the details the worker gave."""
+        details = {k: v for k, v in data.items() if k != "status" and v is not None}
+        self._line(
+            (f"{command}: ", "bold"),
+            (str(data.get("status")), "green" if ok else "red"),
+            (f"  {_compact(details)}" if details else "", "dim"),
+        )
+
+    # --- one method per event type -----------------------------------------------------------------
+
+    def _on_turn_started(self, event: FollowedEvent) -> None:
+        trigger = event.data.get("trigger")
+        how = ""
+        if isinstance(trigger, dict):
+            kind = trigger.get("kind")
+            if kind == "proactive":
+                how = f" (proactive, by {trigger.get('by')})"
+            elif kind == "resume":
+                how = f" (resumed after input {trigger.get('input_id') or trigger.get('call_id')})"
+            elif kind == "inbound" and isinstance(trigger.get("event"), dict):
+                source = trigger["event"].get("source")
+                user = trigger["event"].get("user")
+                who = f" from {user.get('id')}" if isinstance(user, dict) else ""
+                how = f" ({source}{who})"
+        self._line(("▶ ", "cyan"), ("turn ", "dim"), (event.turn_id or "?", "bold"), (f" started{how}", "dim"))
+
+    def _on_message_delta(self, event: FollowedEvent) -> None:
+        text = str(event.data.get("text", ""))
+        key = (event.turn_id, str(event.data.get("step")))
+        self._streamed[key] = self._streamed.get(key, "") + text
+        self._stream(text, "")
+
+    def _on_reasoning_delta(self, event: FollowedEvent) -> None:
+        if self.show_reasoning:
+            self._stream(str(event.data.get("text", "")), "dim italic")
+
+    def _on_message_completed(self, event: FollowedEvent) -> None:
+        text = str(event.data.get("text", ""))
+        streamed = self._streamed.pop((event.turn_id, str(event.data.get("step"))), None)
+        if streamed == text:
+            self._close()  # it was shown as it typed
+        elif not streamed:
+            self._line((text, ""))  # caught up from the stream: no deltas for this message
+        else:
+            self._line(("(final text of a retried step)", "dim"))
+            self._line((text, ""))
+
+    def _on_action_requested(self, event: FollowedEvent) -> None:
+        call = event.data.get("call") or {}
+        self._line(("→ ", "magenta"), (str(call.get("name")), "bold magenta"), (f" {_compact(call.get('input'))}", ""))
+
+    def _on_action_completed(self, event: FollowedEvent) -> None:
+        call = event.data.get("call") or {}
+        name = str(call.get("name"))
+        if event.data.get("error"):
+            self._line(("✗ ", "red"), (name, "bold red"), (f" failed: {_compact(event.data['error'])}", "red"))
+        else:
+            self._line(("← ", "magenta"), (name, "bold magenta"), (f" {_compact(event.data.get('result'))}", "dim"))
+
+    def _on_input_requested(self, event: FollowedEvent) -> None:
+        request = _request(event)
+        self._line(
+            ("⏸ waiting for input ", "yellow"),
+            (str(request.get("id")), "bold yellow"),
+            (": ", "yellow"),
+            (str(request.get("prompt", "")), "bold"),
+        )
+        if request.get("schema") is not None:
+            self._line(("  expects ", "dim"), (_compact(request["schema"]), "dim"))
+        if request.get("answerers") is not None:
+            self._line(("  who may answer ", "dim"), (_compact(request["answerers"]), "dim"))
+        self._line(("  answer with: ", "dim"), (resume_command(self.agent, self.session, event), "bold"))
+
+    def _on_turn_completed(self, event: FollowedEvent) -> None:
+        usage = event.data.get("usage")
+        tokens = ""
+        if isinstance(usage, dict):
+            tokens = f" ({usage.get('input_tokens', 0)} in / {usage.get('output_tokens', 0)} out tokens)"
+        self._line(("✓ completed", "bold green"), (tokens, "dim"))
+
+    def _on_turn_failed(self, event: FollowedEvent) -> None:
+        error = event.data.get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+        phase = event.data.get("phase")
+        label = "✗ rejected" if phase == "intake" else "✗ failed" + (f" in {phase}" if phase else "")
+        self._line((label, "bold red"), (f": {message}" if message else "", "red"))
+
+    def _on_turn_cancelled(self, event: FollowedEvent) -> None:
+        self._line(("■ cancelled", "bold yellow"), (f" ({event.data.get('reason')})", "dim"))
