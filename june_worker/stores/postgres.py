@@ -74,8 +74,8 @@ _MIGRATIONS: list[str] = [
     # 1: the whole schema (the names and meaning of SQLiteStore's, Postgres types)
     """
     create table june_sessions (
-        agent text not null,
-        session text not null,
+        agent text collate "C" not null,
+        session text collate "C" not null,
         generation integer not null default 0,
         status text not null default 'new' check (status in ('new', 'running', 'suspended', 'done')),
         suspended json,
@@ -90,9 +90,9 @@ _MIGRATIONS: list[str] = [
         primary key (agent, session)
     ) with (fillfactor = 80);
     create table june_turns (
-        agent text not null,
-        session text not null,
-        turn_id text not null,
+        agent text collate "C" not null,
+        session text collate "C" not null,
+        turn_id text collate "C" not null,
         position bigint not null,
         status text not null check (
             status in ('queued', 'running', 'suspended', 'completed', 'failed', 'cancelled', 'rejected')
@@ -110,48 +110,48 @@ _MIGRATIONS: list[str] = [
     create index june_turns_unfinished on june_turns (agent, session, position)
         where status in ('queued', 'running');
     create table june_messages (
-        agent text not null,
-        session text not null,
+        agent text collate "C" not null,
+        session text collate "C" not null,
         idx integer not null,
-        turn_id text not null,
-        role text not null,
+        turn_id text collate "C" not null,
+        role text collate "C" not null,
         body json not null,
         primary key (agent, session, idx)
     );
     create table june_steps (
-        agent text not null,
-        session text not null,
-        step_id text not null,
-        turn_id text,
+        agent text collate "C" not null,
+        session text collate "C" not null,
+        step_id text collate "C" not null,
+        turn_id text collate "C",
         data json not null,
         primary key (agent, session, step_id)
     );
     create table june_events (
-        agent text not null,
-        session text not null,
+        agent text collate "C" not null,
+        session text collate "C" not null,
         seq bigint not null,
-        turn_id text not null,
-        type text not null,
+        turn_id text collate "C" not null,
+        type text collate "C" not null,
         body json not null,
         created_at double precision not null default extract(epoch from now()),
         primary key (agent, session, seq)
     );
     create table june_archived_messages (
-        agent text not null,
-        session text not null,
+        agent text collate "C" not null,
+        session text collate "C" not null,
         generation integer not null,
         idx integer not null,
-        turn_id text not null,
-        role text not null,
+        turn_id text collate "C" not null,
+        role text collate "C" not null,
         body json not null,
         primary key (agent, session, generation, idx)
     );
     create table june_archived_steps (
-        agent text not null,
-        session text not null,
+        agent text collate "C" not null,
+        session text collate "C" not null,
         generation integer not null,
-        step_id text not null,
-        turn_id text,
+        step_id text collate "C" not null,
+        turn_id text collate "C",
         data json not null,
         primary key (agent, session, generation, step_id)
     );
