@@ -257,9 +257,7 @@ def _input_model_for(fn: Callable[..., Any], name: str) -> tuple[type[BaseModel]
         annotation = hints.get(p.name, Any)
         default = ... if p.default is inspect.Parameter.empty else p.default
         fields[p.name] = (annotation, default)
-    model = create_model(
-        f"{name}_input", __config__=ConfigDict(extra="forbid"), **fields
-    )
+    model = create_model(f"{name}_input", __config__=ConfigDict(extra="forbid"), **fields)
     return model, takes_ctx
 
 

@@ -1,0 +1,203 @@
+"""What each task does, on a :class:`~june_worker.worker.host.WorkerHost`: intake, resume, cancel, reset, proactive.
+
+Every function returns a small JSON summary (it becomes the Celery task result): the turn
+id and a status, plus a reason when something was refused. Nothing here raises for bad
+input: a refusal is a result, recorded where the turn id is known, never a retry loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..engine.events import TurnResult
+from ..engine.loop import reject_turn
+from ..engine.resume import check_parked, grant_answer, reset_park_commit, resume_commit
+from ..engine.session import parked_reason
+from ..engine.store import UNFINISHED_TURN_STATUSES, SessionRef, TurnPayload, TurnRecord
+from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
+from .host import WorkerHost
+from .payloads import CancelMessage, ProactiveMessage, ResetMessage, ResumeMessage, TurnMessage
+
+__all__ = [
+    "Dispatch",
+    "cancel",
+    "intake",
+    "proactive",
+    "proactive_turn_id",
+    "reset",
+    "resume",
+    "summary",
+    "turn_message",
+]
+
+log = logging.getLogger("june_worker.worker")
+
+Dispatch = Callable[[TurnRecord], None]
+"""Sends ``june.turn`` for a recorded turn (the tasks module provides it; the host knows no Celery)."""
+
+
+def summary(ref: SessionRef, turn_id: str, result: TurnResult | None, status: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"turn_id": turn_id, "agent": ref.agent, "session": ref.session}
+    if result is None:
+        out["status"] = status or "queued"
+        return out
+    out["status"] = result.status
+    if result.status == "rejected":
+        out["reason"] = result.reason
+    elif result.status == "failed":
+        out["reason"] = result.error.message
+    elif result.status == "cancelled":
+        out["reason"] = result.reason
+    elif result.status == "suspended":
+        out["input_id"] = result.request.id
+    return out
+
+
+def turn_message(rec: TurnRecord) -> dict[str, Any]:
+    """The ``june.turn`` payload that re-delivers a recorded turn."""
+    p = rec.payload
+    return {
+        "turn_id": rec.turn_id,
+        "agent": rec.agent,
+        "session": rec.session,
+        "text": p.text,
+        "event": p.event.model_dump(mode="json") if p.event else None,
+        "trigger": {"kind": "proactive", "by": p.trigger_by} if p.trigger_by else None,
+        "replace": False,
+        **({"target": p.target} if p.target else {}),
+    }
+
+
+def _reject(host: WorkerHost, ref: SessionRef, turn_id: str, payload: TurnPayload, reason: str) -> dict[str, Any]:
+    host.store.enqueue_turn(ref, turn_id, payload)
+    result = reject_turn(host.store, host.sink, ref, turn_id, reason)
+    log.warning("rejected turn %s of %s: %s", turn_id, ref, reason)
+    return summary(ref, turn_id, result)
+
+
+def intake(host: WorkerHost, msg: TurnMessage | ProactiveMessage, *, turn_id: str | None = None) -> dict[str, Any]:
+    """Record the turn (idempotent by turn id), then run the session if nobody else is."""
+    ref = SessionRef(msg.agent, msg.session)
+    if isinstance(msg, TurnMessage):
+        turn_id = msg.turn_id
+        payload = TurnPayload(
+            text=msg.text, event=msg.event, trigger_by=msg.trigger_by(), replace=msg.replace, target=msg.target
+        )
+        replace = msg.replace
+    else:
+        assert turn_id is not None
+        payload = TurnPayload(text=msg.text, trigger_by=msg.by, target=msg.target)
+        replace = False
+    existing = host.store.get_turn(ref, turn_id)
+    if existing is None:
+        agent = host.agent(ref.agent)
+        if agent is None:
+            return _reject(
+                host, ref, turn_id, payload, f"unknown agent {ref.agent!r}; this worker serves {sorted(host.agents)}"
+            )
+        if payload.target is not None and agent.deliver is None:
+            return _reject(
+                host, ref, turn_id, payload, f"agent {agent.name} has no deliver hook, so a target cannot be rendered"
+            )
+        parked = host.store.pending(ref)
+        if parked is not None and parked.turn_id != turn_id:
+            return _reject(host, ref, turn_id, payload, parked_reason(ref, parked))
+        if replace:
+            cancelled = host.store.request_cancel(ref, "replaced")
+            if cancelled:
+                host.signal_cancel(ref, cancelled, "replaced")
+        host.store.enqueue_turn(ref, turn_id, payload)
+    elif existing.status not in UNFINISHED_TURN_STATUSES and existing.result is not None:
+        return summary(ref, turn_id, existing.result)
+    ran = host.drain(ref)
+    if turn_id in ran:
+        return summary(ref, turn_id, ran[turn_id])
+    rec = host.store.get_turn(ref, turn_id)
+    if rec is not None and rec.result is not None and rec.status not in UNFINISHED_TURN_STATUSES:
+        return summary(ref, turn_id, rec.result)
+    return summary(ref, turn_id, None, rec.status if rec else "queued")
+
+
+def proactive_turn_id(task_id: str) -> str:
+    """A proactive message without a turn id gets one from its Celery task id: a redelivery is the same turn."""
+    return f"t_{task_id.replace('-', '')}"
+
+
+def proactive(host: WorkerHost, msg: ProactiveMessage, task_id: str) -> dict[str, Any]:
+    return intake(host, msg, turn_id=msg.turn_id or proactive_turn_id(task_id))
+
+
+def resume(host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch) -> dict[str, Any]:
+    """Apply an answer to a parked turn and re-send the turn; the outcome says accepted or why not."""
+    ref = SessionRef(msg.agent, msg.session)
+    out: dict[str, Any] = {"turn_id": msg.turn_id, "input_id": msg.input_id}
+    agent = host.agent(ref.agent)
+    if agent is None:
+        return {**out, "status": "rejected", "reason": f"unknown agent {ref.agent!r}"}
+    try:
+        parked = check_parked(
+            host.store.pending(ref), msg.turn_id, msg.input_id, reset_pending=host.queue.reset_pending(ref)
+        )
+        granted = host.run_async(grant_answer(agent, parked, session=ref.session, by=msg.by, principal=msg.principal))
+        events = host.store.commit(ref, resume_commit(parked, msg.value, by=msg.by, granted=granted))
+    except ResumeAuthorizationError as exc:
+        return {**out, "status": "forbidden", "reason": str(exc)}
+    except InvalidAnswerError as exc:
+        return {**out, "status": "invalid", "reason": str(exc)}
+    except ResumeConflictError as exc:
+        return {**out, "status": "conflict", "reason": str(exc)}
+    except Exception as exc:  # the authorize_answer hook (or the store) failed: nothing applied, retry later
+        log.exception("resume of %s %s failed before the answer was applied", ref, msg.turn_id)
+        return {**out, "status": "error", "reason": f"{type(exc).__name__}: {exc}"}
+    host.sink.publish(ref, events)
+    rec = host.store.get_turn(ref, msg.turn_id)
+    if rec is not None:
+        dispatch(rec)  # a lost message is found by the sweeper: the turn is queued in Postgres
+    return {**out, "status": "accepted"}
+
+
+def cancel(host: WorkerHost, msg: CancelMessage) -> dict[str, Any]:
+    ref = SessionRef(msg.agent, msg.session)
+    ids = host.store.request_cancel(ref, "requested", turn_ids=[msg.turn_id] if msg.turn_id else None)
+    if ids:
+        host.signal_cancel(ref, ids, "requested")
+    return {"status": "cancel-requested" if ids else "nothing-to-cancel", "turn_ids": ids, "turn_id": msg.turn_id}
+
+
+def reset(host: WorkerHost, msg: ResetMessage, dispatch: Dispatch, *, wait_s: float = 30.0) -> dict[str, Any]:
+    """Cancel unfinished turns (reason reset), wait for the session's lease, then archive and start a generation."""
+    ref = SessionRef(msg.agent, msg.session)
+    host.queue.set_reset_pending(ref, True)
+    ids = host.store.request_cancel(ref, "reset")
+    if ids:
+        host.signal_cancel(ref, ids, "reset")
+    deadline = time.monotonic() + wait_s
+    fence = host.queue.acquire(ref, host.owner)
+    while fence is None:
+        if time.monotonic() > deadline:
+            return {"status": "pending", "reason": "the session is still busy; the reset happens when it is free"}
+        time.sleep(0.02)
+        fence = host.queue.acquire(ref, host.owner)
+    try:
+        # End the turns the reset cancelled (each closes without running), then the park.
+        while True:
+            rec, _ = host.queue.next_turn(ref)
+            if rec is None or rec.cancel_reason is None:
+                break
+            host._run(ref, rec, fence)
+        parked = host.store.pending(ref)
+        if parked is not None:
+            host.sink.publish(ref, host.store.commit(ref, reset_park_commit(parked), fence=fence))
+        result = host.store.reset(ref)
+        host.queue.set_reset_pending(ref, False)
+    finally:
+        if not host.queue.release(ref, fence):
+            # Turns queued while the reset waited: hand them to a turn worker.
+            host.queue.release(ref, fence, force=True)
+            rec, _ = host.queue.next_turn(ref)
+            if rec is not None:
+                dispatch(rec)
+    return {"status": "reset", "previous_session": result.previous_session, "generation": result.generation}

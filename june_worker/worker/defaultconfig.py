@@ -1,0 +1,67 @@
+"""Celery settings for june-worker, from the environment (see :mod:`june_worker.worker.settings`).
+
+The repository's top-level ``celeryconfig.py`` re-exports these; copy that file to change them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .settings import WorkerSettings
+
+_s = WorkerSettings.from_env()
+
+broker_url = _s.broker_url
+result_backend = _s.result_backend
+broker_connection_retry_on_startup = True
+
+# JSON only: a pickled message is refused before it reaches a task.
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+result_accept_content = ["json"]
+
+# A message is acknowledged after its task ran; a killed worker's message goes back to the queue.
+task_acks_late = True
+task_reject_on_worker_lost = True
+worker_prefetch_multiplier = 1
+task_track_started = True
+result_expires = 24 * 3600
+result_extended = False  # True would store each task's arguments (text, answers) with its result
+
+task_default_queue = _s.queue
+task_routes = {
+    "june.resume": {"queue": _s.control_queue},
+    "june.cancel": {"queue": _s.control_queue},
+    "june.reset": {"queue": _s.control_queue},
+    "june.sweep": {"queue": _s.control_queue},
+}
+
+# Events for Flower and `celery events`.
+worker_send_task_events = True
+task_send_sent_event = True
+
+beat_schedule: dict[str, dict[str, object]] = {
+    "june-sweep": {
+        "task": "june.sweep",
+        "schedule": _s.sweep_s,
+        "args": [{}],
+        "options": {"queue": _s.control_queue, "expires": max(_s.sweep_s, 1.0)},
+    },
+}
+
+if os.environ.get("JUNE_EXAMPLE_SCHEDULE") == "1":
+    # An example proactive turn: the ops agent summarizes its day. Tests set the period short.
+    beat_schedule["daily-digest"] = {
+        "task": "june.proactive",
+        "schedule": float(os.environ.get("JUNE_EXAMPLE_SCHEDULE_EVERY_S", 24 * 3600)),
+        "args": [
+            {
+                "agent": os.environ.get("JUNE_EXAMPLE_AGENT", "ops"),
+                "session": os.environ.get("JUNE_EXAMPLE_SESSION", "daily-digest"),
+                "text": "Summarize today's open threads and post the highlights.",
+                "by": "cron:daily",
+            }
+        ],
+        "options": {"argsrepr": "{agent=ops session=daily-digest by=cron:daily}"},
+    }

@@ -1,0 +1,286 @@
+"""The worker host: one per worker process. It owns the clients and runs sessions under their lease.
+
+Celery tasks are thin shells around :class:`WorkerHost`: they validate the payload and call
+one method here. Clients (the Postgres pool, Redis) and the event loop are made per
+process, lazily, and remade after a fork, never at import time.
+
+The drain loop is the heart: take the session's lease, relay any events a previous holder
+committed but did not publish, then run the session's unfinished turns oldest first, each
+under the fence of this lease, until the release succeeds (the queue is empty).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import redis
+
+from ..engine.agent import Agent, deliver_result
+from ..engine.crash import CrashAt
+from ..engine.events import TurnResult
+from ..engine.loop import TurnRunner, reject_turn
+from ..engine.store import SessionRef, TurnRecord
+from ..errors import ConfigError, LeaseLostError
+from ..events.keys import EventKeys
+from ..events.redis_stream import RedisStreamSink, Trim
+from ..stores.postgres import PostgresStore
+from .queue import SessionQueue
+from .settings import WorkerSettings
+
+__all__ = ["WorkerHost", "get_host", "load_agents"]
+
+log = logging.getLogger("june_worker.worker")
+
+TRANSIENT = (psycopg.OperationalError, psycopg.InterfaceError)
+
+
+def load_agents(paths: Iterable[str]) -> dict[str, Agent]:
+    """Agents from ``module:attribute`` paths: an Agent, a list of them, or a callable returning either."""
+    agents: dict[str, Agent] = {}
+    for path in paths:
+        module_name, _, attr = path.partition(":")
+        if not module_name or not attr:
+            raise ConfigError(f"agent path {path!r} must look like 'package.module:attribute'")
+        try:
+            obj: Any = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"cannot load agent {path!r}: {exc}") from exc
+        if callable(obj) and not isinstance(obj, Agent):
+            obj = obj()
+        found = obj if isinstance(obj, (list, tuple)) else [obj]
+        for agent in found:
+            if not isinstance(agent, Agent):
+                raise ConfigError(f"{path!r} gave {type(agent).__name__}, not an Agent")
+            agents[agent.name] = agent
+    return agents
+
+
+class _Cancel:
+    """A running turn's cancel probe; set from other threads (control listener, heartbeat)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, reason: str | None) -> None:
+        self._loop = loop
+        self._reason = reason
+        self._event = asyncio.Event()
+        if reason is not None:
+            self._event.set()
+
+    def reason(self) -> str | None:
+        return self._reason
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+    def set(self, reason: str) -> None:
+        def apply() -> None:
+            if self._reason is None:
+                self._reason = reason
+                self._event.set()
+
+        self._loop.call_soon_threadsafe(apply)
+
+
+@dataclass
+class _Running:
+    ref: SessionRef
+    fence: int
+    turn_id: str | None = None
+    cancel: _Cancel | None = None
+
+
+class WorkerHost:
+    def __init__(self, settings: WorkerSettings, agents: dict[str, Agent] | None = None) -> None:
+        self.settings = settings
+        self.agents = agents if agents is not None else load_agents(settings.agents)
+        self.store = PostgresStore(settings.database_url)
+        self.queue = SessionQueue(self.store.pool, lease_s=settings.lease_s)
+        self.keys = EventKeys(prefix=settings.key_prefix, firehose_partitions=settings.firehose_partitions)
+        self.redis = redis.Redis.from_url(
+            settings.redis_url, health_check_interval=30, socket_timeout=5, socket_connect_timeout=2
+        )
+        self.sink = RedisStreamSink(
+            self.redis,
+            keys=self.keys,
+            store=self.store,
+            session_trim=Trim(maxlen=settings.stream_maxlen or None, max_age_s=settings.stream_max_age_s or None),
+        )
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.loop = asyncio.new_event_loop()
+        self.crash = CrashAt.parse(settings.crash_at, kill=True) if settings.crash_at else None
+        self._running: _Running | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._heartbeat, name="june-heartbeat", daemon=True),
+            threading.Thread(target=self._listen, name="june-control", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # --- agents ----------------------------------------------------------------------------------
+
+    def agent(self, name: str) -> Agent | None:
+        return self.agents.get(name)
+
+    # --- the drain loop -------------------------------------------------------------------------------
+
+    def drain(self, ref: SessionRef) -> dict[str, TurnResult]:
+        """Run the session's unfinished turns if we can take its lease; return what ran."""
+        ran: dict[str, TurnResult] = {}
+        for attempt in range(5):
+            try:
+                self._drain(ref, ran)
+                return ran
+            except TRANSIENT as exc:
+                # A dropped connection: whatever committed stays committed; replay from a fresh read.
+                log.warning("database connection lost while draining %s (%s); retrying", ref, type(exc).__name__)
+                time.sleep(min(0.05 * 2**attempt, 1.0))
+        self._drain(ref, ran)
+        return ran
+
+    def _drain(self, ref: SessionRef, ran: dict[str, TurnResult]) -> None:
+        fence = self.queue.acquire(ref, self.owner)
+        if fence is None:
+            return  # another worker holds the session; its drain loop will run what we recorded
+        with self._lock:
+            self._running = _Running(ref=ref, fence=fence)
+        try:
+            self.sink.relay(self.store, ref)
+            while True:
+                rec, reset_pending = self.queue.next_turn(ref)
+                if rec is None:
+                    if self.queue.release(ref, fence):
+                        return
+                    continue
+                if reset_pending and rec.cancel_reason is None:
+                    # A reset waits for the session: stop here; it runs what is queued after it.
+                    self.queue.release(ref, fence, force=True)
+                    return
+                ran[rec.turn_id] = self._run(ref, rec, fence)
+        except LeaseLostError:
+            log.warning("lease on %s was taken over; this worker stops working on it", ref)
+        finally:
+            with self._lock:
+                self._running = None
+
+    def _run(self, ref: SessionRef, rec: TurnRecord, fence: int) -> TurnResult:
+        agent = self.agent(ref.agent)
+        if agent is None:
+            return reject_turn(self.store, self.sink, ref, rec.turn_id, f"unknown agent {ref.agent!r}", fence=fence)
+        cancel = _Cancel(self.loop, rec.cancel_reason)
+        with self._lock:
+            if self._running is not None:
+                self._running.turn_id = rec.turn_id
+                self._running.cancel = cancel
+        runner = TurnRunner(agent, self.store, self.sink, ref, rec, fence=fence, cancel=cancel, crash=self.crash)
+        result = self.loop.run_until_complete(runner.run())
+        if rec.payload.target is not None and result.status != "rejected":
+            try:
+                events = self.store.events(ref, turn_id=rec.turn_id)
+                self.loop.run_until_complete(
+                    deliver_result(agent, target=rec.payload.target, result=result, events=events, session=ref.session)
+                )
+            except Exception:
+                log.exception("delivering turn %s of %s to %s failed", rec.turn_id, ref, rec.payload.target)
+        return result
+
+    def run_async(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    # --- background threads -----------------------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        """Renew the lease of the session being drained; re-check its cancel flag in Postgres."""
+        period = max(self.settings.lease_s / 3, 0.1)
+        while not self._stop.wait(period):
+            with self._lock:
+                running = self._running
+            if running is None:
+                continue
+            try:
+                if not self.queue.renew(running.ref, running.fence) and running.cancel is not None:
+                    running.cancel.set("requested")  # the lease is gone; the next commit is fenced off
+                    continue
+                if running.turn_id and running.cancel is not None:
+                    reason = self.queue.cancel_reason(running.ref, running.turn_id)
+                    if reason is not None:
+                        running.cancel.set(reason)
+            except Exception:
+                log.warning("lease heartbeat for %s failed; will retry", running.ref, exc_info=True)
+
+    def _listen(self) -> None:
+        """Cancel signals published on the session control channels (the fast path; Postgres is the record)."""
+        pattern = f"{self.keys.prefix}:control:*"
+        while not self._stop.is_set():
+            try:
+                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+                pubsub.psubscribe(pattern)
+                while not self._stop.is_set():
+                    message = pubsub.get_message(timeout=1.0)
+                    if message is not None:
+                        self._on_control(message["channel"], message["data"])
+            except Exception:
+                log.warning("control channel listener lost its connection; reconnecting", exc_info=True)
+                self._stop.wait(1.0)
+
+    def _on_control(self, channel: bytes | str, data: bytes | str) -> None:
+        import json
+
+        try:
+            signal = json.loads(data)
+        except ValueError:
+            return
+        with self._lock:
+            running = self._running
+        if running is None or running.cancel is None:
+            return
+        if (
+            isinstance(signal, dict)
+            and signal.get("agent") == running.ref.agent
+            and signal.get("session") == running.ref.session
+            and signal.get("turn_ids") is not None
+            and running.turn_id in signal["turn_ids"]
+        ):
+            running.cancel.set(str(signal.get("reason", "requested")))
+
+    def signal_cancel(self, ref: SessionRef, turn_ids: list[str], reason: str) -> None:
+        """Tell whichever worker runs the session to stop at its next checkpoint boundary."""
+        import json
+
+        payload = json.dumps({"agent": ref.agent, "session": ref.session, "turn_ids": turn_ids, "reason": reason})
+        try:
+            self.redis.publish(self.keys.control_channel(ref), payload)
+        except redis.RedisError:
+            log.warning("could not publish a cancel signal for %s; the heartbeat will see it", ref)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.store.close()
+        self.redis.close()
+
+
+_HOST: WorkerHost | None = None
+_HOST_PID: int | None = None
+_HOST_LOCK = threading.Lock()
+_FACTORY: Callable[[], WorkerHost] | None = None
+
+
+def get_host() -> WorkerHost:
+    """This process's host, created on first use (and again in a forked child)."""
+    global _HOST, _HOST_PID
+    with _HOST_LOCK:
+        if _HOST is None or _HOST_PID != os.getpid():
+            _HOST = _FACTORY() if _FACTORY is not None else WorkerHost(WorkerSettings.from_env())
+            _HOST_PID = os.getpid()
+        return _HOST

@@ -1,0 +1,196 @@
+"""The session queue on Postgres: leases with fencing tokens, the next turn, and what the sweeper finds.
+
+A session's turns run one at a time under its **lease**: ``(owner, expires, fence)`` on the
+session row. Taking the lease bumps ``fence``; every step commit carries the fence it was
+given and is refused once another worker took over (:class:`~june_worker.errors.LeaseLostError`).
+
+The rule a reader must not break: **the lease is released only by a statement that also
+checks the queue is empty**. A worker that records a turn and finds the lease taken relies on
+the holder to run it; the holder's release fails while that turn is queued, so the holder
+loops back and runs it. Nothing is left behind between "queue empty" and "lease released".
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg_pool import ConnectionPool
+
+from ..engine.store import SessionRef, TurnRecord
+from ..stores.postgres import turn_from_row
+
+__all__ = ["SessionQueue", "Stranded"]
+
+
+@dataclass(frozen=True)
+class Stranded:
+    """A session with unfinished work and nobody holding it: the sweeper re-sends its first turn."""
+
+    ref: SessionRef
+    turn: TurnRecord
+
+
+class SessionQueue:
+    def __init__(self, pool: ConnectionPool[Any], *, lease_s: float) -> None:
+        self.pool = pool
+        self.lease_s = lease_s
+
+    def acquire(self, ref: SessionRef, owner: str) -> int | None:
+        """Take the session's lease if it is free, expired or already ours; return the new fence."""
+        with self.pool.connection() as conn:
+            row = conn.execute(
+                """
+                insert into june_sessions (agent, session, lease_owner, lease_expires, fence)
+                values (%(a)s, %(s)s, %(o)s, extract(epoch from clock_timestamp()) + %(l)s, 1)
+                on conflict (agent, session) do update
+                   set lease_owner = excluded.lease_owner,
+                       lease_expires = excluded.lease_expires,
+                       fence = june_sessions.fence + 1
+                 where june_sessions.lease_owner is null
+                    or june_sessions.lease_owner = excluded.lease_owner
+                    or june_sessions.lease_expires < extract(epoch from clock_timestamp())
+                returning fence
+                """,
+                {"a": ref.agent, "s": ref.session, "o": owner, "l": self.lease_s},
+            ).fetchone()
+        return int(row[0]) if row else None
+
+    def renew(self, ref: SessionRef, fence: int) -> bool:
+        with self.pool.connection() as conn:
+            cur = conn.execute(
+                "update june_sessions set lease_expires = extract(epoch from clock_timestamp()) + %s "
+                "where agent = %s and session = %s and fence = %s and lease_owner is not null",
+                (self.lease_s, ref.agent, ref.session, fence),
+            )
+            return bool(cur.rowcount == 1)
+
+    def release(self, ref: SessionRef, fence: int, *, force: bool = False) -> bool:
+        """Give the lease up, unless a turn is still queued or running (then keep draining).
+
+        ``force`` releases regardless: the holder stops because a reset waits for the session.
+        """
+        with self.pool.connection() as conn:
+            cur = conn.execute(
+                """
+                update june_sessions s set lease_owner = null, lease_expires = null
+                 where s.agent = %(a)s and s.session = %(s)s and s.fence = %(f)s
+                   and (%(force)s or not exists (
+                        select 1 from june_turns t
+                         where t.agent = s.agent and t.session = s.session
+                           and t.status in ('queued', 'running')))
+                """,
+                {"a": ref.agent, "s": ref.session, "f": fence, "force": force},
+            )
+            return bool(cur.rowcount == 1)
+
+    def next_turn(self, ref: SessionRef) -> tuple[TurnRecord | None, bool]:
+        """The oldest unfinished turn and whether a reset is waiting, in one round trip."""
+        with self.pool.connection() as conn:
+            rows = conn.execute(
+                """
+                select s.reset_pending, t.turn_id, t.position, t.status, t.payload, t.cancel_reason, t.attempts,
+                       t.result, t.generation, t.created_at, t.finished_at
+                  from june_sessions s
+                  left join lateral (
+                        select * from june_turns t
+                         where t.agent = s.agent and t.session = s.session and t.status in ('queued', 'running')
+                         order by t.position limit 1) t on true
+                 where s.agent = %s and s.session = %s
+                """,
+                (ref.agent, ref.session),
+            ).fetchall()
+        if not rows:
+            return None, False
+        reset_pending, *turn = rows[0]
+        return (turn_from_row(ref, turn) if turn[0] is not None else None), bool(reset_pending)
+
+    def set_reset_pending(self, ref: SessionRef, pending: bool) -> None:
+        with self.pool.connection() as conn:
+            conn.execute(
+                "insert into june_sessions (agent, session, reset_pending) values (%s, %s, %s) "
+                "on conflict (agent, session) do update set reset_pending = excluded.reset_pending",
+                (ref.agent, ref.session, pending),
+            )
+
+    def reset_pending(self, ref: SessionRef) -> bool:
+        with self.pool.connection() as conn:
+            row = conn.execute(
+                "select reset_pending from june_sessions where agent = %s and session = %s", (ref.agent, ref.session)
+            ).fetchone()
+        return bool(row and row[0])
+
+    def cancel_reason(self, ref: SessionRef, turn_id: str) -> str | None:
+        with self.pool.connection() as conn:
+            row = conn.execute(
+                "select cancel_reason from june_turns where agent = %s and session = %s and turn_id = %s",
+                (ref.agent, ref.session, turn_id),
+            ).fetchone()
+        return str(row[0]) if row and row[0] else None
+
+    # --- the sweeper ------------------------------------------------------------------------------
+
+    def stranded(self, *, grace_s: float, limit: int) -> list[Stranded]:
+        """Sessions with a queued or running turn, no live lease, and no dispatch in the last ``grace_s``.
+
+        Marks what it returns as dispatched now, so two sweepers do not both re-send it.
+        """
+        now = time.time()
+        with self.pool.connection() as conn:
+            rows = conn.execute(
+                """
+                with first as (
+                    select distinct on (t.agent, t.session) t.agent, t.session, t.turn_id
+                      from june_turns t
+                      join june_sessions s on s.agent = t.agent and s.session = t.session
+                     where t.status in ('queued', 'running')
+                       and (s.lease_owner is null or s.lease_expires < %(now)s)
+                       and coalesce(t.dispatched_at, t.created_at) < %(cutoff)s
+                     order by t.agent, t.session, t.position
+                     limit %(limit)s
+                ), marked as (
+                    update june_turns t set dispatched_at = %(now)s
+                      from first f
+                     where t.agent = f.agent and t.session = f.session and t.turn_id = f.turn_id
+                    returning t.agent, t.session, t.turn_id, t.position, t.status, t.payload, t.cancel_reason,
+                              t.attempts, t.result, t.generation, t.created_at, t.finished_at
+                )
+                select * from marked
+                """,
+                {"now": now, "cutoff": now - grace_s, "limit": limit},
+            ).fetchall()
+        out = []
+        for agent, session, *turn in rows:
+            ref = SessionRef(agent, session)
+            out.append(Stranded(ref=ref, turn=turn_from_row(ref, turn)))
+        return out
+
+    def expired_parks(self, *, limit: int) -> list[SessionRef]:
+        """Sessions parked on a request whose ``timeout_s`` has passed."""
+        with self.pool.connection() as conn:
+            rows = conn.execute(
+                """
+                select agent, session from june_sessions
+                 where suspended is not null
+                   and (suspended -> 'request' ->> 'expires_at')::double precision < %s
+                 limit %s
+                """,
+                (time.time(), limit),
+            ).fetchall()
+        return [SessionRef(a, s) for a, s in rows]
+
+    def recently_active(self, *, since_s: float, limit: int) -> list[tuple[SessionRef, int]]:
+        """Sessions with events committed lately and no live lease: candidates for an outbox relay."""
+        now = time.time()
+        with self.pool.connection() as conn:
+            rows = conn.execute(
+                """
+                select agent, session, event_seq from june_sessions
+                 where event_seq > 0 and updated_at > %s
+                   and (lease_owner is null or lease_expires < %s)
+                 limit %s
+                """,
+                (now - since_s, now, limit),
+            ).fetchall()
+        return [(SessionRef(a, s), int(seq)) for a, s, seq in rows]

@@ -1,0 +1,92 @@
+"""Worker settings, read from the environment once, where a process starts.
+
+==========================  =======================================  ==========================
+variable                    meaning                                  default
+==========================  =======================================  ==========================
+JUNE_DATABASE_URL           Postgres, the source of truth            postgresql://postgres@127.0.0.1:5432/june
+JUNE_REDIS_URL              Redis for event streams (and results)    redis://127.0.0.1:6379/0
+CELERY_BROKER_URL           the broker                               JUNE_REDIS_URL
+CELERY_RESULT_BACKEND       where task summaries go                  JUNE_REDIS_URL
+JUNE_AGENTS                 agents to serve, ``module:attr`` list    june_worker.demo:build_agent
+JUNE_QUEUE                  queue of turn messages                   june
+JUNE_CONTROL_QUEUE          queue of resume / cancel / reset         june.control
+JUNE_LEASE_S                session lease length                     30
+JUNE_SWEEP_S                sweeper period (beat)                    10
+JUNE_KEY_PREFIX             prefix of every Redis key                june
+JUNE_STREAM_MAXLEN          approximate cap of a session stream      10000
+JUNE_STREAM_MAX_AGE_S       drop stream entries older than this      0 (keep)
+JUNE_FIREHOSE_PARTITIONS    partitions of the all-sessions stream    1
+==========================  =======================================  ==========================
+
+Crash injection for tests is honoured only when ``JUNE_ENABLE_TEST_HOOKS=1``:
+``JUNE_CRASH_AT=<point>[@<step>]`` kills the worker process (SIGKILL) at that point.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+__all__ = ["WorkerSettings"]
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if value < 0:
+        raise ConfigError(f"{name} must not be negative")
+    return value
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    database_url: str = "postgresql://postgres@127.0.0.1:5432/june"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    result_backend: str = "redis://127.0.0.1:6379/0"
+    agents: tuple[str, ...] = ("june_worker.demo:build_agent",)
+    queue: str = "june"
+    control_queue: str = "june.control"
+    lease_s: float = 30.0
+    sweep_s: float = 10.0
+    key_prefix: str = "june"
+    stream_maxlen: int = 10_000
+    stream_max_age_s: float = 0.0
+    firehose_partitions: int = 1
+    crash_at: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerSettings:
+        env = os.environ if env is None else env
+        redis_url = env.get("JUNE_REDIS_URL", cls.redis_url)
+        agents = tuple(a.strip() for a in env.get("JUNE_AGENTS", ",".join(cls.agents)).split(",") if a.strip())
+        if not agents:
+            raise ConfigError("JUNE_AGENTS names no agent; give module:attribute paths, comma-separated")
+        lease_s = _float(env, "JUNE_LEASE_S", cls.lease_s)
+        if lease_s < 0.5:
+            raise ConfigError("JUNE_LEASE_S must be at least 0.5 seconds")
+        return cls(
+            database_url=env.get("JUNE_DATABASE_URL", cls.database_url),
+            redis_url=redis_url,
+            broker_url=env.get("CELERY_BROKER_URL", redis_url),
+            result_backend=env.get("CELERY_RESULT_BACKEND", redis_url),
+            agents=agents,
+            queue=env.get("JUNE_QUEUE", cls.queue),
+            control_queue=env.get("JUNE_CONTROL_QUEUE", cls.control_queue),
+            lease_s=lease_s,
+            sweep_s=_float(env, "JUNE_SWEEP_S", cls.sweep_s),
+            key_prefix=env.get("JUNE_KEY_PREFIX", cls.key_prefix),
+            stream_maxlen=int(_float(env, "JUNE_STREAM_MAXLEN", cls.stream_maxlen)),
+            stream_max_age_s=_float(env, "JUNE_STREAM_MAX_AGE_S", cls.stream_max_age_s),
+            firehose_partitions=int(_float(env, "JUNE_FIREHOSE_PARTITIONS", cls.firehose_partitions)),
+            crash_at=env.get("JUNE_CRASH_AT") if env.get("JUNE_ENABLE_TEST_HOOKS") == "1" else None,
+        )

@@ -1,0 +1,57 @@
+"""The sweeper (``june.sweep``, run by Celery beat every ``JUNE_SWEEP_S``): recovery that needs nobody's message.
+
+It finds, in Postgres:
+
+* sessions with a queued or running turn and no live lease: a worker died (its lease
+  expired) or the turn's message was lost (Redis restarted). It re-sends ``june.turn``
+  for the session's first unfinished turn; intake is idempotent, so a duplicate is harmless;
+* parks whose ``timeout_s`` passed: it answers them with a timeout and re-sends the turn;
+* sessions whose stream may miss events (a worker died between commit and publish):
+  it relays them from the outbox. Only sessions nobody holds, so it never races a holder.
+
+Recovery time is therefore bounded by the lease length plus one sweep period.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..engine.resume import timeout_commit
+from ..engine.store import TurnRecord
+from ..errors import ResumeConflictError
+from .host import WorkerHost
+
+__all__ = ["sweep"]
+
+log = logging.getLogger("june_worker.sweeper")
+
+
+def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: int = 500) -> dict[str, Any]:
+    period = host.settings.sweep_s
+    expired = 0
+    for ref in host.queue.expired_parks(limit=limit):
+        parked = host.store.pending(ref)
+        commit = timeout_commit(parked) if parked is not None else None
+        if parked is None or commit is None:
+            continue
+        try:
+            host.sink.publish(ref, host.store.commit(ref, commit))
+        except ResumeConflictError:
+            continue  # answered meanwhile
+        expired += 1
+    redispatched = 0
+    # A turn just recorded is given one sweep period to be picked up normally before we step in.
+    for stranded in host.queue.stranded(grace_s=max(period, 1.0), limit=limit):
+        dispatch(stranded.turn)
+        redispatched += 1
+    relayed = 0
+    for ref, _ in host.queue.recently_active(since_s=max(3 * period, 30.0), limit=limit):
+        try:
+            relayed += host.sink.relay(host.store, ref)
+        except Exception:
+            log.warning("relay of %s failed; the next sweep tries again", ref, exc_info=True)
+    if redispatched or expired or relayed:
+        log.info("sweep: %d turns re-sent, %d parks expired, %d events relayed", redispatched, expired, relayed)
+    return {"status": "swept", "redispatched": redispatched, "expired_parks": expired, "relayed": relayed}

@@ -1,0 +1,137 @@
+"""The Celery tasks: thin shells. Validate the one JSON object, call the host, return a small summary.
+
+A payload that cannot be used is rejected once: the reason is in the task result, in the
+log, and, when the message names a turn, in the turn's row and stream (``turn.failed``).
+Nothing is retried for bad input; only a lost database connection is retried, with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import psycopg
+from celery import Task
+
+from ..engine.loop import reject_turn
+from ..engine.store import SessionRef, TurnPayload
+from ..errors import PayloadError
+from . import control
+from .app import app
+from .host import get_host
+from .payloads import (
+    CancelMessage,
+    ProactiveMessage,
+    ResetMessage,
+    ResumeMessage,
+    SweepMessage,
+    TurnMessage,
+    parse_payload,
+)
+from .sweeper import sweep
+
+__all__ = ["cancel_task", "proactive_task", "reset_task", "resume_task", "sweep_task", "turn_task"]
+
+log = logging.getLogger("june_worker.worker")
+
+_RETRY = {
+    "autoretry_for": (psycopg.OperationalError,),
+    "retry_backoff": True,
+    "retry_backoff_max": 30,
+    "max_retries": 8,
+}
+
+
+def dispatch(rec: Any) -> None:
+    """Send ``june.turn`` for a recorded turn, with a monitoring summary instead of its text."""
+    message = control.turn_message(rec)
+    app.send_task(
+        "june.turn",
+        args=[message],
+        queue=app.conf.task_default_queue,
+        argsrepr=f"{{agent={rec.agent} session={rec.session} turn_id={rec.turn_id}}}",
+        kwargsrepr="",
+    )
+
+
+def _rejected(task: str, args: tuple[Any, ...], exc: PayloadError, task_id: str | None = None) -> dict[str, Any]:
+    """Record what we can of an unusable message; a turn id we can read gets a rejected row and event."""
+    reason = str(exc)
+    log.warning("rejected %s message: %s", task, reason)
+    out: dict[str, Any] = {"status": "rejected", "reason": reason}
+    raw = args[0] if len(args) == 1 and isinstance(args[0], dict) else None
+    if raw is None:
+        return out
+    turn_id, agent, session = raw.get("turn_id"), raw.get("agent"), raw.get("session")
+    if task == "june.proactive" and turn_id is None and task_id:
+        turn_id = control.proactive_turn_id(task_id)
+    out["turn_id"] = turn_id
+    if task not in ("june.turn", "june.proactive"):
+        return out
+    if not all(isinstance(v, str) and 0 < len(v) <= 256 for v in (turn_id, agent, session)):
+        return out  # nothing we could address a turn by
+    assert isinstance(turn_id, str) and isinstance(agent, str) and isinstance(session, str)
+    try:
+        ref = SessionRef(agent, session)
+        host = get_host()
+        if host.store.get_turn(ref, turn_id) is None:
+            host.store.enqueue_turn(ref, turn_id, TurnPayload(text=str(raw.get("text", ""))[:1000]))
+            reject_turn(host.store, host.sink, ref, turn_id, reason)
+    except Exception:
+        log.exception("could not record the rejection of turn %s", turn_id)
+    return out
+
+
+@app.task(name="june.turn", bind=True, **_RETRY)
+def turn_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        msg = parse_payload(TurnMessage, args, kwargs)
+        msg.trigger_by()
+    except PayloadError as exc:
+        return _rejected("june.turn", args, exc)
+    return control.intake(get_host(), msg)
+
+
+@app.task(name="june.proactive", bind=True, **_RETRY)
+def proactive_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        msg = parse_payload(ProactiveMessage, args, kwargs)
+    except PayloadError as exc:
+        return _rejected("june.proactive", args, exc, str(self.request.id))
+    return control.proactive(get_host(), msg, str(self.request.id))
+
+
+@app.task(name="june.resume", bind=True, **_RETRY)
+def resume_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        msg = parse_payload(ResumeMessage, args, kwargs)
+    except PayloadError as exc:
+        return _rejected("june.resume", args, exc)
+    return control.resume(get_host(), msg, dispatch)
+
+
+@app.task(name="june.cancel", bind=True, **_RETRY)
+def cancel_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        msg = parse_payload(CancelMessage, args, kwargs)
+    except PayloadError as exc:
+        return _rejected("june.cancel", args, exc)
+    return control.cancel(get_host(), msg)
+
+
+@app.task(name="june.reset", bind=True, **_RETRY)
+def reset_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        msg = parse_payload(ResetMessage, args, kwargs)
+    except PayloadError as exc:
+        return _rejected("june.reset", args, exc)
+    return control.reset(get_host(), msg, dispatch)
+
+
+@app.task(name="june.sweep", bind=True, **_RETRY)
+def sweep_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        msg = parse_payload(SweepMessage, args or ({},), kwargs)
+    except PayloadError as exc:
+        return _rejected("june.sweep", args, exc)
+    return sweep(get_host(), dispatch, limit=msg.limit)

@@ -1,0 +1,128 @@
+"""Agents served by the Celery workers the integration tests start (``JUNE_AGENTS=tests.integration.agents:ALL``).
+
+Every model here is scripted and decides from the transcript alone, so a replay on another
+worker gets the same replies.
+
+* ``ops``: "order <n> <item>" places an order with the sync ``create_order`` tool, which
+  writes a row through the step's transaction (exactly-once); "slow <key>" calls the async
+  ``hold`` tool, which blocks on its first attempt until the worker is killed; "refund"
+  asks for approval; anything else gets "ok".
+* ``dribble``: the model streams many deltas slowly, so a cancel can land mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis
+
+from june_worker import Agent, ToolContext, tool
+from june_worker.engine.agent import AnswerRequest
+from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
+from june_worker.engine.types import ModelReply, ToolMessage, TriggerMessage, UserMessage
+from june_worker.models import Reply, ScriptedModel
+
+
+@tool
+def create_order(ctx: ToolContext, item: str, qty: int = 1) -> dict[str, Any]:
+    """Place an order: the row commits with the step, exactly once."""
+    ctx.store.execute(
+        "create table if not exists it_orders (turn_id text not null, call_id text not null, item text, qty integer)"
+    )
+    ctx.store.execute(
+        "insert into it_orders (turn_id, call_id, item, qty) values (?, ?, ?, ?)", ctx.turn_id, ctx.call.id, item, qty
+    )
+    return {"item": item, "qty": qty}
+
+
+def _redis() -> redis.Redis:
+    return redis.Redis.from_url(os.environ["JUNE_REDIS_URL"])
+
+
+@tool
+async def hold(ctx: ToolContext, key: str) -> dict[str, Any]:
+    """Block on the first attempt (the test kills this worker meanwhile); return at once after."""
+    r = _redis()
+    attempt = r.incr(f"it:hold:{key}")
+    r.rpush(f"it:hold:{key}:log", f"{os.getpid()}:{attempt}")
+    if attempt == 1:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not r.exists(f"it:hold:{key}:release"):
+            await asyncio.sleep(0.05)
+    return {"attempt": int(attempt)}
+
+
+@tool
+async def approve(ctx: ToolContext, amount: float = 10.0) -> dict[str, Any]:
+    """Ask an operator to approve a refund."""
+    ok = await ctx.request_input(
+        id="approve-refund", prompt=f"Refund {amount}?", schema={"type": "boolean"}, answerers={"policy": "operator"}
+    )
+    return {"refunded": ok is True}
+
+
+def _ops_script(request: ModelRequest) -> Reply:
+    last = request.messages[-1]
+    if isinstance(last, ToolMessage):
+        return Reply(f"Done: {last.name} -> {last.result}")
+    text = last.text if isinstance(last, (UserMessage, TriggerMessage)) else ""
+    words = text.split()
+    if words[:1] == ["order"]:
+        qty = int(words[1]) if len(words) > 1 and words[1].isdigit() else 1
+        item = words[2] if len(words) > 2 else "widget"
+        return Reply("Placing it.", calls=[{"id": "c1", "name": "create_order", "input": {"item": item, "qty": qty}}])
+    if words[:1] == ["slow"]:
+        return Reply("Holding.", calls=[{"id": "c1", "name": "hold", "input": {"key": words[1]}}])
+    if words[:1] == ["quick"]:
+        return Reply("Asking briefly.", calls=[{"id": "c1", "name": "approve_soon", "input": {}}])
+    if words[:1] == ["refund"]:
+        return Reply("Asking.", calls=[{"id": "c1", "name": "approve", "input": {"amount": 5}}])
+    return Reply(f"ok: {text}")
+
+
+def _authorize(req: AnswerRequest) -> bool:
+    return req.policy == "operator" and (req.by or "").startswith("op-")
+
+
+class DribblingModel:
+    """Streams ``JUNE_IT_DELTAS`` deltas ~2 ms apart on a turn's first model call, then answers."""
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelDelta]:
+        n = int(os.environ.get("JUNE_IT_DELTAS", "2000"))
+        for i in range(n):
+            await asyncio.sleep(0.002)
+            yield TextChunk(text=f"{i} ")
+        yield Done(reply=ModelReply(text=f"streamed {n}"))
+
+
+def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
+    return [
+        Agent(
+            name="ops",
+            model=ScriptedModel(_ops_script),
+            tools=[create_order, hold, approve, approve_soon],
+            authorize_answer=_authorize,
+            deliver=_deliver,
+        ),
+        Agent(name="dribble", model=DribblingModel()),
+    ]
+
+
+def _deliver(*, target: dict[str, Any], result: Any, events: list[Any], session: str) -> None:
+    _redis().rpush(f"it:delivered:{session}", f"{target.get('channel')}|{getattr(result, 'text', result.status)}")
+
+
+@tool
+async def approve_soon(ctx: ToolContext) -> dict[str, Any]:
+    """Ask for approval, but give up after a second."""
+    from june_worker.errors import InputTimeoutError
+
+    try:
+        ok = await ctx.request_input(id="quick", prompt="Approve within a second?", timeout_s=1.0)
+    except InputTimeoutError:
+        return {"approved": False, "timed_out": True}
+    return {"approved": ok}

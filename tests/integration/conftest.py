@@ -1,0 +1,248 @@
+"""Real Celery worker processes over real Postgres and Redis, started by the tests.
+
+Each test module gets its own database and its own queue names and Redis key prefix, so
+modules never see each other's messages or streams. Workers start once per module (fixture
+``stack``) with short leases and sweep periods; a test that kills a worker starts its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+import pytest
+import redis
+
+ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], *, timeout_s: float = 20.0, every_s: float = 0.02, what: str = "") -> T:
+    """Poll until ``predicate`` returns something truthy; fail with ``what`` on timeout. Not a sleep."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
+        time.sleep(every_s)
+
+
+def _admin_url(url: str, dbname: str) -> str:
+    info = psycopg.conninfo.conninfo_to_dict(url)
+    info["dbname"] = dbname
+    return psycopg.conninfo.make_conninfo(**info)
+
+
+@pytest.fixture(scope="module")
+def fresh_db(database_url: str) -> Iterator[str]:
+    """A database of this module's own on the test server, dropped afterwards."""
+    name = f"june_it_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'create database "{name}"')
+    try:
+        yield _admin_url(database_url, name)
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'drop database if exists "{name}" with (force)')
+
+
+class Proc:
+    """A process a test started (worker or beat), in its own process group so it can be killed whole."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.name = name
+        self.log = log
+        self._out = log.open("ab")
+        self.popen = subprocess.Popen(
+            args, env=env, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def children(self) -> list[int]:
+        path = Path(f"/proc/{self.pid}/task/{self.pid}/children")
+        return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: the machine died."""
+        if self.popen.poll() is None:
+            os.killpg(self.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.pid, signal.SIGKILL)
+                self.popen.wait(10)
+        self._out.close()
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+class Stack:
+    """Workers, beat, a broker client and the database of one test module."""
+
+    def __init__(self, db_url: str, redis_url: str, tmp: Path) -> None:
+        tag = uuid.uuid4().hex[:8]
+        self.db_url = db_url
+        self.redis_url = redis_url
+        self.tmp = tmp
+        self.queue = f"june-it-{tag}"
+        self.control_queue = f"june-it-{tag}.control"
+        self.prefix = f"june-it-{tag}"
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "JUNE_DATABASE_URL": db_url,
+            "JUNE_REDIS_URL": redis_url,
+            "CELERY_BROKER_URL": redis_url,
+            "CELERY_RESULT_BACKEND": redis_url,
+            "JUNE_AGENTS": "tests.integration.agents:ALL",
+            "JUNE_QUEUE": self.queue,
+            "JUNE_CONTROL_QUEUE": self.control_queue,
+            "JUNE_KEY_PREFIX": self.prefix,
+            "JUNE_LEASE_S": "2",
+            "JUNE_SWEEP_S": "0.5",
+            "JUNE_ENABLE_TEST_HOOKS": "1",
+            "JUNE_IT_DELTAS": "2000",
+        }
+        self.procs: list[Proc] = []
+        self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
+        from celery import Celery
+
+        self.client = Celery("june-it-client", broker=redis_url, backend=redis_url)
+        self.client.conf.update(
+            task_serializer="json",
+            accept_content=["json"],
+            result_accept_content=["json"],
+            task_routes={
+                "june.resume": {"queue": self.control_queue},
+                "june.cancel": {"queue": self.control_queue},
+                "june.reset": {"queue": self.control_queue},
+                "june.sweep": {"queue": self.control_queue},
+            },
+            task_default_queue=self.queue,
+        )
+
+    # --- processes ---------------------------------------------------------------------------
+
+    def worker(
+        self,
+        name: str,
+        *,
+        pool: str = "prefork",
+        concurrency: int = 1,
+        queues: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Proc:
+        args = [
+            sys.executable, "-m", "celery", "-A", "june_worker", "worker",
+            "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h",
+            "-Q", queues or f"{self.queue},{self.control_queue}",
+            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+        ]  # fmt: skip
+        proc = Proc(name, args, {**self.env, **(env or {})}, self.tmp / f"{name}.log")
+        self.procs.append(proc)
+        self._wait_ready(proc)
+        return proc
+
+    def _wait_ready(self, proc: Proc) -> None:
+        def ready() -> bool:
+            if proc.popen.poll() is not None:
+                raise AssertionError(f"worker {proc.name} exited:\n{proc.tail()}")
+            return "ready." in proc.log.read_text(errors="replace")
+
+        wait_for(ready, timeout_s=60, every_s=0.1, what=f"worker {proc.name} to be ready")
+
+    def beat(self) -> Proc:
+        args = [
+            sys.executable, "-m", "celery", "-A", "june_worker", "beat", "-l", "INFO",
+            "-s", str(self.tmp / "beat-schedule"), "--pidfile=",
+        ]  # fmt: skip
+        proc = Proc("beat", args, self.env, self.tmp / "beat.log")
+        self.procs.append(proc)
+        wait_for(lambda: "beat: Starting" in proc.log.read_text(errors="replace"), timeout_s=30, what="beat")
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stop()
+        self.procs.clear()
+
+    # --- sending and reading ---------------------------------------------------------------------
+
+    def send(self, task: str, payload: Any, **options: Any) -> Any:
+        return self.client.send_task(task, args=[payload], **options)
+
+    def turn(self, agent: str, session: str, text: str, turn_id: str | None = None, **fields: Any) -> str:
+        turn_id = turn_id or f"t_{uuid.uuid4().hex}"
+        self.send("june.turn", {"turn_id": turn_id, "agent": agent, "session": session, "text": text, **fields})
+        return turn_id
+
+    def stream_key(self, agent: str, session: str) -> str:
+        return f"{self.prefix}:events:{{{agent}:{session}}}"
+
+    def events(self, agent: str, session: str) -> list[dict[str, Any]]:
+        return [
+            {"id": entry_id, **json.loads(fields["data"])}
+            for entry_id, fields in self.redis.xrange(self.stream_key(agent, session))
+        ]
+
+    def structural(self, agent: str, session: str) -> list[dict[str, Any]]:
+        return [e for e in self.events(agent, session) if not e["type"].endswith(".delta")]
+
+    def wait_terminal(self, agent: str, session: str, turn_id: str, timeout_s: float = 30) -> dict[str, Any]:
+        terminal = {"turn.completed", "turn.failed", "turn.cancelled", "input.requested"}
+
+        def found() -> dict[str, Any] | None:
+            for e in self.events(agent, session):
+                if e["turn_id"] == turn_id and e["type"] in terminal:
+                    return e
+            return None
+
+        return wait_for(found, timeout_s=timeout_s, what=f"terminal event of {turn_id}")
+
+    def sql(self, query: str, *params: Any) -> list[tuple[Any, ...]]:
+        with psycopg.connect(self.db_url, autocommit=True) as conn:
+            cur = conn.execute(query, params)  # type: ignore[arg-type]
+            return cur.fetchall() if cur.description else []
+
+    def turn_row(self, agent: str, session: str, turn_id: str) -> dict[str, Any] | None:
+        rows = self.sql(
+            "select status, attempts, result::text from june_turns where agent = %s and session = %s and turn_id = %s",
+            agent,
+            session,
+            turn_id,
+        )
+        if not rows:
+            return None
+        status, attempts, result = rows[0]
+        return {"status": status, "attempts": attempts, "result": json.loads(result) if result else None}
+
+
+@pytest.fixture(scope="module")
+def stack(fresh_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(fresh_db, redis_url, tmp_path_factory.mktemp("stack"))
+    # the app table the ops agent's create_order writes (made here, not raced by two workers)
+    s.sql("create table it_orders (turn_id text not null, call_id text not null, item text, qty integer)")
+    try:
+        yield s
+    finally:
+        s.stop()

@@ -1,0 +1,99 @@
+"""A turn sent by task name runs on a real Celery worker; its events are read back from Redis."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .conftest import Stack, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module", autouse=True)
+def workers(stack: Stack) -> None:
+    stack.worker("w1", pool="prefork")
+    stack.worker("w2", pool="solo")
+
+
+def test_a_turn_enqueued_by_name_from_a_process_without_june_worker_completes(stack: Stack, session_id: str) -> None:
+    # Given a producer process that imports celery and redis only
+    script = textwrap.dedent(
+        f"""
+        import json, sys, uuid
+        from celery import Celery
+        import redis
+        app = Celery(broker={stack.redis_url!r})
+        app.conf.task_serializer = "json"
+        turn_id = "t_" + uuid.uuid4().hex
+        app.send_task("june.turn", args=[{{"turn_id": turn_id, "agent": "ops", "session": {session_id!r},
+                      "text": "order 3 widget"}}], queue={stack.queue!r})
+        r = redis.Redis.from_url({stack.redis_url!r}, decode_responses=True)
+        last, seen, waited = "0-0", [], 0
+        while True:
+            got = r.xread({{{stack.stream_key("ops", session_id)!r}: last}}, block=1000, count=100)
+            if not got:
+                waited += 1
+                if waited > 20:
+                    sys.exit("no events within 20 s")
+                continue
+            for entry_id, fields in got[0][1]:
+                last = entry_id
+                seen.append(fields["type"])
+                if fields["type"] == "turn.completed":
+                    print(json.dumps({{"turn_id": turn_id, "types": seen,
+                                      "june_worker_imported": any(m.startswith("june_worker") for m in sys.modules)}}))
+                    sys.exit(0)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    import json
+
+    report = json.loads(out.stdout)
+    assert report["june_worker_imported"] is False
+    structural = [t for t in report["types"] if not t.endswith(".delta")]
+    assert structural == [
+        "turn.started",
+        "message.completed",
+        "action.requested",
+        "action.completed",
+        "message.completed",
+        "turn.completed",
+    ]
+    rows = stack.sql("select item, qty from it_orders where turn_id = %s", report["turn_id"])
+    assert rows == [("widget", 3)]
+
+
+def test_each_stream_entry_carries_type_turn_session_and_seq(stack: Stack, session_id: str) -> None:
+    turn_id = stack.turn("ops", session_id, "hello")
+    stack.wait_terminal("ops", session_id, turn_id)
+    events = stack.structural("ops", session_id)
+    assert [e["seq"] for e in events] == [1, 2, 3]
+    assert all(e["turn_id"] == turn_id and e["session"] == session_id and e["agent"] == "ops" for e in events)
+    assert events[-1]["type"] == "turn.completed" and events[-1]["text"] == "ok: hello"
+
+
+def test_the_task_result_is_a_small_summary(stack: Stack, session_id: str) -> None:
+    turn_id = f"t_summary_{session_id}"
+    result = stack.send("june.turn", {"turn_id": turn_id, "agent": "ops", "session": session_id, "text": "hi"})
+    assert result.get(timeout=30) == {"turn_id": turn_id, "agent": "ops", "session": session_id, "status": "completed"}
+
+
+def test_the_same_message_delivered_twice_gives_one_turn_and_one_row(stack: Stack, session_id: str) -> None:
+    payload = {"turn_id": f"t_dup_{session_id}", "agent": "ops", "session": session_id, "text": "order 1 gadget"}
+    first = stack.send("june.turn", payload)
+    second = stack.send("june.turn", payload)
+    assert first.get(timeout=30)["status"] in ("completed", "running", "queued")
+    second.get(timeout=30)
+    wait_for(lambda: (stack.turn_row("ops", session_id, payload["turn_id"]) or {}).get("status") == "completed")
+    assert stack.sql("select count(*) from it_orders where turn_id = %s", payload["turn_id"]) == [(1,)]
+    users = stack.sql(
+        "select count(*) from june_messages where agent = 'ops' and session = %s and role = 'user'", session_id
+    )
+    assert users == [(1,)]
+    started = [e for e in stack.structural("ops", session_id) if e["type"] == "turn.started"]
+    assert len(started) == 1

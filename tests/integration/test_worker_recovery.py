@@ -1,0 +1,170 @@
+"""Workers die at any line; the turn still ends as one clean run would (JUNE_LEASE_S=2, JUNE_SWEEP_S=0.5).
+
+Each test kills workers it started itself: SIGKILL of the whole process group, as a machine
+dying would. Recovery goes through the lease expiring and the sweeper (Celery beat)
+re-sending the turn, never through the broker's visibility timeout (an hour).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import uuid
+
+import psycopg
+import pytest
+
+from .conftest import Stack, wait_for
+
+pytestmark = pytest.mark.integration
+
+LEASE_S, SWEEP_S = 2.0, 0.5
+RECOVERY_BOUND_S = LEASE_S + SWEEP_S + 10.0  # generous for a loaded CI machine; the benchmark measures it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def beat(stack: Stack) -> None:
+    stack.beat()
+
+
+def _completed(stack: Stack, agent: str, session: str, turn_id: str) -> bool:
+    return (stack.turn_row(agent, session, turn_id) or {}).get("status") == "completed"
+
+
+def _assert_clean_stream(stack: Stack, agent: str, session: str) -> list[dict[str, object]]:
+    events = stack.structural(agent, session)
+    seqs = [e["seq"] for e in events]
+    assert seqs == list(range(1, len(seqs) + 1)), f"structural events not exactly once, in order: {seqs}"
+    requested = {e["step"] for e in events if e["type"] == "action.requested"}
+    for e in events:
+        if e["type"] == "action.completed":
+            assert e["step"] in requested
+    return events
+
+
+@pytest.mark.parametrize("pool", ["prefork", "solo"])
+def test_sigkill_mid_tool_step_another_worker_finishes_within_the_lease_bound(stack: Stack, pool: str) -> None:
+    session, key = f"kill-tool-{pool}-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    doomed = stack.worker(f"doomed-{pool}-{key[:4]}", pool=pool)
+    turn_id = stack.turn("ops", session, f"slow {key}")
+    wait_for(lambda: stack.redis.llen(f"it:hold:{key}:log") == 1, what="the tool to start on the doomed worker")
+    doomed.kill()
+    killed_at = time.monotonic()
+    rescuer = stack.worker(f"rescuer-{pool}-{key[:4]}", pool=pool)
+    try:
+        wait_for(lambda: _completed(stack, "ops", session, turn_id), timeout_s=RECOVERY_BOUND_S, what="recovery")
+        recovered_s = time.monotonic() - killed_at
+    finally:
+        rescuer.stop()
+    # The async tool ran again (at-least-once, by design), the turn completed once.
+    assert stack.redis.lrange(f"it:hold:{key}:log", 0, -1)[1].endswith(":2")
+    events = _assert_clean_stream(stack, "ops", session)
+    assert [e["type"] for e in events].count("turn.completed") == 1
+    assert recovered_s < RECOVERY_BOUND_S
+
+
+def test_sigkill_mid_model_stream_replays_the_model_step_on_another_worker(stack: Stack) -> None:
+    session = f"kill-model-{uuid.uuid4().hex[:6]}"
+    doomed = stack.worker(f"doomed-model-{session[-4:]}", env={"JUNE_IT_DELTAS": "3000"})
+    turn_id = stack.turn("dribble", session, "talk")
+    wait_for(lambda: len(stack.events("dribble", session)) > 20, what="the model to stream")
+    doomed.kill()
+    rescuer = stack.worker(f"rescuer-model-{session[-4:]}", env={"JUNE_IT_DELTAS": "50"})
+    try:
+        wait_for(lambda: _completed(stack, "dribble", session, turn_id), timeout_s=RECOVERY_BOUND_S)
+    finally:
+        rescuer.stop()
+    events = _assert_clean_stream(stack, "dribble", session)
+    assert [e["type"] for e in events] == ["turn.started", "message.completed", "turn.completed"]
+    assert events[-1]["text"] == "streamed 50"
+    deltas = [e for e in stack.events("dribble", session) if e["type"] == "message.delta"]
+    assert {d["step"] for d in deltas} == {"model:1"}  # both attempts' tokens carry the step id
+
+
+@pytest.mark.parametrize(
+    "crash_at",
+    ["before-tool-commit@tool:1:c1", "after-tool-commit@tool:1:c1", "before-publish@tool:1:c1",
+     "after-model-commit@model:1", "before-model-commit@model:3"],
+)  # fmt: skip
+def test_killed_at_a_commit_boundary_leaves_exactly_one_order_row_and_one_of_each_event(
+    stack: Stack, crash_at: str
+) -> None:
+    session = f"crash-{crash_at.split('@')[0]}-{uuid.uuid4().hex[:6]}"
+    # a solo worker: the crash hook's SIGKILL takes the whole worker down, as a dead machine would
+    doomed = stack.worker(f"doomed-{session[-6:]}", pool="solo", env={"JUNE_CRASH_AT": crash_at})
+    turn_id = stack.turn("ops", session, "order 2 bolt")
+    wait_for(lambda: doomed.popen.poll() is not None, what="the worker to kill itself at the crash point")
+    doomed.kill()
+    rescuer = stack.worker(f"rescuer-{session[-6:]}")
+    try:
+        wait_for(lambda: _completed(stack, "ops", session, turn_id), timeout_s=RECOVERY_BOUND_S)
+    finally:
+        rescuer.stop()
+    assert stack.sql("select count(*) from it_orders where turn_id = %s", turn_id) == [(1,)]
+    events = _assert_clean_stream(stack, "ops", session)
+    assert [e["type"] for e in events] == [
+        "turn.started",
+        "message.completed",
+        "action.requested",
+        "action.completed",
+        "message.completed",
+        "turn.completed",
+    ]
+
+
+def test_postgres_connections_killed_mid_turn_reconnect_and_nothing_is_duplicated(stack: Stack) -> None:
+    session, key = f"pgkill-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    worker = stack.worker(f"pgkill-{key[:4]}")
+    try:
+        turn_id = stack.turn("ops", session, f"slow {key}")
+        wait_for(lambda: stack.redis.llen(f"it:hold:{key}:log") == 1, what="the tool to start")
+        dbname = psycopg.conninfo.conninfo_to_dict(stack.db_url)["dbname"]
+        killed = stack.sql(
+            "select pg_terminate_backend(pid) from pg_stat_activity where datname = %s and pid <> pg_backend_pid()",
+            dbname,
+        )
+        assert killed, "no worker connection was there to kill"
+        stack.redis.set(f"it:hold:{key}:release", 1)
+        wait_for(lambda: _completed(stack, "ops", session, turn_id), timeout_s=30)
+        then = stack.turn("ops", session, "order 1 nut")
+        wait_for(lambda: _completed(stack, "ops", session, then), timeout_s=30)
+    finally:
+        worker.stop()
+    assert stack.sql("select count(*) from it_orders where turn_id = %s", then) == [(1,)]
+    assert stack.redis.llen(f"it:hold:{key}:log") == 1  # the tool was not run again
+    _assert_clean_stream(stack, "ops", session)
+
+
+def test_twenty_sessions_times_five_turns_run_in_order_one_at_a_time(stack: Stack) -> None:
+    workers = [stack.worker(f"load-{i}", concurrency=2) for i in range(2)]
+    try:
+        sessions = [f"load-{uuid.uuid4().hex[:6]}-{i}" for i in range(20)]
+        sent: dict[str, list[str]] = collections.defaultdict(list)
+        for n in range(5):
+            for s in sessions:
+                sent[s].append(stack.turn("ops", s, f"turn {n}"))
+
+        def all_done() -> bool:
+            return all(
+                stack.sql(
+                    "select count(*) from june_turns where agent = 'ops' and session = %s and status = 'completed'", s
+                )
+                == [(5,)]
+                for s in sessions
+            )
+
+        wait_for(all_done, timeout_s=90, every_s=0.2, what="100 turns")
+    finally:
+        for w in workers:
+            w.stop()
+    for s in sessions:
+        events = stack.structural("ops", s)
+        starts_and_ends = [(e["type"], e["turn_id"]) for e in events if e["type"] in ("turn.started", "turn.completed")]
+        order = [t for kind, t in starts_and_ends if kind == "turn.started"]
+        # one at a time: every start is followed by its own completion before the next start
+        assert starts_and_ends == [pair for t in order for pair in (("turn.started", t), ("turn.completed", t))]
+        positions = stack.sql(
+            "select turn_id from june_turns where agent = 'ops' and session = %s order by position", s
+        )
+        assert order == [r[0] for r in positions]  # in arrival order
+        assert sorted(order) == sorted(sent[s])
