@@ -876,3 +876,89 @@ def test_postgres_store_reconnects_after_its_connections_are_killed(pg_url: str,
         assert store.get_turn(ref, "t1") is not None and store.unfinished_turns(ref)[0].turn_id == "t1"
     finally:
         store.close()
+
+
+def _wait_for(query: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not query():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        threading.Event().wait(0.005)  # a short poll of the server's own view, not a sleep-and-hope
+
+
+def test_a_commit_whose_connection_dies_raises_and_writes_nothing(pg_url: str, ref: SessionRef) -> None:
+    store = PostgresStore(pg_url, min_size=1, max_size=1)
+    admin = psycopg.connect(pg_url, autocommit=True)
+    try:
+        store.commit(ref, Commit(events=[started("t1")]))
+        with store.pool.connection() as conn:
+            store_pid = conn.execute("select pg_backend_pid()").fetchone()
+        assert store_pid is not None
+        outcome: list[BaseException | None] = []
+        with admin.transaction():  # hold the session row so the store's commit blocks mid-statement
+            admin.execute(
+                "select 1 from june_sessions where agent = %s and session = %s for update", (ref.agent, ref.session)
+            )
+
+            def commit() -> None:
+                try:
+                    store.commit(
+                        ref, Commit(messages=[(0, UserMessage(turn_id="t1", text="lost"))], events=[said("t1", "x")])
+                    )
+                    outcome.append(None)
+                except BaseException as exc:  # reported below, in the test's thread
+                    outcome.append(exc)
+
+            writer = threading.Thread(target=commit)
+            writer.start()
+            _wait_for(
+                lambda: bool(
+                    admin.execute(
+                        "select 1 from pg_stat_activity where pid = %s and wait_event_type = 'Lock'", store_pid
+                    ).fetchone()
+                ),
+                "the store's commit to block on the row lock",
+            )
+            admin.execute("select pg_terminate_backend(%s, 5000)", store_pid)
+            writer.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], psycopg.OperationalError)
+        assert store.load(ref).messages == [] and [e.seq for e in store.events(ref)] == [1]
+        assert [e.seq for e in store.commit(ref, Commit(events=[said("t1", "y")]))] == [2]  # a fresh connection
+    finally:
+        admin.close()
+        store.close()
+
+
+def test_a_tool_whose_connection_dies_mid_transaction_leaves_nothing(pg_url: str, ref: SessionRef) -> None:
+    kit = Kit("postgres", PostgresStore(pg_url, min_size=1, max_size=1))
+    kit.sql("create table if not exists contract_orders (session text not null, item text not null)")
+
+    def dying(handle: StoreHandle) -> Commit:
+        handle.execute("insert into contract_orders (session, item) values (?, ?)", ref.key, "lost")
+        handle.execute("select pg_terminate_backend(pg_backend_pid())")
+        return Commit(events=[started("t1")])
+
+    try:
+        with pytest.raises(psycopg.OperationalError):
+            kit.store.commit(ref, dying)
+        assert kit.orders(ref) == [] and kit.store.events(ref) == []
+        assert [e.seq for e in kit.store.commit(ref, Commit(events=[started("t1")]))] == [1]
+    finally:
+        kit.store.close()
+
+
+def test_postgres_store_carries_on_after_a_server_restart(private_postgres: Any, ref: SessionRef) -> None:
+    store = PostgresStore(private_postgres.url, min_size=2, max_size=2)
+    try:
+        store.commit(ref, opening("t1"))
+        private_postgres.restart()
+        assert [m.turn_id for m in store.load(ref).messages] == ["t1"]
+        store.commit(
+            ref, Commit(messages=[(1, AssistantMessage(turn_id="t1", text="back"))], events=[said("t1", "back")])
+        )
+        private_postgres.kill()  # a crash this time: the committed rows must survive it
+        private_postgres.start()
+        assert [m.turn_id for m in store.load(ref).messages] == ["t1", "t1"]
+        assert [e.seq for e in store.events(ref)] == [1, 2]
+    finally:
+        store.close()
