@@ -224,7 +224,7 @@ async def test_relay_catches_up_after_a_crash_between_commit_and_publish(
     # Given a turn that crashed at before-publish of model:1 (committed, not published)
     store = MemoryStore()
     sink = RedisStreamSink(client, keys=keys)  # no store: nothing fills the gap by itself
-    crashed = Runtime([lookup_agent()], store, sink=sink, crash=CrashAt("before-publish"))
+    crashed = Runtime([lookup_agent()], store, sink=sink, crash=CrashAt("before-publish", "model:1"))
     with pytest.raises(CrashInjected, match="before-publish"):
         await crashed.session(ref.agent, ref.session).turn("look it up", turn_id="t1")
     committed = [(e.seq, e.type) for e in store.events(ref)]
@@ -247,7 +247,7 @@ async def test_a_replayed_turn_fills_the_gap_its_crash_left_without_a_relay_call
 ) -> None:
     store = MemoryStore()
     sink = RedisStreamSink(client, keys=keys, store=store)
-    crashed = Runtime([lookup_agent()], store, sink=sink, crash=CrashAt("before-publish"))
+    crashed = Runtime([lookup_agent()], store, sink=sink, crash=CrashAt("before-publish", "model:1"))
     with pytest.raises(CrashInjected):
         await crashed.session(ref.agent, ref.session).turn("look it up", turn_id="t1")
     restarted = Runtime([lookup_agent()], store, sink=sink)

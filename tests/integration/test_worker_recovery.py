@@ -28,7 +28,10 @@ def beat(stack: Stack) -> None:
 
 
 def _completed(stack: Stack, agent: str, session: str, turn_id: str) -> bool:
-    return (stack.turn_row(agent, session, turn_id) or {}).get("status") == "completed"
+    """Completed in Postgres and published: the stream holds the turn's turn.completed."""
+    if (stack.turn_row(agent, session, turn_id) or {}).get("status") != "completed":
+        return False
+    return any(e["type"] == "turn.completed" and e["turn_id"] == turn_id for e in stack.structural(agent, session))
 
 
 def _assert_clean_stream(stack: Stack, agent: str, session: str) -> list[dict[str, object]]:

@@ -58,6 +58,10 @@ def test_after_a_redis_restart_the_sweeper_recovers_every_queued_turn(lossy: tup
         return rows == [(5,)]
 
     wait_for(all_completed, timeout_s=60, every_s=0.1, what="all five turns after the restart")
+    wait_for(
+        lambda: [e["type"] for e in stack.structural("ops", session)].count("turn.completed") == 5,
+        what="the last completion to be published",
+    )
     rescuer.stop()
     for n, turn_id in enumerate(queued, start=1):
         assert stack.sql("select qty from it_orders where turn_id = %s", turn_id) == [(n,)]
