@@ -196,6 +196,12 @@ class Stack:
         self.send("june.turn", {"turn_id": turn_id, "agent": agent, "session": session, "text": text, **fields})
         return turn_id
 
+    def producer(self) -> Any:
+        """A producers.JuneProducer wired to this stack's queues and key prefix."""
+        from producers import JuneProducer
+
+        return JuneProducer(self.redis_url, queue=self.queue, control_queue=self.control_queue, key_prefix=self.prefix)
+
     def stream_key(self, agent: str, session: str) -> str:
         return f"{self.prefix}:events:{{{agent}:{session}}}"
 
