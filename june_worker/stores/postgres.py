@@ -1,18 +1,18 @@
 """PostgresStore: the source of truth for workers. psycopg 3 over a ``psycopg_pool`` pool.
 
 Per step the cost is **one round trip**: a plain :class:`Commit` is ONE data-modifying
-statement (a CTE, see ``_COMMIT``) sent in autocommit. Its first part updates the session
-row only if the fencing token (and ``expect_suspended``) match, bumping ``event_seq``; every
-insert (messages, steps, events) and the turn update run only if that update returned a row.
-What comes back says whether it applied; if not, the snapshot it read says why
-(:class:`LeaseLostError`, :class:`ResumeConflictError`), with no second round trip on the
-happy path. A taken message index is a unique violation, so the statement fails whole:
-:class:`StoreError`, nothing written.
+statement (a CTE, built in :mod:`._pg_commit`) sent in autocommit and prepared once per
+connection. It updates the session row only if the fencing token (and ``expect_suspended``)
+match, bumping ``event_seq``; the message, step and event inserts and the turn update select
+``from`` that update, so they write nothing unless it returned the row. Only when nothing was
+written does the store ask why, in a second query (:class:`LeaseLostError`,
+:class:`ResumeConflictError`, or a session's first write: create its row and go again). A
+taken message index is a unique violation: the statement fails whole, :class:`StoreError`.
 
 A commit given as a builder (a sync tool runs inside it) gets a handle whose first use sends
-``BEGIN``; the CTE then runs in that transaction and ``COMMIT`` follows, or ``ROLLBACK`` on
-any error (the tool's writes go with it, the exception propagates unchanged). A tool that
-never touches the handle costs what a plain commit costs.
+``BEGIN``; the same statement then runs in that transaction and ``COMMIT`` follows, or
+``ROLLBACK`` on any error (the tool's writes go with it; the exception propagates unchanged).
+A tool that never touches the handle costs what a plain commit costs.
 
 Per-step work never reads the transcript: only :meth:`PostgresStore.load` does, in one
 statement (one snapshot, one round trip).
@@ -21,7 +21,12 @@ JSON columns are ``json``, not ``jsonb``: rows are written once and read whole, 
 the exact text and is cheaper both ways, and it accepts every JSON string SQLite accepts
 (``jsonb`` refuses ``\\u0000``, which a tool result may well contain). Times are unix seconds
 (``double precision``) from the server's clock, as in SQLite, so lease and sweeper queries
-compare them with plain numbers.
+compare them with plain numbers. Identifier columns collate ``"C"``: byte comparisons in every
+key index, whatever the database's locale.
+
+Connections that die while idle (``pg_terminate_backend``, a server restart) are caught at
+checkout without a round trip and replaced; an idempotent read that meets a dead connection
+runs once more on a fresh one.
 
 The one rule a reader must not break: **a commit either applies whole, in one statement or
 one transaction, or writes nothing**; never retry a commit whose outcome is unknown (a
@@ -40,6 +45,7 @@ from typing import Any, TypeAlias, TypeVar
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.rows import TupleRow
+from psycopg.types.numeric import Int8
 from psycopg_pool import ConnectionPool
 from pydantic import TypeAdapter
 
@@ -273,14 +279,19 @@ class _Handle:
         return self.begin().execute(_format(sql), params, prepare=False).fetchall()
 
     def unwrap(self) -> Conn:
-        """The psycopg connection, inside the step's transaction (autocommit is on: do not commit it)."""
+        """The psycopg connection, inside the step's transaction: use it, never commit or roll it back."""
         return self.begin()
 
 
 def _readable(conn: Conn) -> bool:
     """True when an idle connection has something to read: the server closed it (or sent a notice)."""
     try:
-        ready, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+        fd = conn.pgconn.socket
+        if hasattr(select, "poll"):  # no FD_SETSIZE limit, unlike select()
+            poller = select.poll()
+            poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+            return bool(poller.poll(0))
+        ready, _, _ = select.select([fd], [], [], 0)
     except (OSError, ValueError, psycopg.OperationalError):
         return True
     return bool(ready)
@@ -438,7 +449,7 @@ class PostgresStore:
         return [turn_from_row(ref, r) for r in rows]
 
     def events(self, ref: SessionRef, *, turn_id: str | None = None, after_seq: int = 0) -> list[TurnEvent]:
-        key = {"agent": ref.agent, "session": ref.session, "after": after_seq, "turn_id": turn_id}
+        key = {"agent": ref.agent, "session": ref.session, "after": Int8(after_seq), "turn_id": turn_id}
         row = self._read(lambda c: c.execute(_EVENTS, key).fetchone())
         assert row is not None
         return _EventsAdapter.validate_json(row[0])
@@ -468,9 +479,11 @@ class PostgresStore:
             try:
                 row = conn.execute(sql, params).fetchone()
             except pg_errors.UniqueViolation as exc:
-                raise StoreError(
-                    f"session {ref}: a message index of this commit is taken ({exc.diag.message_detail or exc})"
-                ) from exc
+                if exc.diag.constraint_name == "june_messages_pkey":
+                    raise StoreError(
+                        f"session {ref}: a message index of this commit is taken ({exc.diag.message_detail})"
+                    ) from exc
+                raise StoreError(f"session {ref}: the commit broke a unique constraint: {exc}") from exc
             if row is not None:
                 base = row[0] - len(commit.events)
                 return [e.model_copy(update={"seq": base + i}) for i, e in enumerate(commit.events, start=1)]
