@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .engine import Agent, Runtime, ToolContext, tool
+from .engine.agent import AnswerRequest
 from .engine.events import TurnEvent
 from .engine.model import Model, ModelRequest
 from .engine.types import ToolMessage, TriggerMessage, UserMessage
@@ -23,6 +24,7 @@ from .stores.sqlite import SQLiteStore
 
 __all__ = ["build_agent", "main", "render"]
 
+DEMO_APPROVER = "U024BE7LH"
 INSTRUCTIONS = """You are the operations assistant of a small shop.
 Place orders with create_order. Refunds need a human's approval: use issue_refund."""
 
@@ -40,7 +42,10 @@ def create_order(ctx: ToolContext, item: str, qty: int = 1) -> dict[str, Any]:
 async def issue_refund(ctx: ToolContext, order_id: str, amount: float) -> dict[str, Any]:
     """Refund an order once a human approves it."""
     approved = await ctx.request_input(
-        id="approve-refund", prompt=f"Refund ${amount:.2f} on order {order_id}?", schema={"type": "boolean"}
+        id="approve-refund",
+        prompt=f"Refund ${amount:.2f} on order {order_id}?",
+        schema={"type": "boolean"},
+        answerers={"policy": "refund-approver"},
     )
     # The side effect goes after the answer: everything before request_input runs again on resume.
     return {"refunded": approved is True, "order_id": order_id}
@@ -76,9 +81,23 @@ def build_model() -> Model:
     return ScriptedModel(_script, delay_s=0.02)
 
 
+def approvers() -> set[str]:
+    """Who may approve refunds: ``JUNE_DEMO_APPROVERS`` (comma-separated ids), by default one demo user."""
+    return {a.strip() for a in os.environ.get("JUNE_DEMO_APPROVERS", DEMO_APPROVER).split(",") if a.strip()}
+
+
+def authorize_answer(request: AnswerRequest) -> bool:
+    """The app's rule for ``{"policy": "refund-approver"}`` requests."""
+    return request.policy == "refund-approver" and request.by in approvers()
+
+
 def build_agent(model: Model | None = None) -> Agent:
     return Agent(
-        name="ops", model=model or build_model(), instructions=INSTRUCTIONS, tools=[create_order, issue_refund]
+        name="ops",
+        model=model or build_model(),
+        instructions=INSTRUCTIONS,
+        tools=[create_order, issue_refund],
+        authorize_answer=authorize_answer,
     )
 
 
@@ -124,8 +143,8 @@ async def run_demo(db_path: Path, out: TextIO = sys.stdout) -> int:
     turn_id = await session.start("Please refund order 42")
     parked = await session.result(turn_id)
     if parked.status == "suspended":
-        out.write(f"  (the turn is parked in {db_path}; a human answers: yes)\n")
-        await session.resume(turn_id, parked.request.id, True)
+        out.write(f"  (the turn is parked in {db_path}; approver {DEMO_APPROVER} answers: yes)\n")
+        await session.resume(turn_id, parked.request.id, True, by=DEMO_APPROVER)
         await session.result(turn_id)
 
     def orders() -> int:
