@@ -39,6 +39,7 @@ import contextlib
 import functools
 import json
 import select
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeAlias, TypeVar
 
@@ -354,6 +355,7 @@ class PostgresStore:
             )
             self._pool.open(wait=True, timeout=timeout_s)
             self._owns_pool = True
+        self._cursors: weakref.WeakKeyDictionary[Conn, psycopg.Cursor[TupleRow]] = weakref.WeakKeyDictionary()
         if migrate:
             self.migrate()
 
@@ -475,9 +477,12 @@ class PostgresStore:
 
     def _apply(self, conn: Conn, ref: SessionRef, commit: Commit, fence: int | None) -> list[TurnEvent]:
         sql, params = commit_statement(ref, commit, fence)
+        cur = self._cursors.get(conn)
+        if cur is None or cur.closed:
+            cur = self._cursors[conn] = conn.cursor()  # one per connection: a step's commit skips making one
         for _ in range(_COMMIT_ATTEMPTS):
             try:
-                row = conn.execute(sql, params).fetchone()
+                row = cur.execute(sql, params).fetchone()
             except pg_errors.UniqueViolation as exc:
                 if exc.diag.constraint_name == "june_messages_pkey":
                     raise StoreError(
