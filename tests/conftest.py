@@ -31,6 +31,8 @@ def _or_exit(get: Callable[[], T]) -> T:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
     needs: set[str] = set()
     for item in session.items:
         needs.update(getattr(item, "fixturenames", ()))
