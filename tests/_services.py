@@ -292,7 +292,12 @@ def _running_as_root() -> bool:
 def _as_postgres(cmd: list[str]) -> list[str]:
     if not _running_as_root():
         return cmd
-    runuser = shutil.which("runuser") or "/usr/sbin/runuser"
+    runuser = shutil.which("runuser") or ("/usr/sbin/runuser" if os.access("/usr/sbin/runuser", os.X_OK) else None)
+    if runuser is None:
+        raise ServiceUnavailable(
+            "running as root, Postgres must run as the 'postgres' user but there is no runuser; "
+            "install util-linux or set JUNE_DATABASE_URL"
+        )
     return [runuser, "-u", "postgres", "--", *cmd]
 
 
@@ -645,6 +650,8 @@ class _Service:
             if given:
                 raise ServiceUnavailable(f"{exc} ({self.env}={given} did not answer)") from None
             raise
+        except (OSError, subprocess.SubprocessError) as exc:  # one line, not a traceback per test
+            raise ServiceUnavailable(f"could not start a throwaway server for {self.env}: {exc}") from exc
         self.source = f"throwaway server (pid {server.pid}) at {server.url}" + (
             f"; {self.env}={given} did not answer" if given else ""
         )
