@@ -6,7 +6,8 @@ The test command gets both services on its own, in this order, per service:
    connection, 3 s timeout);
 2. otherwise a **throwaway server** started from local binaries, when the machine has them:
    Postgres is ``initdb`` into a temp dir (as the ``postgres`` OS user via ``runuser`` when we
-   run as root) and ``pg_ctl start`` on a free loopback port, fsync off; Redis is
+   run as root) and ``pg_ctl start`` on a free loopback port, fsync off (a killed server still
+   keeps every commit it acknowledged: only an OS crash could lose them); Redis is
    ``redis-server --port <free> --save '' --appendonly no``. Postgres' ``initdb`` (the slow
    part, ~1 s) and Redis start in parallel, in the background, as soon as collection shows a
    test needs them (see ``tests/conftest.py``);
