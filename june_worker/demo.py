@@ -16,9 +16,20 @@ from typing import Any, TextIO
 
 from .engine import Agent, Runtime, ToolContext, tool
 from .engine.agent import AnswerRequest
-from .engine.events import TurnEvent
+from .engine.events import (
+    ActionCompleted,
+    ActionRequested,
+    InputRequested,
+    MessageCompleted,
+    MessageDelta,
+    TurnCancelled,
+    TurnCompleted,
+    TurnEvent,
+    TurnFailed,
+    TurnStarted,
+)
 from .engine.model import Model, ModelRequest
-from .engine.types import ToolMessage, TriggerMessage, UserMessage
+from .engine.types import ProactiveTrigger, ToolMessage, TriggerMessage, UserMessage
 from .models.scripted import Reply, ScriptedModel
 from .stores.sqlite import SQLiteStore
 
@@ -103,27 +114,26 @@ def build_agent(model: Model | None = None) -> Agent:
 
 def render(event: TurnEvent, out: TextIO = sys.stdout) -> None:
     """Print one event the way a person watching a turn wants to see it."""
-    t = event.type
-    if t == "message.delta":
+    if isinstance(event, MessageDelta):
         out.write(event.text)
-    elif t == "message.completed":
+    elif isinstance(event, MessageCompleted):
         out.write("\n")
-    elif t == "action.requested":
+    elif isinstance(event, ActionRequested):
         out.write(f"  -> {event.call.name} {json.dumps(event.call.input)}\n")
-    elif t == "action.completed":
+    elif isinstance(event, ActionCompleted):
         shown = f"error: {event.error}" if event.error else json.dumps(event.result)
         out.write(f"  <- {event.call.name} {shown}\n")
-    elif t == "input.requested":
+    elif isinstance(event, InputRequested):
         out.write(f"  .. parked, waiting for a human: {event.request.prompt}\n")
-    elif t == "turn.started":
+    elif isinstance(event, TurnStarted):
         trigger = event.trigger
-        how = f"proactive, by {trigger.by}" if trigger.kind == "proactive" else trigger.kind
+        how = f"proactive, by {trigger.by}" if isinstance(trigger, ProactiveTrigger) else trigger.kind
         out.write(f"[{event.turn_id}] started ({how})\n")
-    elif t == "turn.completed":
+    elif isinstance(event, TurnCompleted):
         out.write(f"[{event.turn_id}] completed\n")
-    elif t == "turn.failed":
+    elif isinstance(event, TurnFailed):
         out.write(f"[{event.turn_id}] failed: {event.error.message}\n")
-    elif t == "turn.cancelled":
+    elif isinstance(event, TurnCancelled):
         out.write(f"[{event.turn_id}] cancelled ({event.reason})\n")
     out.flush()
 

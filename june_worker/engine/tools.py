@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from ..errors import ConfigError, FatalToolError
 from .model import ToolSpec
 from .store import SessionRef, StoreHandle
-from .types import Answerers, InboundEvent, JsonValue, Principal, ToolCall
+from .types import Answerers, InboundEvent, JsonValue, PolicyAnswerer, Principal, ToolCall, UserAnswerer
 
 if TYPE_CHECKING:
     from .loop import InputBroker
@@ -143,7 +143,7 @@ class ToolContext:
         id: str,
         prompt: str,
         schema: dict[str, JsonValue] | None = None,
-        answerers: Answerers | None = None,
+        answerers: Answerers | dict[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> Awaitable[JsonValue]:
         """Park the turn until a human answers; resolves to the answer on the replay.
@@ -160,6 +160,12 @@ class ToolContext:
             )
         if self._broker is None:
             raise FatalToolError("request_input is not available in this context")
+        if isinstance(answerers, dict):
+            answerers = (
+                UserAnswerer.model_validate(answerers)
+                if "user" in answerers
+                else PolicyAnswerer.model_validate(answerers)
+            )
         return self._broker.ask(self, id=id, prompt=prompt, schema=schema, answerers=answerers, timeout_s=timeout_s)
 
 
