@@ -103,8 +103,12 @@ class CancelProbe(Protocol):
 
     def reason(self) -> str | None: ...
 
-    async def wait(self) -> None:
-        """Return once a cancel is requested."""
+    def on_cancel(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` once if a cancel arrives while it is registered; ``None`` unregisters.
+
+        The engine registers one while it waits on the model, so a cancel does not wait for
+        the next delta. It must be called on the turn's event loop thread.
+        """
         ...
 
 
@@ -112,8 +116,8 @@ class _NeverCancelled:
     def reason(self) -> str | None:
         return None
 
-    async def wait(self) -> None:
-        await asyncio.Event().wait()
+    def on_cancel(self, callback: Callable[[], None] | None) -> None:
+        return None
 
 
 NO_CANCEL: CancelProbe = _NeverCancelled()
@@ -446,18 +450,31 @@ class TurnRunner:
         return result
 
     async def _stream(self, request: ModelRequest, step: str) -> Done:
-        consume = asyncio.ensure_future(self._consume(request, step))
-        waiter = asyncio.ensure_future(self.cancel.wait())
+        """Read the model's stream; a cancel that arrives while we wait on it interrupts the wait."""
+        task = asyncio.current_task()
+        assert task is not None
+        interrupted = False
+
+        def interrupt() -> None:
+            nonlocal interrupted
+            if asyncio.current_task() is task:
+                return  # raised from inside this turn: the next boundary check sees it
+            interrupted = True
+            task.cancel()
+
+        self.cancel.on_cancel(interrupt)
         try:
-            await asyncio.wait({consume, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            done = await self._consume(request, step)
+            if interrupted:
+                await asyncio.sleep(0)  # a cancellation still pending on the task is delivered here
+            return done
+        except asyncio.CancelledError:
+            if not interrupted:
+                raise
+            task.uncancel()
+            raise _Cancel(self.cancel.reason() or "requested") from None
         finally:
-            waiter.cancel()
-        if not consume.done():
-            consume.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await consume
-            self._check_cancel()
-        return consume.result()
+            self.cancel.on_cancel(None)
 
     async def _consume(self, request: ModelRequest, step: str) -> Done:
         try:

@@ -64,24 +64,24 @@ def parked_reason(ref: SessionRef, parked: SuspendedCheckpoint) -> str:
 
 
 class _TurnCancel:
-    """The cancel probe of one in-process turn: a reason and an event to wait on."""
+    """The cancel probe of one in-process turn: a reason, and who to tell when it arrives."""
 
     def __init__(self, reason: str | None) -> None:
         self._reason = reason
-        self._event = asyncio.Event()
-        if reason is not None:
-            self._event.set()
+        self._callback: Callable[[], None] | None = None
 
     def reason(self) -> str | None:
         return self._reason
 
-    async def wait(self) -> None:
-        await self._event.wait()
+    def on_cancel(self, callback: Callable[[], None] | None) -> None:
+        self._callback = callback
 
     def set(self, reason: str) -> None:
         if self._reason is None:
             self._reason = reason
-            self._event.set()
+            callback, self._callback = self._callback, None
+            if callback is not None:
+                callback()
 
 
 class Runtime:

@@ -72,21 +72,21 @@ class _Cancel:
     def __init__(self, loop: asyncio.AbstractEventLoop, reason: str | None) -> None:
         self._loop = loop
         self._reason = reason
-        self._event = asyncio.Event()
-        if reason is not None:
-            self._event.set()
+        self._callback: Callable[[], None] | None = None
 
     def reason(self) -> str | None:
         return self._reason
 
-    async def wait(self) -> None:
-        await self._event.wait()
+    def on_cancel(self, callback: Callable[[], None] | None) -> None:
+        self._callback = callback
 
     def set(self, reason: str) -> None:
-        def apply() -> None:
+        def apply() -> None:  # on the loop's thread, like every engine call
             if self._reason is None:
                 self._reason = reason
-                self._event.set()
+                callback, self._callback = self._callback, None
+                if callback is not None:
+                    callback()
 
         self._loop.call_soon_threadsafe(apply)
 

@@ -309,3 +309,21 @@ async def test_turns_queued_during_a_reset_run_on_the_new_generation() -> None:
     await pending
     assert isinstance(await s.result("t2"), Completed)
     assert {m.turn_id for m in transcript(store)} == {"t2"}
+
+
+async def test_a_cancel_interrupts_a_model_that_is_waiting_for_its_first_token() -> None:
+    gate = asyncio.Event()  # never opened: the model would wait forever
+
+    async def gated(_: ModelRequest) -> AsyncIterator[ModelDelta]:
+        await gate.wait()
+        yield Done(reply=ModelReply(text="done late"))
+
+    store = MemoryStore()
+    rt = runtime_with(store, FnModel(gated))
+    s = rt.session("ops", "s1")
+    await s.start("hi", turn_id="t1")
+    await asyncio.sleep(0.01)  # let the turn reach the model
+    assert await s.cancel("t1") is True
+    result = await asyncio.wait_for(s.result("t1"), timeout=5)
+    assert result == Cancelled(turn_id="t1", reason="requested")
+    assert not any(isinstance(m, AssistantMessage) for m in transcript(store))
