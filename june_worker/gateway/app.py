@@ -1,0 +1,146 @@
+"""The gateway's ASGI app: ``uvicorn june_worker.gateway.app:create_app --factory``.
+
+:func:`create_app` reads the settings once (or takes them), loads nothing else at import
+time, and opens its clients in the lifespan. Besides the ``/v1`` routes it serves the live
+turn page at ``/``, ``/healthz`` (no token: Redis and Postgres answer?) and the OpenAPI
+schema at ``/openapi.json`` (and ``/docs``).
+
+The rule a reader must not break: **errors from the services behind the gateway become
+502/503/504 with a sentence**, never a traceback or a URL with its password.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib import resources
+
+import psycopg
+import psycopg_pool
+import redis
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse
+
+from producers import BrokerUnavailable, ResultTimeout, ResultUnavailable, TaskFailed, UnexpectedResult
+
+from .. import __version__
+from .backend import GatewayBackend
+from .routes import router as turn_router
+from .routes_control import router as control_router
+from .settings import GatewaySettings
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("june_worker.gateway")
+
+_PAGE = resources.files(__package__).joinpath("page.html")
+
+
+def _page() -> tuple[str, dict[str, str]]:
+    """The page and its headers: a CSP that allows exactly its own inline script and style (by hash)."""
+    html = _PAGE.read_text(encoding="utf-8")
+
+    def hashes(tag: str) -> str:
+        bodies = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in bodies)
+
+    csp = (
+        f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; connect-src 'self'; "
+        "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+    return html, {
+        "Content-Security-Policy": csp,
+        "Cache-Control": "no-cache",
+        "Referrer-Policy": "no-referrer",
+        "X-Content-Type-Options": "nosniff",
+    }
+
+
+def _warn_if_insecure(settings: GatewaySettings) -> None:
+    if settings.insecure_dev:
+        banner = "!" * 78
+        log.warning(banner)
+        log.warning("JUNE_GATEWAY_INSECURE_DEV=1: requests WITHOUT a token are let in as %r,", settings.dev_principal)
+        log.warning("with every agent. Local development only: never expose this gateway.")
+        log.warning(banner)
+
+
+def _error(status: int, detail: str) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def broker(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("%s %s: broker unavailable: %s", request.method, request.url.path, exc)
+        return _error(503, "the broker is unavailable; nothing was sent, retry later")
+
+    async def timeout(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("%s %s: %s", request.method, request.url.path, exc)
+        return _error(504, "no june worker answered in time; the message stays queued and may still run")
+
+    async def upstream(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s: the worker's answer could not be used: %s", request.method, request.url.path, exc)
+        return _error(502, f"the worker's answer could not be used ({type(exc).__name__})")
+
+    async def database(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("%s %s: Postgres unavailable (%s)", request.method, request.url.path, type(exc).__name__)
+        return _error(503, "the database is unavailable; retry later")
+
+    async def event_store(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("%s %s: Redis unavailable (%s)", request.method, request.url.path, type(exc).__name__)
+        return _error(503, "the event store is unavailable; retry later")
+
+    app.add_exception_handler(BrokerUnavailable, broker)
+    app.add_exception_handler(ResultTimeout, timeout)
+    for upstream_error in (ResultUnavailable, TaskFailed, UnexpectedResult):
+        app.add_exception_handler(upstream_error, upstream)
+    for database_error in (psycopg.OperationalError, psycopg_pool.PoolTimeout):
+        app.add_exception_handler(database_error, database)
+    app.add_exception_handler(redis.RedisError, event_store)
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    """The gateway app; settings from the environment when not given (a bad one is a ConfigError, at once)."""
+    settings = settings if settings is not None else GatewaySettings.from_env()
+    backend = GatewayBackend(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        _warn_if_insecure(settings)
+        await backend.start()
+        log.info("june gateway serving agents %s with %d token(s)", ", ".join(settings.agents), len(settings.tokens))
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    app = FastAPI(
+        title="june gateway",
+        version=__version__,
+        description="HTTP and SSE over june's Celery tasks and Redis event streams. "
+        "Every /v1 route needs `Authorization: Bearer <token>`.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.backend = backend
+    _install_error_handlers(app)
+    app.include_router(turn_router)
+    app.include_router(control_router)
+
+    html, page_headers = _page()
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(html, headers=page_headers)
+
+    @app.get("/healthz", summary="Health: Redis and Postgres answer", tags=["health"])
+    async def healthz() -> JSONResponse:
+        checks = await backend.health()
+        ok = all(v == "ok" for v in checks.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", **checks}, status_code=200 if ok else 503)
+
+    return app

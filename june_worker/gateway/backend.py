@@ -1,0 +1,216 @@
+"""What the gateway talks to: the producer (Celery tasks by name), Redis (streams) and Postgres (reads).
+
+The gateway never runs a turn and never writes the store. It sends ``june.*`` tasks through
+:class:`producers.JuneProducer` (blocking calls, run in worker threads), reads event streams
+with ``redis.asyncio``, and reads sessions, turns and pending input from Postgres through
+:class:`~june_worker.stores.postgres.PostgresStore` (blocking, in threads too).
+
+One key of its own: ``<prefix>:gateway:sent:{<agent>:<session>}``, a set of the turn ids this
+gateway sent in the last day. A turn sits in the broker until a worker records it in Postgres;
+the set lets a client follow a turn (or its new session) the moment the POST returned,
+instead of getting a 404 until a worker is free.
+
+The rule a reader must not break: **nothing here blocks the event loop**; every psycopg and
+Celery call goes through :meth:`GatewayBackend.blocking`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+import psycopg
+import redis.asyncio as aioredis
+from psycopg_pool import ConnectionPool
+
+from producers import JuneProducer, ResetOutcome, ResumeOutcome
+
+from ..engine.store import SessionRef, SuspendedCheckpoint, TurnRecord
+from ..events.keys import EventKeys
+from ..stores.postgres import PostgresStore
+from .settings import GatewaySettings
+from .sse import StreamStats
+
+__all__ = ["GatewayBackend", "SENT_TTL_S"]
+
+log = logging.getLogger("june_worker.gateway")
+
+T = TypeVar("T")
+SENT_TTL_S = 86_400
+
+_SESSION_EXISTS = "select exists (select 1 from june_sessions where agent = %s and session = %s)"
+
+
+class GatewayBackend:
+    """The gateway's clients, made in :meth:`start` (the app's lifespan) and closed in :meth:`close`."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.keys = EventKeys(prefix=settings.key_prefix)
+        self.stats = StreamStats()
+        self._control = anyio.CapacityLimiter(32)
+        self._pool: ConnectionPool[Any] | None = None
+        self._store: PostgresStore | None = None
+        self._producer: JuneProducer | None = None
+        self._redis: aioredis.Redis | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        pool = aioredis.BlockingConnectionPool.from_url(
+            s.redis_url,
+            max_connections=s.redis_connections,
+            timeout=10,
+            decode_responses=True,
+            socket_timeout=s.heartbeat_s + 10,
+            socket_connect_timeout=5,
+            health_check_interval=30,
+        )
+        self._redis = aioredis.Redis(connection_pool=pool)
+        # Opened without waiting: the gateway starts (and /healthz says 503) while Postgres is down.
+        self._pool = ConnectionPool(
+            s.database_url, min_size=1, max_size=8, kwargs={"autocommit": True}, timeout=5, open=False,
+            name="june-gateway",
+        )  # fmt: skip
+        self._pool.open(wait=False)
+        self._store = PostgresStore(self._pool, migrate=False)
+        self._producer = await self.blocking(
+            functools.partial(
+                JuneProducer,
+                s.redis_url,
+                broker_url=s.broker_url,
+                result_backend=s.result_backend,
+                queue=s.queue,
+                control_queue=s.control_queue,
+                key_prefix=s.key_prefix,
+            )
+        )
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await self.blocking(self._producer.close)
+        if self._pool is not None:
+            await self.blocking(self._pool.close)
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        assert self._redis is not None, "the gateway backend is not started"
+        return self._redis
+
+    @property
+    def store(self) -> PostgresStore:
+        assert self._store is not None, "the gateway backend is not started"
+        return self._store
+
+    @property
+    def producer(self) -> JuneProducer:
+        assert self._producer is not None, "the gateway backend is not started"
+        return self._producer
+
+    async def blocking(self, fn: Callable[[], T], *, control: bool = False) -> T:
+        """Run a blocking call in a worker thread; control calls (which wait on a worker) have their own limit."""
+        return await anyio.to_thread.run_sync(fn, limiter=self._control if control else None)
+
+    # --- reads -------------------------------------------------------------------------------
+
+    def sent_key(self, ref: SessionRef) -> str:
+        return f"{self.keys.prefix}:gateway:sent:{self.keys.session_tag(ref)}"
+
+    async def session_exists(self, ref: SessionRef) -> bool:
+        """True when Postgres has the session, or this gateway sent it a turn no worker has taken yet."""
+
+        def query() -> bool:
+            with self.store.pool.connection() as conn:
+                try:
+                    row = conn.execute(_SESSION_EXISTS, (ref.agent, ref.session)).fetchone()
+                except psycopg.errors.UndefinedTable:
+                    return False  # no worker has created the schema yet: no session exists
+                return bool(row and row[0])
+
+        return await self.blocking(query) or bool(await self.redis.exists(self.sent_key(ref)))
+
+    async def turn(self, ref: SessionRef, turn_id: str) -> TurnRecord | None:
+        try:
+            return await self.blocking(lambda: self.store.get_turn(ref, turn_id))
+        except psycopg.errors.UndefinedTable:
+            return None
+
+    async def turn_sent(self, ref: SessionRef, turn_id: str) -> bool:
+        return bool(await self.redis.sismember(self.sent_key(ref), turn_id))
+
+    async def pending(self, ref: SessionRef) -> SuspendedCheckpoint | None:
+        try:
+            return await self.blocking(lambda: self.store.pending(ref))
+        except psycopg.errors.UndefinedTable:
+            return None
+
+    async def tail(self, ref: SessionRef) -> str:
+        """The id of the session stream's newest entry (``0-0`` when empty): follow from it to see what comes next."""
+        last: Any = await self.redis.xrevrange(self.keys.session_stream(ref), count=1)
+        return str(last[0][0]) if last else "0-0"
+
+    async def health(self) -> dict[str, str]:
+        checks: dict[str, str] = {}
+        try:
+            await self.redis.ping()
+            checks["redis"] = "ok"
+        except Exception as exc:  # any failure is "down"; the reason is in the log, not the response
+            log.warning("health check: Redis is unavailable (%s)", type(exc).__name__)
+            checks["redis"] = "unavailable"
+
+        def pg() -> None:
+            with self.store.pool.connection(timeout=2) as conn:
+                conn.execute("select 1")
+
+        try:
+            await self.blocking(pg)
+            checks["postgres"] = "ok"
+        except Exception as exc:
+            log.warning("health check: Postgres is unavailable (%s)", type(exc).__name__)
+            checks["postgres"] = "unavailable"
+        return checks
+
+    # --- sends -------------------------------------------------------------------------------
+
+    async def start_turn(
+        self, ref: SessionRef, turn_id: str, text: str, *, event: dict[str, Any], replace: bool
+    ) -> None:
+        """Record the id in the sent set, then send ``june.turn`` (in that order: a follower never 404s)."""
+        key = self.sent_key(ref)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.sadd(key, turn_id)
+            pipe.expire(key, SENT_TTL_S)
+            await pipe.execute()
+        producer = self.producer
+        await self.blocking(
+            lambda: producer.start_turn(ref.agent, ref.session, text, event=event, turn_id=turn_id, replace=replace)
+        )
+
+    async def resume(
+        self, ref: SessionRef, turn_id: str, input_id: str, value: Any, *, by: str, principal: dict[str, Any]
+    ) -> ResumeOutcome:
+        producer, timeout_s = self.producer, self.settings.control_timeout_s
+        return await self.blocking(
+            lambda: producer.resume(
+                ref.agent, ref.session, turn_id, input_id, value, by=by, principal=principal, timeout_s=timeout_s
+            ),
+            control=True,
+        )
+
+    async def cancel(self, ref: SessionRef, turn_id: str | None) -> dict[str, Any]:
+        producer, timeout_s = self.producer, self.settings.control_timeout_s
+        return await self.blocking(
+            lambda: producer.cancel(ref.agent, ref.session, turn_id, timeout_s=timeout_s), control=True
+        )
+
+    async def reset(self, ref: SessionRef) -> ResetOutcome:
+        # The worker waits up to 30 s for a busy session before answering "pending".
+        producer, timeout_s = self.producer, self.settings.control_timeout_s + 30
+        return await self.blocking(lambda: producer.reset(ref.agent, ref.session, timeout_s=timeout_s), control=True)

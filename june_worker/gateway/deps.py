@@ -1,0 +1,107 @@
+"""What every route needs first: the caller's principal, the session it addresses, and the 404 rules.
+
+An agent the workers do not serve and an agent the token is not granted are the same 404,
+word for word, so a token cannot learn which agents exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Path, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from ..engine.store import SessionRef
+from .auth import Principal
+from .backend import GatewayBackend
+from .settings import GatewaySettings
+
+__all__ = [
+    "AgentName",
+    "Authenticated",
+    "Backend",
+    "SessionId",
+    "TurnIdPath",
+    "authenticate",
+    "not_found",
+    "session_ref",
+    "wants_sse",
+]
+
+log = logging.getLogger("june_worker.gateway")
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="A token from JUNE_GATEWAY_TOKENS / JUNE_GATEWAY_TOKENS_FILE: `Authorization: Bearer <token>`.",
+)
+STREAM_ID_PATTERN = r"^\d{1,20}(-\d{1,20})?$"
+STREAM_ID_RE = re.compile(STREAM_ID_PATTERN)
+
+AgentName = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.\-]{1,128}$", description="An agent name.")]
+SessionId = Annotated[
+    str,
+    Path(pattern=r"^[\x21-\x7e]{1,256}$", description="The app's session id: printable ASCII, no spaces, no '/'."),
+]
+TurnIdPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$", description="A turn id.")]
+
+
+def get_backend(request: Request) -> GatewayBackend:
+    backend: GatewayBackend = request.app.state.backend
+    return backend
+
+
+def get_settings(request: Request) -> GatewaySettings:
+    settings: GatewaySettings = request.app.state.settings
+    return settings
+
+
+Backend = Annotated[GatewayBackend, Depends(get_backend)]
+
+
+def _unauthorized(detail: str) -> HTTPException:
+    return HTTPException(status_code=401, detail=detail, headers={"WWW-Authenticate": "Bearer"})
+
+
+def authenticate(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
+) -> Principal:
+    """The verified caller; 401 without a known bearer token (unless insecure development mode)."""
+    settings = get_settings(request)
+    if credentials is None:
+        if settings.insecure_dev:
+            return Principal(id=settings.dev_principal)
+        raise _unauthorized("a bearer token is required: Authorization: Bearer <token>")
+    principal = settings.tokens.lookup(credentials.credentials)
+    if principal is None:
+        client = request.client.host if request.client else "?"
+        log.warning("refused %s %s from %s: unknown bearer token", request.method, request.url.path, client)
+        raise _unauthorized("unknown bearer token")
+    return principal
+
+
+Authenticated = Annotated[Principal, Depends(authenticate)]
+
+
+def not_found(what: str) -> HTTPException:
+    return HTTPException(status_code=404, detail=what)
+
+
+def check_agent(request: Request, principal: Principal, agent: str) -> None:
+    if agent not in get_settings(request).agents or not principal.sees(agent):
+        raise not_found(f"unknown agent {agent!r}")
+
+
+async def session_ref(request: Request, principal: Principal, agent: str, session: str) -> SessionRef:
+    """The addressed session, which must exist: 404 for an unknown (or ungranted) agent or an unknown session."""
+    check_agent(request, principal, agent)
+    ref = SessionRef(agent, session)
+    if not await get_backend(request).session_exists(ref):
+        raise not_found(f"unknown session {session!r} of agent {agent!r}")
+    return ref
+
+
+def wants_sse(request: Request) -> bool:
+    return "text/event-stream" in request.headers.get("accept", "").lower()

@@ -1,0 +1,292 @@
+"""The ``/v1`` routes: start a turn, follow events (SSE), read pending input, resume, cancel, reset.
+
+Three answers for the routes that start or continue a turn (``POST .../turns`` and
+``POST .../resume``): ``Accept: text/event-stream`` streams the turn's events until its
+terminal event; ``?wait=true`` answers with how the turn ended; otherwise 202 at once.
+
+Status codes (the seed's): 401 no or unknown token; 404 unknown agent (or one the token is
+not granted), session or turn; 403 the principal may not answer; 409 wrong turn, wrong input
+id, not suspended, reset pending, or a parked session refusing another turn; 422 a malformed
+request, naming the field; 500 the agent's ``authorize_answer`` failed (the answer was NOT
+applied); 502/503/504 the broker, a worker, Redis or Postgres did not answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from producers import new_turn_id
+
+from ..engine.events import InputRequested, TurnCancelled, TurnCompleted, TurnFailed, is_terminal
+from ..engine.store import SessionRef
+from ..events.reader import StreamEvent, afollow
+from .auth import Principal
+from .backend import GatewayBackend
+from .deps import (
+    STREAM_ID_PATTERN,
+    AgentName,
+    Authenticated,
+    Backend,
+    SessionId,
+    TurnIdPath,
+    check_agent,
+    not_found,
+    session_ref,
+    wants_sse,
+)
+from .schemas import (
+    AgentList,
+    ErrorBody,
+    ResumeAccepted,
+    ResumeRequest,
+    TurnAccepted,
+    TurnInfo,
+    TurnOutcome,
+    TurnRequest,
+)
+from .sse import SSEResponse, follow_events
+
+__all__ = ["router"]
+
+log = logging.getLogger("june_worker.gateway")
+
+router = APIRouter(prefix="/v1")
+
+SESSION = "/agents/{agent}/sessions/{session}"
+TURN = SESSION + "/turns/{turn_id}"
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorBody, "description": "No bearer token, or an unknown one."},
+    404: {"model": ErrorBody, "description": "Unknown agent (or not granted to this token), session or turn."},
+    503: {"model": ErrorBody, "description": "The broker, Redis or Postgres is unavailable."},
+}
+SSE_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "SSE: id = Redis stream id."}}}
+Wait = Annotated[bool, Query(description="Answer with how the turn ended (completed, suspended, failed, cancelled).")]
+LastEventId = Annotated[
+    str | None,
+    Header(alias="Last-Event-ID", pattern=STREAM_ID_PATTERN, description="Continue after this event (SSE reconnect)."),
+]
+
+
+def events_path(ref: SessionRef, turn_id: str) -> str:
+    return f"/v1/agents/{ref.agent}/sessions/{ref.session}/turns/{turn_id}/events"
+
+
+def sse_response(backend: GatewayBackend, ref: SessionRef, turn_id: str | None, last_id: str) -> SSEResponse:
+    s = backend.settings
+
+    def produce(gone: Callable[[], bool]) -> AsyncIterator[bytes]:
+        return follow_events(
+            backend.redis,
+            backend.keys,
+            ref,
+            turn_id=turn_id,
+            last_id=last_id,
+            heartbeat_s=s.heartbeat_s,
+            max_stream_s=s.max_stream_s,
+            batch=s.stream_batch,
+            gone=gone,
+        )
+
+    headers = {"X-Turn-Id": turn_id} if turn_id else {}
+    return SSEResponse(produce, backend.stats, headers=headers)
+
+
+def outcome(item: StreamEvent) -> TurnOutcome:
+    """How a turn ended, from its terminal event."""
+    e, base = item.event, {"turn_id": item.event.turn_id, "last_event_id": item.stream_id}
+    if isinstance(e, TurnCompleted):
+        return TurnOutcome(status="completed", text=e.text, **base)
+    if isinstance(e, InputRequested):
+        return TurnOutcome(status="suspended", input=e.request.model_dump(mode="json", by_alias=True), **base)
+    if isinstance(e, TurnFailed):
+        error = {"message": e.error.message, "type": e.error.type, "phase": e.phase, "step": e.step}
+        return TurnOutcome(status="failed", error=error, **base)
+    assert isinstance(e, TurnCancelled)
+    return TurnOutcome(status="cancelled", reason=e.reason, **base)
+
+
+async def wait_outcome(backend: GatewayBackend, ref: SessionRef, turn_id: str, last_id: str) -> JSONResponse:
+    s = backend.settings
+    events = afollow(
+        backend.redis, ref.agent, ref.session, turn_id=turn_id, last_id=last_id, timeout_s=s.wait_s,
+        block_ms=5000, count=s.stream_batch, include_deltas=False, keys=backend.keys,
+    )  # fmt: skip
+    async with contextlib.aclosing(events):
+        async for item in events:
+            if is_terminal(item.event):
+                return JSONResponse(outcome(item).model_dump(mode="json"))
+    raise HTTPException(
+        status_code=504,
+        detail=f"turn {turn_id} did not end within {s.wait_s:g}s; it goes on: follow {events_path(ref, turn_id)}",
+    )
+
+
+def inbound_event(request: Request, principal: Principal) -> dict[str, Any]:
+    """The inbound event of a turn started here: the speaker is the verified principal (attested)."""
+    source = request.app.state.settings.event_source
+    return {
+        "source": source,
+        "kind": "message",
+        "user": {"id": principal.id, "attested": True},
+        "principal": principal.to_json(),
+    }
+
+
+@router.get("/agents", response_model=AgentList, responses={401: _ERRORS[401]}, summary="Agents this token sees")
+async def list_agents(request: Request, principal: Authenticated) -> AgentList:
+    agents = [a for a in request.app.state.settings.agents if principal.sees(a)]
+    return AgentList(principal=principal.id, agents=agents)
+
+
+@router.post(
+    SESSION + "/turns",
+    status_code=202,
+    response_model=TurnAccepted,
+    summary="Start a turn",
+    responses={
+        **_ERRORS,
+        200: {"model": TurnOutcome, "content": SSE_DOC, "description": "With ?wait=true, or an SSE stream."},
+        409: {"model": ErrorBody, "description": "The session is parked on another turn's input."},
+        504: {"model": ErrorBody, "description": "?wait=true: the turn did not end in time (it goes on)."},
+    },
+)
+async def start_turn(
+    request: Request, agent: AgentName, session: SessionId, body: TurnRequest, principal: Authenticated,
+    backend: Backend, wait: Wait = False,
+) -> Response:  # fmt: skip
+    """Enqueue a turn (``june.turn``). ``Accept: text/event-stream``: the response is the turn's events until
+    its terminal event; ``?wait=true``: how it ended; otherwise 202 with its ``turn_id`` at once."""
+    check_agent(request, principal, agent)
+    ref = SessionRef(agent, session)
+    turn_id = body.turn_id or new_turn_id()
+    existing = await backend.turn(ref, turn_id) if body.turn_id else None
+    if existing is None:
+        parked = await backend.pending(ref)
+        if parked is not None and parked.turn_id != turn_id:
+            raise HTTPException(
+                status_code=409,
+                detail=f"session {session!r} is parked on turn {parked.turn_id}, waiting for input "
+                f"{parked.request.id!r}: answer it (resume) or reset the session before starting another turn",
+            )
+    start_id = "0-0" if existing is not None else await backend.tail(ref)
+    await backend.start_turn(ref, turn_id, body.text, event=inbound_event(request, principal), replace=body.replace)
+    log.info("turn %s of %s sent for %s", turn_id, ref, principal.id)
+    if wants_sse(request):
+        return sse_response(backend, ref, turn_id, start_id)
+    if wait:
+        return await wait_outcome(backend, ref, turn_id, start_id)
+    accepted = TurnAccepted(turn_id=turn_id, agent=agent, session=session, events=events_path(ref, turn_id))
+    return JSONResponse(accepted.model_dump(), status_code=202, headers={"Location": events_path(ref, turn_id)})
+
+
+async def known_turn(request: Request, principal: Principal, agent: str, session: str, turn_id: str) -> SessionRef:
+    check_agent(request, principal, agent)
+    ref = SessionRef(agent, session)
+    backend: GatewayBackend = request.app.state.backend
+    if await backend.turn(ref, turn_id) is None and not await backend.turn_sent(ref, turn_id):
+        raise not_found(f"unknown turn {turn_id!r} in session {session!r} of agent {agent!r}")
+    return ref
+
+
+@router.get(TURN, response_model=TurnInfo, responses=_ERRORS, summary="A turn's status")
+async def get_turn(
+    request: Request, agent: AgentName, session: SessionId, turn_id: TurnIdPath, principal: Authenticated,
+    backend: Backend,
+) -> TurnInfo:  # fmt: skip
+    ref = await known_turn(request, principal, agent, session, turn_id)
+    rec = await backend.turn(ref, turn_id)
+    if rec is None:
+        return TurnInfo(turn_id=turn_id, status="sent")
+    result = rec.result.model_dump(mode="json", by_alias=True, exclude={"turn_id"}) if rec.result else None
+    return TurnInfo(turn_id=turn_id, status=rec.status, result=result)
+
+
+@router.get(
+    TURN + "/events",
+    response_class=SSEResponse,
+    responses={**_ERRORS, 200: {"content": SSE_DOC, "description": "The turn's events, ending on its terminal one."}},
+    summary="Follow a turn (SSE)",
+)
+async def turn_events(
+    request: Request, agent: AgentName, session: SessionId, turn_id: TurnIdPath, principal: Authenticated,
+    backend: Backend, last_event_id: LastEventId = None,
+) -> Response:  # fmt: skip
+    """The turn's events from its start (or after ``Last-Event-ID``), ending after its terminal event
+    (``turn.completed``, ``turn.failed``, ``turn.cancelled``, or ``input.requested``: parked)."""
+    ref = await known_turn(request, principal, agent, session, turn_id)
+    return sse_response(backend, ref, turn_id, last_event_id or "0-0")
+
+
+@router.get(
+    SESSION + "/events",
+    response_class=SSEResponse,
+    responses={**_ERRORS, 200: {"content": SSE_DOC, "description": "The session's events, live."}},
+    summary="Follow a session (SSE)",
+)
+async def session_events(
+    request: Request, agent: AgentName, session: SessionId, principal: Authenticated, backend: Backend,
+    last_event_id: LastEventId = None,
+    after: Annotated[
+        str | None,
+        Query(pattern=r"^(\d{1,20}(-\d{1,20})?|\$)$", description="Start after this stream id; '$': only new events."),
+    ] = None,
+) -> Response:  # fmt: skip
+    """Every event of the session after ``Last-Event-ID`` (or ``after``; from the start by default), then
+    live ones. It does not end on a turn's end; it ends after JUNE_GATEWAY_MAX_STREAM_S (reconnect)."""
+    ref = await session_ref(request, principal, agent, session)
+    start = last_event_id or after or "0-0"
+    if start == "$":
+        start = await backend.tail(ref)
+    return sse_response(backend, ref, None, start)
+
+
+@router.post(
+    TURN + "/resume",
+    status_code=202,
+    response_model=ResumeAccepted,
+    summary="Answer a parked turn",
+    responses={
+        **_ERRORS,
+        200: {"model": TurnOutcome, "content": SSE_DOC, "description": "With ?wait=true, or an SSE stream."},
+        403: {"model": ErrorBody, "description": "This principal may not answer the request."},
+        409: {"model": ErrorBody, "description": "Wrong turn or input id, not suspended, or a reset is pending."},
+        500: {"model": ErrorBody, "description": "authorize_answer failed; the answer was NOT applied."},
+        504: {"model": ErrorBody, "description": "No worker answered in time, or ?wait=true ran out."},
+    },
+)
+async def resume(
+    request: Request, agent: AgentName, session: SessionId, turn_id: TurnIdPath, body: ResumeRequest,
+    principal: Authenticated, backend: Backend, wait: Wait = False,
+) -> Response:  # fmt: skip
+    """Answer the input the turn is parked on, as the token's principal (``by``), and let the turn go on.
+    ``Accept: text/event-stream`` streams the continuation; ``?wait=true`` answers with how it ended."""
+    ref = await session_ref(request, principal, agent, session)
+    start_id = await backend.tail(ref)
+    result = await backend.resume(
+        ref, turn_id, body.input_id, body.value, by=principal.id, principal=principal.to_json()
+    )
+    reason = result.reason or result.status
+    if result.status == "forbidden":
+        raise HTTPException(status_code=403, detail=reason)
+    if result.status == "conflict":
+        raise HTTPException(status_code=409, detail=reason)
+    if result.status in ("invalid", "rejected"):
+        raise HTTPException(status_code=422, detail=[{"loc": ["body", "value"], "msg": reason, "type": result.status}])
+    if result.status == "error":
+        raise HTTPException(
+            status_code=500, detail=f"the answer was NOT applied; the same answer can be retried ({reason})"
+        )
+    log.info("turn %s of %s resumed (input %s) by %s", turn_id, ref, body.input_id, principal.id)
+    if wants_sse(request):
+        return sse_response(backend, ref, turn_id, start_id)
+    if wait:
+        return await wait_outcome(backend, ref, turn_id, start_id)
+    accepted = ResumeAccepted(turn_id=turn_id, input_id=body.input_id, by=principal.id)
+    return JSONResponse(accepted.model_dump(), status_code=202, headers={"Location": events_path(ref, turn_id)})

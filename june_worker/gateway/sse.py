@@ -1,0 +1,203 @@
+"""Server-sent events over a session's Redis Stream: the wire format, the follow loop, and its response.
+
+Each event is one SSE message whose ``id`` is the entry's Redis stream id, so a client that
+reconnects with ``Last-Event-ID`` continues exactly after the last event it got: nothing
+missed, nothing repeated. ``event`` is the event type, ``data`` the event as one line of JSON
+(the stream entry's own fields: ``type``, ``turn_id``, ``agent``, ``session``, ``seq``...).
+A comment line (``: heartbeat``) goes out after ``heartbeat_s`` without an event, so proxies
+keep the connection open. A turn's stream ends after its terminal event; any stream ends after
+``max_stream_s`` (the client reconnects with ``Last-Event-ID``) or on a Redis error.
+
+Memory per stream is bounded: the loop reads Redis one XREAD (``batch`` entries) at a time,
+only when the previous entries were handed to the server, and the server hands a chunk on only
+when the socket takes it (uvicorn's flow control). A slow client slows its own reads, nothing
+else. A client that goes away is noticed through ``http.disconnect``; the stream stops at its
+next event or its next XREAD timeout (at most ``heartbeat_s``). No in-flight Redis command is
+ever cancelled, so the connection pool stays sound. The worker side never knows about readers.
+
+The rule a reader must not break: **an event's SSE id is its stream id**; never number events
+any other way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from ..engine.events import is_structural, is_terminal
+from ..engine.store import SessionRef
+from ..events.keys import EventKeys
+from ..events.reader import StreamEvent, afollow
+from ..events.redis_stream import encode_event
+
+__all__ = ["SSE_HEADERS", "SSEResponse", "StreamStats", "follow_events", "format_event"]
+
+log = logging.getLogger("june_worker.gateway")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class StreamStats:
+    """Counters of the gateway's open streams (tests and /healthz read them)."""
+
+    open: int = 0
+    events_sent: int = 0
+    sending: int = 0
+    """Streams whose last chunk the server has not taken yet (a slow or stalled client)."""
+    stalled_since: float | None = None
+    """monotonic time since which at least one stream has been waiting on its client."""
+
+
+def format_event(item: StreamEvent) -> bytes:
+    """One SSE message: ``id`` (the stream id), ``event`` (the type), ``data`` (the entry's JSON, one line)."""
+    data = encode_event(SessionRef(item.agent, item.session), item.event)
+    return f"id: {item.stream_id}\nevent: {item.event.type}\ndata: {data}\n\n".encode()
+
+
+async def follow_events(
+    client: aioredis.Redis,
+    keys: EventKeys,
+    ref: SessionRef,
+    *,
+    turn_id: str | None,
+    last_id: str,
+    heartbeat_s: float,
+    max_stream_s: float,
+    batch: int,
+    gone: Callable[[], bool] = lambda: False,
+) -> AsyncIterator[bytes]:
+    """SSE chunks: the session's (or one turn's) events after ``last_id``, with heartbeats.
+
+    Follows in windows of ``heartbeat_s``: each window is one :func:`afollow` that ends after a
+    read comes back empty past the window; a heartbeat follows, and the next window starts
+    after the last event sent. Structural events already sent (by ``seq``) are not sent again.
+    """
+    deadline = time.monotonic() + max_stream_s
+    last_seq = 0
+    if last_id == "$":
+        raise ValueError("pin '$' to a stream id before following: every window must start from a real id")
+    yield b"retry: 1000\n: connected\n\n"
+    while not gone():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            yield b": stream time limit reached; reconnect with Last-Event-ID\n\n"
+            return
+        window = min(heartbeat_s, remaining)
+        events = afollow(
+            client,
+            ref.agent,
+            ref.session,
+            turn_id=turn_id,
+            last_id=last_id,
+            block_ms=max(1, math.ceil(window * 1000)),
+            timeout_s=window,
+            count=batch,
+            keys=keys,
+        )
+        try:
+            async with contextlib.aclosing(events):
+                async for item in events:
+                    if gone():
+                        return
+                    last_id = item.stream_id
+                    event = item.event
+                    if is_structural(event) and event.seq:
+                        if event.seq <= last_seq:
+                            continue  # sent already (the stream was rebuilt from the store)
+                        last_seq = event.seq
+                    yield format_event(item)
+                    if turn_id is not None and is_terminal(event):
+                        return
+                    if time.monotonic() > deadline:
+                        break
+        except (redis.RedisError, OSError) as exc:
+            log.warning("event stream of %s ended: Redis read failed (%s)", ref, type(exc).__name__)
+            yield b": event store unavailable; reconnect with Last-Event-ID\n\n"
+            return
+        yield b": heartbeat\n\n"
+
+
+class SSEResponse(Response):
+    """A ``text/event-stream`` response fed by :func:`follow_events`, aware of the client leaving.
+
+    Unlike a plain streaming response it never cancels the producer mid-read: it listens for
+    ``http.disconnect`` beside it and the producer checks ``gone()`` between events and reads.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        produce: Callable[[Callable[[], bool]], AsyncIterator[bytes]],
+        stats: StreamStats,
+        *,
+        status_code: int = 200,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        # Not Response.__init__: with no body set, no Content-Length is declared (the stream has no end known).
+        self.status_code = status_code
+        self.background = None
+        self.init_headers({**SSE_HEADERS, **(headers or {})})
+        self._produce = produce
+        self._stats = stats
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        disconnected = asyncio.Event()
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected.set()
+
+        listener = asyncio.create_task(listen())
+        chunks = self._produce(disconnected.is_set)
+        stats = self._stats
+        stats.open += 1
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in chunks:
+                if disconnected.is_set():
+                    break
+                await self._send_body(send, chunk)
+                if chunk.startswith(b"id: "):
+                    stats.events_sent += 1
+            if not disconnected.is_set():
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass  # the client went away (ASGI 2.4 servers say so by raising from send)
+        finally:
+            stats.open -= 1
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+            await _aclose(chunks)
+
+    async def _send_body(self, send: Send, chunk: bytes) -> None:
+        stats = self._stats
+        stats.sending += 1
+        if stats.stalled_since is None:
+            stats.stalled_since = time.monotonic()
+        try:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            stats.sending -= 1
+            if stats.sending == 0:
+                stats.stalled_since = None
+
+
+async def _aclose(chunks: Any) -> None:
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        await aclose()
