@@ -313,8 +313,10 @@ async def test_turns_queued_during_a_reset_run_on_the_new_generation() -> None:
 
 async def test_a_cancel_interrupts_a_model_that_is_waiting_for_its_first_token() -> None:
     gate = asyncio.Event()  # never opened: the model would wait forever
+    waiting = asyncio.Event()
 
     async def gated(_: ModelRequest) -> AsyncIterator[ModelDelta]:
+        waiting.set()
         await gate.wait()
         yield Done(reply=ModelReply(text="done late"))
 
@@ -322,7 +324,7 @@ async def test_a_cancel_interrupts_a_model_that_is_waiting_for_its_first_token()
     rt = runtime_with(store, FnModel(gated))
     s = rt.session("ops", "s1")
     await s.start("hi", turn_id="t1")
-    await asyncio.sleep(0.01)  # let the turn reach the model
+    await asyncio.wait_for(waiting.wait(), timeout=5)
     assert await s.cancel("t1") is True
     result = await asyncio.wait_for(s.result("t1"), timeout=5)
     assert result == Cancelled(turn_id="t1", reason="requested")

@@ -245,7 +245,8 @@ async def test_s74_resuming_from_inside_the_input_requested_observer_keeps_the_c
 
     s.observe(on_event)
     await s.start("refund please", turn_id="t1", event=SLACK_EVENT)
-    await asyncio.sleep(0.02)
+    while not tasks:  # the observer resumes as soon as the park is announced
+        await asyncio.sleep(0.001)
     await asyncio.gather(*tasks)
     result = await s.result("t1")
     assert isinstance(result, Completed) and result.text == "Approved — refund sent."
