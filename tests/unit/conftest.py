@@ -22,6 +22,12 @@ def store_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture(params=["sqlite"])
+def sql_kind(request: pytest.FixtureRequest) -> str:
+    """Stores with a transaction a sync tool writes in (Postgres runs these in tests/integration)."""
+    return str(request.param)
+
+
 @pytest.fixture
 def sqlite_store() -> Iterator[SQLiteStore]:
     store = SQLiteStore(":memory:")

@@ -49,7 +49,7 @@ def order_tool(counter: Counter | None = None) -> Tool:
     def create_order(ctx: ToolContext, item: str, qty: int = 1) -> dict[str, Any]:
         """Place an order for an item."""
         counter.runs += 1
-        ctx.store.execute("create table if not exists orders (id integer primary key, item text, qty integer)")
+        ctx.store.execute("create table if not exists orders (item text, qty integer)")  # portable SQL
         ctx.store.execute("insert into orders (item, qty) values (?, ?)", item, qty)
         (count,) = ctx.store.query("select count(*) from orders")[0]
         return {"orderId": count, "item": item, "qty": qty}
@@ -145,12 +145,37 @@ def reply(text: str = "", finish: Finish | None = None, **kw: Any) -> Done:
 STORES = ["memory", "sqlite"]
 
 
+POSTGRES_URL: list[str] = []
+"""Set by tests/integration/test_engine_postgres.py: the URL (with its own schema) of the test's Postgres."""
+OPENED: list[SessionStore] = []
+"""Postgres stores made by :func:`make_store`, closed by the fixture that set :data:`POSTGRES_URL`."""
+
+
 def make_store(kind: str, tmp_path: Any = None) -> SessionStore:
     if kind == "memory":
         return MemoryStore()
     if kind == "sqlite":
         return SQLiteStore(":memory:" if tmp_path is None else tmp_path / "june.db")
+    if kind == "postgres":
+        from june_worker.stores.postgres import PostgresStore
+
+        store = PostgresStore(POSTGRES_URL[-1], max_size=2)
+        OPENED.append(store)
+        return store
     raise ValueError(kind)
+
+
+def count_orders(store: SessionStore) -> int:
+    """Rows in the app's ``orders`` table, read beside the engine (0 when the table was never made)."""
+    if isinstance(store, SQLiteStore):
+        conn = store._conn
+        if not conn.execute("select 1 from sqlite_master where name = 'orders'").fetchone():
+            return 0
+        return int(conn.execute("select count(*) from orders").fetchone()[0])
+    with store.pool.connection() as pg:  # type: ignore[attr-defined]
+        if pg.execute("select to_regclass('orders')").fetchone()[0] is None:
+            return 0
+        return int(pg.execute("select count(*) from orders").fetchone()[0])
 
 
 def runtime_with(store: SessionStore, model: Any, tools: list[Tool] | None = None, **agent_kw: Any) -> Runtime:

@@ -18,9 +18,8 @@ from june_worker.engine.signals import CrashInjected
 from june_worker.engine.store import SessionRef, SessionStore
 from june_worker.engine.types import UserMessage
 from june_worker.models import Reply, ScriptedModel
-from june_worker.stores import SQLiteStore
 
-from .kit import ORDER_SCRIPT, Counter, Recorder, make_store, order_tool, runtime_with, transcript
+from .kit import ORDER_SCRIPT, Counter, Recorder, count_orders, make_store, order_tool, runtime_with, transcript
 
 BATCH_SCRIPT = [
     Reply(
@@ -74,10 +73,10 @@ def _dump(store: SessionStore) -> list[dict[str, Any]]:
 async def test_crash_at_each_boundary_replays_to_the_clean_transcript(
     store_kind: str, point: str, step: str, tmp_path: Path
 ) -> None:
-    clean = make_store(store_kind)
+    clean = make_store("memory" if store_kind == "memory" else "sqlite")
     await _run(clean, store_kind, Counter())
 
-    crashed = make_store(store_kind, tmp_path if store_kind == "sqlite" else None)
+    crashed = make_store(store_kind, tmp_path)
     with pytest.raises(CrashInjected):
         await _run(crashed, store_kind, Counter(), CrashAt(point, step))
     assert await _run(crashed, store_kind, Counter()) == "Done — orders placed."
@@ -88,37 +87,39 @@ async def test_crash_at_each_boundary_replays_to_the_clean_transcript(
     assert [t for t, _ in events].count("turn.started") == 1
 
 
-async def test_s8_sync_tool_crashed_after_commit_leaves_one_row_and_runs_once(tmp_path: Path) -> None:
-    # Given a DB file; runtime 1 crashes right after the tool step committed
-    db = tmp_path / "june.db"
+async def test_s8_sync_tool_crashed_after_commit_leaves_one_row_and_runs_once(sql_kind: str, tmp_path: Path) -> None:
+    # Given a durable SQL store; runtime 1 crashes right after the tool step committed
     counter = Counter()
-    store1 = SQLiteStore(db)
+    store1 = make_store(sql_kind, tmp_path)
     rt1 = runtime_with(store1, ScriptedModel(ORDER_SCRIPT), [order_tool(counter)])
     rt1.crash = CrashAt("after-tool-commit", "tool:1:c1")
     with pytest.raises(CrashInjected, match="after-tool-commit"):
         await rt1.session("ops", "s1").turn("Order 3 widgets", turn_id="t1")
-    assert _orders(db) == 1
+    assert count_orders(store1) == 1
     store1.close()
-    # When a brand-new runtime over the same file delivers t1 again
-    store2 = SQLiteStore(db)
+    # When a brand-new runtime over a new store on the same database delivers t1 again
+    store2 = make_store(sql_kind, tmp_path)
     rt2 = runtime_with(store2, ScriptedModel(ORDER_SCRIPT), [order_tool(counter)])
     assert await rt2.session("ops", "s1").turn("Order 3 widgets", turn_id="t1") == "Done — order placed."
     # Then still one order, and the tool ran once in total
-    assert _orders(db) == 1
+    assert count_orders(store2) == 1
     assert counter.runs == 1
 
 
-async def test_sync_tool_crashed_before_commit_rolls_back_and_leaves_one_row_after_replay(tmp_path: Path) -> None:
-    db = tmp_path / "june.db"
+async def test_sync_tool_crashed_before_commit_rolls_back_and_leaves_one_row_after_replay(
+    sql_kind: str, tmp_path: Path
+) -> None:
     counter = Counter()
-    rt1 = runtime_with(SQLiteStore(db), ScriptedModel(ORDER_SCRIPT), [order_tool(counter)])
+    store1 = make_store(sql_kind, tmp_path)
+    rt1 = runtime_with(store1, ScriptedModel(ORDER_SCRIPT), [order_tool(counter)])
     rt1.crash = CrashAt("before-tool-commit", "tool:1:c1")
     with pytest.raises(CrashInjected):
         await rt1.session("ops", "s1").turn("Order 3 widgets", turn_id="t1")
-    assert _orders(db) == 0  # the tool's insert rolled back with the step
-    rt2 = runtime_with(SQLiteStore(db), ScriptedModel(ORDER_SCRIPT), [order_tool(counter)])
+    assert count_orders(store1) == 0  # the tool's insert rolled back with the step
+    store2 = make_store(sql_kind, tmp_path)
+    rt2 = runtime_with(store2, ScriptedModel(ORDER_SCRIPT), [order_tool(counter)])
     await rt2.session("ops", "s1").turn("Order 3 widgets", turn_id="t1")
-    assert _orders(db) == 1
+    assert count_orders(store2) == 1
     assert counter.runs == 2  # it ran twice, but only the second run's write exists
 
 
@@ -175,9 +176,9 @@ async def test_redelivery_never_appends_the_opening_twice(store_kind: str) -> No
     assert sum(isinstance(m, UserMessage) for m in transcript(store)) == 1
 
 
-async def test_a_crash_mid_batch_resumes_only_the_calls_still_owed(tmp_path: Path) -> None:
+async def test_a_crash_mid_batch_resumes_only_the_calls_still_owed(sql_kind: str, tmp_path: Path) -> None:
     counter = Counter()
-    store = SQLiteStore(tmp_path / "june.db")
+    store = make_store(sql_kind, tmp_path)
     rt1 = runtime_with(store, ScriptedModel(BATCH_SCRIPT), [order_tool(counter)])
     rt1.crash = CrashAt("after-tool-commit", "tool:1:c1")
     with pytest.raises(CrashInjected):
@@ -186,7 +187,7 @@ async def test_a_crash_mid_batch_resumes_only_the_calls_still_owed(tmp_path: Pat
     rt2 = runtime_with(store, ScriptedModel(BATCH_SCRIPT), [order_tool(counter)])
     await rt2.session("ops", "s1").turn("go", turn_id="t1")
     assert counter.runs == 2  # c2 only
-    assert _orders(tmp_path / "june.db") == 2
+    assert count_orders(store) == 2
 
 
 async def test_a_redelivered_finished_turn_reports_its_own_result_after_later_turns(store_kind: str) -> None:
@@ -201,12 +202,3 @@ async def test_a_redelivered_finished_turn_reports_its_own_result_after_later_tu
     result = await s2.result("t1")
     assert result.status == "completed" and result.text == "first answer"  # type: ignore[union-attr]
     assert len(transcript(store)) == 4
-
-
-def _orders(db: Path) -> int:
-    import sqlite3
-
-    with sqlite3.connect(db) as conn:
-        if not conn.execute("select 1 from sqlite_master where name = 'orders'").fetchone():
-            return 0
-        return int(conn.execute("select count(*) from orders").fetchone()[0])
