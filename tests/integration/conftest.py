@@ -171,12 +171,12 @@ class Stack:
 
         wait_for(ready, timeout_s=60, every_s=0.1, what=f"worker {proc.name} to be ready")
 
-    def beat(self) -> Proc:
+    def beat(self, env: dict[str, str] | None = None) -> Proc:
         args = [
             sys.executable, "-m", "celery", "-A", "june_worker", "beat", "-l", "INFO",
             "-s", str(self.tmp / "beat-schedule"), "--pidfile=",
         ]  # fmt: skip
-        proc = Proc("beat", args, self.env, self.tmp / "beat.log")
+        proc = Proc("beat", args, {**self.env, **(env or {})}, self.tmp / "beat.log")
         self.procs.append(proc)
         wait_for(lambda: "beat: Starting" in proc.log.read_text(errors="replace"), timeout_s=30, what="beat")
         return proc

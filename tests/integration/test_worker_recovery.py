@@ -171,3 +171,23 @@ def test_twenty_sessions_times_five_turns_run_in_order_one_at_a_time(stack: Stac
         )
         assert order == [r[0] for r in positions]  # in arrival order
         assert sorted(order) == sorted(sent[s])
+
+
+def test_a_turn_cancelled_while_its_worker_is_dead_is_still_cancelled_after_recovery(stack: Stack) -> None:
+    session = f"dead-cancel-{uuid.uuid4().hex[:6]}"
+    doomed = stack.worker(f"doomed-dc-{session[-4:]}", env={"JUNE_IT_DELTAS": "3000"})
+    turn_id = stack.turn("dribble", session, "talk")
+    wait_for(lambda: len(stack.events("dribble", session)) > 5, what="the model to stream")
+    doomed.kill()
+    # The cancel is recorded in Postgres while nobody runs the turn
+    control = stack.worker(f"control-dc-{session[-4:]}", queues=stack.control_queue, pool="solo")
+    out = stack.send("june.cancel", {"agent": "dribble", "session": session, "turn_id": turn_id}).get(timeout=30)
+    assert out["turn_ids"] == [turn_id]
+    rescuer = stack.worker(f"rescuer-dc-{session[-4:]}", queues=stack.queue)
+    try:
+        end = stack.wait_terminal("dribble", session, turn_id, timeout_s=RECOVERY_BOUND_S)
+    finally:
+        rescuer.stop()
+        control.stop()
+    assert (end["type"], end["reason"]) == ("turn.cancelled", "requested")
+    assert "message.completed" not in [e["type"] for e in stack.structural("dribble", session)]
