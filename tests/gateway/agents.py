@@ -36,7 +36,7 @@ class ExplodingModel:
 
 
 class BulkModel:
-    """"stream <n> <size>": ``n`` deltas of ``size`` characters, no pause; then "streamed <n>"."""
+    """ "stream <n> <size>": ``n`` deltas of ``size`` characters, no pause; then "streamed <n>"."""
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelDelta]:
         last = request.messages[-1]

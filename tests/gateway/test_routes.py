@@ -104,7 +104,11 @@ def test_a_turn_is_202_at_once_and_completes_later(gateway: Gateway) -> None:
     assert body == {"turn_id": turn_id, "agent": "ops", "session": session, "status": "queued",
                     "events": gateway.path("ops", session, f"/turns/{turn_id}/events")}  # fmt: skip
     assert r.headers["location"] == body["events"]
-    assert client.get(gateway.path("ops", session, f"/turns/{turn_id}")).json()["status"] in ("sent", "queued", "running")
+    assert client.get(gateway.path("ops", session, f"/turns/{turn_id}")).json()["status"] in (
+        "sent",
+        "queued",
+        "running",
+    )
     wait_for(lambda: gateway.stack.redis.get(f"it:hold:{key}"), what="the hold tool to start")
     assert client.get(gateway.path("ops", session, f"/turns/{turn_id}")).json()["status"] == "running"
     gateway.stack.redis.set(f"it:hold:{key}:release", 1)
@@ -118,7 +122,9 @@ def test_a_turn_is_202_at_once_and_completes_later(gateway: Gateway) -> None:
 def test_wait_answers_with_the_final_status_and_text(gateway: Gateway) -> None:
     """S124: no resources declared; an order placed through the store handle, exactly once."""
     session = new_session()
-    r = gateway.client().post(gateway.path("ops", session, "/turns"), json={"text": "order 3 widget"}, params={"wait": 1})
+    r = gateway.client().post(
+        gateway.path("ops", session, "/turns"), json={"text": "order 3 widget"}, params={"wait": 1}
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["status"] == "completed"
@@ -187,7 +193,11 @@ def test_pending_shows_the_request_and_is_null_when_not_parked(gateway: Gateway)
     pending = gateway.client().get(gateway.path("ops", session, "/pending")).json()
     assert pending["pending"]["turn_id"] == turn_id
     request = pending["pending"]["input"]
-    assert (request["id"], request["prompt"], request["schema"]) == ("approve-refund", "Refund 5.0?", {"type": "boolean"})
+    assert (request["id"], request["prompt"], request["schema"]) == (
+        "approve-refund",
+        "Refund 5.0?",
+        {"type": "boolean"},
+    )
     other = new_session()
     gateway.client().post(gateway.path("ops", other, "/turns"), json={"text": "hi"}, params={"wait": 1})
     assert gateway.client().get(gateway.path("ops", other, "/pending")).json() == {
@@ -248,7 +258,9 @@ def test_resume_while_a_reset_is_pending_is_409(gateway: Gateway) -> None:
     running = client.post(gateway.path("ops", session, "/turns"), json={"text": f"slow {key}"}).json()["turn_id"]
     wait_for(lambda: gateway.stack.redis.get(f"it:hold:{key}"), what="the hold tool to start")
     reset: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: reset.update(r=gateway.client().post(gateway.path("ops", session, "/reset"))))
+    worker = threading.Thread(
+        target=lambda: reset.update(r=gateway.client().post(gateway.path("ops", session, "/reset")))
+    )
     worker.start()
     try:
         wait_for(lambda: gateway.stack.sql("select reset_pending from june_sessions where session = %s", session)
@@ -278,7 +290,9 @@ def test_an_answer_the_request_schema_refuses_is_422_naming_value(gateway: Gatew
         gateway.path("ops", session, f"/turns/{turn_id}/resume"), json={"input_id": "approve-refund", "value": "yes"}
     )
     assert r.status_code == 422
-    assert r.json()["detail"][0]["loc"] == ["body", "value"] and "is not of type 'boolean'" in r.json()["detail"][0]["msg"]
+    assert (
+        r.json()["detail"][0]["loc"] == ["body", "value"] and "is not of type 'boolean'" in r.json()["detail"][0]["msg"]
+    )
     assert gateway.client().get(gateway.path("ops", session, "/pending")).json()["pending"] is not None
 
 
@@ -315,7 +329,9 @@ def test_malformed_bodies_are_422_naming_the_field(gateway: Gateway, suffix: str
 
 
 def test_a_body_that_is_not_json_is_422(gateway: Gateway) -> None:
-    r = gateway.client().post(gateway.path("ops", "s1", "/turns"), content=b"{nope", headers={"content-type": "application/json"})
+    r = gateway.client().post(
+        gateway.path("ops", "s1", "/turns"), content=b"{nope", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 422 and r.json()["detail"][0]["type"] == "json_invalid"
 
 

@@ -59,7 +59,9 @@ def test_a_stream_cut_mid_turn_and_resumed_with_last_event_id_misses_nothing_and
 
 async def test_fifty_concurrent_followers_of_one_session_all_receive_the_whole_turn(gateway: Gateway) -> None:
     session, followers = new_session(), 50
-    first = gateway.client().post(gateway.path("bulk", session, "/turns"), json={"text": "stream 1"}, params={"wait": 1})
+    first = gateway.client().post(
+        gateway.path("bulk", session, "/turns"), json={"text": "stream 1"}, params={"wait": 1}
+    )
     assert first.status_code == 200
     connected = 0
     all_connected = asyncio.Event()

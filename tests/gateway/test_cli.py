@@ -1,0 +1,107 @@
+"""The two documented ways to start the gateway, as processes: ``june gateway`` and uvicorn's ``--factory``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.conftest import ROOT, Stack, wait_for
+
+TOKEN = f"cli-token-{uuid.uuid4().hex}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gateway_env(stack: Stack, tmp_path: Path) -> dict[str, str]:
+    tokens = tmp_path / "tokens.toml"
+    digest = hashlib.sha256(TOKEN.encode()).hexdigest()
+    tokens.write_text(f'[tokens."sha256:{digest}"]\nprincipal = "op-cli"\nagents = ["ops"]\n')
+    env = {k: v for k, v in stack.env.items() if not k.startswith("JUNE_GATEWAY_")}
+    return {**env, "JUNE_GATEWAY_TOKENS_FILE": str(tokens), "JUNE_GATEWAY_AGENTS": "ops,dribble"}
+
+
+class Started:
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self._out = log.open("wb")
+        self.popen = subprocess.Popen(args, env=env, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT,
+                                      start_new_session=True)  # fmt: skip
+
+    def stop(self) -> int:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                os.kill(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(10)
+        self._out.close()
+        return self.popen.returncode
+
+
+@pytest.fixture
+def started() -> Iterator[list[Started]]:
+    procs: list[Started] = []
+    yield procs
+    for p in procs:
+        p.stop()
+
+
+def healthy(url: str, proc: Started) -> bool:
+    if proc.popen.poll() is not None:
+        raise AssertionError(f"the gateway exited:\n{proc.log.read_text()}")
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["june gateway", "uvicorn --factory"])
+def test_the_gateway_starts_serves_and_stops(gw_stack: Stack, tmp_path: Path, started: list[Started], how: str) -> None:
+    port = free_port()
+    if how == "june gateway":
+        args = [sys.executable, "-m", "june_worker.cli", "gateway", "--port", str(port)]
+    else:
+        args = [sys.executable, "-m", "uvicorn", "june_worker.gateway.app:create_app", "--factory",
+                "--host", "127.0.0.1", "--port", str(port), "--timeout-graceful-shutdown", "5"]  # fmt: skip
+    proc = Started(args, gateway_env(gw_stack, tmp_path), tmp_path / "gateway.log")
+    started.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(url, proc), timeout_s=30, every_s=0.1, what=f"{how} to answer /healthz")
+    agents = httpx.get(f"{url}/v1/agents", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert agents == {"principal": "op-cli", "agents": ["ops"]}
+    assert httpx.get(f"{url}/v1/agents").status_code == 401
+    r = httpx.post(f"{url}/v1/agents/ops/sessions/s-{uuid.uuid4().hex[:8]}/turns", json={"text": "hi"},
+                   params={"wait": 1}, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)  # fmt: skip
+    assert r.json()["text"] == "ok: hi"
+    assert proc.stop() in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+    assert "Application shutdown complete." in proc.log.read_text()
+    assert TOKEN not in proc.log.read_text()
+
+
+def test_june_gateway_exits_2_with_one_line_on_a_configuration_mistake(gw_stack: Stack, tmp_path: Path) -> None:
+    env = {k: v for k, v in gateway_env(gw_stack, tmp_path).items() if k != "JUNE_GATEWAY_TOKENS_FILE"}
+    env["JUNE_GATEWAY_TOKENS"] = json.dumps({"too-short": {"principal": "p", "agents": "*"}})
+    done = subprocess.run([sys.executable, "-m", "june_worker.cli", "gateway"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "june gateway: JUNE_GATEWAY_TOKENS, token #1 (principal p): a token must be 'sha256:<64 hex>' or at least "
+        "16 printable characters without spaces"
+    ]
+    assert "too-short" not in done.stderr
