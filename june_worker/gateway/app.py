@@ -50,7 +50,7 @@ def _page() -> tuple[str, dict[str, str]]:
 
     csp = (
         f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; connect-src 'self'; "
-        "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+        "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
     )
     return html, {
         "Content-Security-Policy": csp,

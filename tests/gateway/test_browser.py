@@ -1,0 +1,124 @@
+"""The live turn page at ``/`` in headless Chromium (Debian's ``chromium``, driven by Playwright; no browser download).
+
+The page signs in with a pasted token, starts a turn that asks for approval, shows the prompt
+with Approve / Deny, and sees the turn complete after Approve; it cancels a running turn; it
+answers a JSON-schema form. A screenshot of the page mid-turn (parked, waiting for approval)
+is saved in the test's temp dir, and to ``docs/gateway-page.png`` when
+``JUNE_GATEWAY_SCREENSHOT=docs`` (how the committed one was made). Console errors (a Content
+Security Policy violation, a script error) fail the test.
+
+``make test`` installs Debian's chromium when /usr/bin/chromium is missing; without it this
+test fails, it never skips.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
+
+from tests.integration.conftest import ROOT
+
+from .kit import Gateway
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium; make test does it)")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser, gateway: Gateway) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1100, "height": 820})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if _is_error(m) else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.set_default_timeout(30_000)
+    page.goto(gateway.url)
+    page.fill("#token", gateway.tokens["op"])
+    page.click("#use-token")
+    expect(page.locator("#who")).to_have_text("signed in as op-alice")
+    try:
+        yield page
+    finally:
+        context.close()
+    assert errors == [], errors
+
+
+def _is_error(message: ConsoleMessage) -> bool:
+    return message.type == "error"
+
+
+def start(page: Page, agent: str, text: str) -> str:
+    session = f"web-{uuid.uuid4().hex[:8]}"
+    page.select_option("#agent", agent)
+    page.fill("#session", session)
+    page.fill("#text", text)
+    page.click("#start")
+    return session
+
+
+def test_the_page_starts_a_turn_shows_the_approval_and_completes_it_on_approve(page: Page, tmp_path: Path) -> None:
+    start(page, "ops", "refund")
+    expect(page.locator("#status")).to_have_text("waiting for input")
+    expect(page.locator("#prompt")).to_have_text("Refund 5.0?")
+    expect(page.locator("#transcript")).to_contain_text('→ approve {"amount":5}')
+    expect(page.get_by_role("button", name="Deny")).to_be_visible()
+    shot = tmp_path / "gateway-page.png"
+    page.screenshot(path=str(shot), full_page=True)
+    if os.environ.get("JUNE_GATEWAY_SCREENSHOT") == "docs":
+        shutil.copyfile(shot, ROOT / "docs" / "gateway-page.png")
+    page.get_by_role("button", name="Approve").click()
+    expect(page.locator("#status")).to_have_text("completed")
+    expect(page.locator("#transcript")).to_contain_text("Done: approve -> {'refunded': True}")
+    expect(page.locator("#transcript")).to_contain_text('← approve {"refunded":true}')
+    expect(page.locator("#pending")).to_be_hidden()
+
+
+def test_the_page_cancels_a_running_turn(page: Page) -> None:
+    start(page, "dribble", "go")
+    expect(page.locator("#transcript .msg.assistant")).to_contain_text("10 ")  # text typing in
+    page.click("#cancel")
+    expect(page.locator("#status")).to_have_text("cancelled (requested)")
+
+
+def test_the_page_answers_a_form_built_from_the_request_schema(page: Page) -> None:
+    start(page, "form", "ship it")
+    expect(page.locator("#prompt")).to_have_text("Where should we ship it?")
+    page.fill("input[name=address]", "1 Main St")
+    page.check("input[name=express]")
+    page.get_by_role("button", name="Send answer").click()
+    expect(page.locator("#status")).to_have_text("completed")
+    expect(page.locator("#transcript")).to_contain_text("Shipping to {'shipping': {'address': '1 Main St', 'express': True}}")
+
+
+def test_the_page_watches_a_session_and_shows_its_pending_input(page: Page, gateway: Gateway) -> None:
+    session = f"web-{uuid.uuid4().hex[:8]}"
+    parked = gateway.client().post(gateway.path("ops", session, "/turns"), json={"text": "refund"}, params={"wait": 1})
+    assert parked.json()["status"] == "suspended"
+    page.select_option("#agent", "ops")
+    page.fill("#session", session)
+    page.click("#watch")
+    expect(page.locator("#prompt")).to_have_text("Refund 5.0?")
+    expect(page.locator("#transcript")).to_contain_text("Asking.")
+    page.get_by_role("button", name="Approve").click()
+    expect(page.locator("#status")).to_have_text("completed")
