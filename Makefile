@@ -15,7 +15,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/june demo
 
+# The gateway's browser test drives Debian's chromium, never a downloaded browser: install it as root when missing.
+CHROMIUM ?= /usr/bin/chromium
+
 test: $(STAMP)
+	@[ -x $(CHROMIUM) ] || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \
+		{ echo "installing Debian's chromium for the browser test"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
