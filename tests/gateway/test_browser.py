@@ -36,7 +36,9 @@ ARGS = [
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium; make test does it)")
+        pytest.fail(
+            f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium; make test does it)"
+        )
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
         try:
@@ -108,7 +110,9 @@ def test_the_page_answers_a_form_built_from_the_request_schema(page: Page) -> No
     page.check("input[name=express]")
     page.get_by_role("button", name="Send answer").click()
     expect(page.locator("#status")).to_have_text("completed")
-    expect(page.locator("#transcript")).to_contain_text("Shipping to {'shipping': {'address': '1 Main St', 'express': True}}")
+    expect(page.locator("#transcript")).to_contain_text(
+        "Shipping to {'shipping': {'address': '1 Main St', 'express': True}}"
+    )
 
 
 def test_the_page_watches_a_session_and_shows_its_pending_input(page: Page, gateway: Gateway) -> None:
