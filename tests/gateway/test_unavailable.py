@@ -1,0 +1,42 @@
+"""When Redis or Postgres does not answer: /healthz says 503, routes answer 503 with a sentence, never a traceback."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from june_worker.gateway import create_app
+
+from .conftest import settings_for
+from .kit import Gateway, ServedApp
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # nothing listens once it is closed
+
+
+@pytest.fixture
+def broken(gateway: Gateway, request: pytest.FixtureRequest) -> Iterator[str]:
+    down = {"redis": {"redis_url": f"redis://127.0.0.1:{closed_port()}/0"},
+            "postgres": {"database_url": f"postgresql://postgres@127.0.0.1:{closed_port()}/none"}}[request.param]  # fmt: skip
+    served = ServedApp(create_app(settings_for(gateway.stack, gateway.app.state.settings.tokens, **down)))
+    try:
+        yield served.url
+    finally:
+        served.stop()
+
+
+@pytest.mark.parametrize("broken", ["redis", "postgres"], indirect=True)
+def test_a_service_that_does_not_answer_is_503(gateway: Gateway, broken: str, request: pytest.FixtureRequest) -> None:
+    which = request.node.callspec.params["broken"]
+    health = httpx.get(f"{broken}/healthz", timeout=30)
+    assert health.status_code == 503 and health.json()[which] == "unavailable"
+    r = httpx.get(f"{broken}{gateway.path('ops', 's1', '/pending')}", headers=gateway.auth(), timeout=30)
+    assert r.status_code == 503
+    expected = "the event store is unavailable" if which == "redis" else "the database is unavailable"
+    assert r.json() == {"detail": f"{expected}; retry later"}
