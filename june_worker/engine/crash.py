@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .signals import CrashInjected
 
-__all__ = ["CRASH_POINTS", "CrashAt"]
+__all__ = ["CRASH_POINTS", "CrashAt", "CrashHook"]
+
+CrashHook = Callable[[str, str], None]
+"""Called at ``before-/after-model-commit`` and ``before-/after-tool-commit`` with the step id."""
 
 CRASH_POINTS = frozenset(
     {"before-model-commit", "after-model-commit", "before-tool-commit", "after-tool-commit", "before-publish"}

@@ -16,16 +16,17 @@ import contextlib
 import inspect
 import json
 import logging
-import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel
 
 from ..errors import FatalToolError, LeaseLostError, ModelStepError, ModelStreamError
 from .agent import Agent
+from .cancel import NO_CANCEL, CancelProbe
+from .crash import CrashHook
+from .endings import error_info, reject_turn
 from .events import (
     ActionCompleted,
     ActionRequested,
@@ -45,6 +46,7 @@ from .events import (
     TurnResult,
     TurnStarted,
 )
+from .inputs import InputBroker
 from .model import Done, ModelRequest, ReasoningChunk, TextChunk
 from .signals import CrashInjected, ParkSignal, SyncParkError
 from .sink import EventSink
@@ -59,7 +61,6 @@ from .store import (
     SurfacePolicy,
     SuspendedCheckpoint,
     TurnRecord,
-    input_step_id,
 )
 from .tools import (
     SyncToolReturnedAwaitableError,
@@ -69,9 +70,7 @@ from .tools import (
     format_tool_error,
 )
 from .types import (
-    Answerers,
     AssistantMessage,
-    ErrorInfo,
     Finish,
     InboundTrigger,
     InputRequest,
@@ -84,56 +83,12 @@ from .types import (
     Trigger,
     TriggerMessage,
     Usage,
-    UserAnswerer,
     UserMessage,
 )
 
-__all__ = ["NO_CANCEL", "CancelProbe", "CrashHook", "InputBroker", "TurnRunner", "error_info", "reject_turn"]
+__all__ = ["NO_CANCEL", "CancelProbe", "CrashHook", "TurnRunner", "error_info", "reject_turn"]
 
 log = logging.getLogger("june_worker.turn")
-
-CrashHook = Callable[[str, str], None]
-"""Called at ``before-/after-model-commit`` and ``before-/after-tool-commit`` with the step id."""
-
-STACK_MAX_CHARS = 8000
-
-
-class CancelProbe(Protocol):
-    """How a running turn learns it was cancelled. Checked only at checkpoint boundaries."""
-
-    def reason(self) -> str | None: ...
-
-    def on_cancel(self, callback: Callable[[], None] | None) -> None:
-        """Call ``callback`` once if a cancel arrives while it is registered; ``None`` unregisters.
-
-        The engine registers one while it waits on the model, so a cancel does not wait for
-        the next delta. It must be called on the turn's event loop thread.
-        """
-        ...
-
-
-class _NeverCancelled:
-    def reason(self) -> str | None:
-        return None
-
-    def on_cancel(self, callback: Callable[[], None] | None) -> None:
-        return None
-
-
-NO_CANCEL: CancelProbe = _NeverCancelled()
-
-
-def error_info(exc: BaseException) -> ErrorInfo:
-    """Message, class, cause chain (``__cause__``, else ``__context__``) and a stack without locals."""
-    chain: list[str] = []
-    seen = {id(exc)}
-    cur = exc.__cause__ or exc.__context__
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        chain.append(str(cur) or type(cur).__name__)
-        cur = cur.__cause__ or cur.__context__
-    stack = "".join(traceback.format_exception(exc))[-STACK_MAX_CHARS:]
-    return ErrorInfo(message=str(exc) or type(exc).__name__, type=type(exc).__name__, cause_chain=chain, stack=stack)
 
 
 class _Cancel(Exception):
@@ -175,52 +130,6 @@ class _Park:
     call: ToolCall
 
 
-class InputBroker:
-    """Answers ``request_input`` from the stored steps, or raises :class:`ParkSignal`."""
-
-    def __init__(self, runner: TurnRunner) -> None:
-        self._runner = runner
-
-    async def ask(
-        self,
-        ctx: ToolContext,
-        *,
-        id: str,
-        prompt: str,
-        schema: dict[str, JsonValue] | None,
-        answerers: Answerers | None,
-        timeout_s: float | None,
-    ) -> JsonValue:
-        from ..errors import InputTimeoutError
-
-        stored = self._runner.steps.get(input_step_id(ctx.turn_id, id))
-        if stored is not None:
-            data = stored.data or {}
-            if data.get("timeout"):
-                raise InputTimeoutError(id)
-            return data.get("answer")
-        event = ctx.event
-        if answerers is None and event is not None:
-            if event.user is not None and event.user.attested:
-                answerers = UserAnswerer(user=event.user.id)
-            else:
-                raise FatalToolError(
-                    f"input {id!r}: the speaker of this {event.source} turn is not attested, so it cannot be the "
-                    "default answerer; pass answerers={'user': ...} or {'policy': ...} to request_input"
-                )
-        expires_at = time.time() + timeout_s if timeout_s is not None else None
-        raise ParkSignal(
-            InputRequest(
-                id=id,
-                prompt=prompt,
-                schema=schema,
-                answerers=answerers,
-                call_id=ctx.call.id,
-                expires_at=expires_at,
-            )
-        )
-
-
 class TurnRunner:
     """Runs (or replays) one turn of one session to a result.
 
@@ -259,7 +168,7 @@ class TurnRunner:
         self.principal: Principal | None = None
         self.initiator: Principal | None = None
         self.tools: dict[str, Tool] = {}
-        self._broker = InputBroker(self)
+        self._broker = InputBroker(self.steps)
 
     # --- entry point -----------------------------------------------------------------------------
 
@@ -269,7 +178,7 @@ class TurnRunner:
             return rec.result  # a redelivered turn that already ended reports its own result
         snap = self.store.load(self.ref)
         self.messages = list(snap.messages)
-        self.steps = dict(snap.steps)
+        self.steps.update(snap.steps)  # in place: the input broker reads this same mapping
         payload = rec.payload
         event = payload.event
         self.policy = self.agent.policy_for(event)
@@ -764,22 +673,6 @@ class TurnRunner:
     def _hit(self, point: str, step: str) -> None:
         if self._crash is not None:
             self._crash(point, step)
-
-
-def reject_turn(
-    store: SessionStore, sink: EventSink, ref: SessionRef, turn_id: str, reason: str, *, fence: int | None = None
-) -> Rejected:
-    """Record a turn as refused before it opened, ending its stream with ``turn.failed`` (phase intake).
-
-    A follower of the turn therefore never waits forever, and the producer can read why.
-    """
-    result = Rejected(turn_id=turn_id, reason=reason)
-    event = TurnFailed(turn_id=turn_id, error=ErrorInfo(message=reason, type="TurnRejectedError"), phase="intake")
-    events = store.commit(
-        ref, Commit(events=[event], turn_id=turn_id, turn_status="rejected", turn_result=result), fence=fence
-    )
-    sink.publish(ref, events)
-    return result
 
 
 def _model_step_data(finish: Finish | None, usage: Usage | None) -> dict[str, JsonValue]:

@@ -29,7 +29,7 @@ from .store import SessionRef, StoreHandle
 from .types import Answerers, InboundEvent, JsonValue, PolicyAnswerer, Principal, ToolCall, UserAnswerer
 
 if TYPE_CHECKING:
-    from .loop import InputBroker
+    from .inputs import InputBroker
 
 __all__ = [
     "ERROR_MAX_CHARS",
