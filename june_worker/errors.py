@@ -20,7 +20,7 @@
     ├── ResumeError                   a resume was not applied
     │   ├── ResumeAuthorizationError  ``by`` may not answer this request (HTTP 403)
     │   ├── ResumeConflictError       wrong turn, wrong input id, not suspended, reset pending (409)
-    │   └── InvalidAnswerError        the answer does not match the request's JSON schema (409)
+    │   └── InvalidAnswerError        the answer does not match the request's JSON schema (HTTP 422)
     ├── InputTimeoutError             a parked input expired before anyone answered
     └── PayloadError                  a task payload failed validation (never retried)
 

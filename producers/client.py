@@ -271,6 +271,7 @@ class JuneProducer:
         turn_id: str | None = None,
         replace: bool = False,
         trigger: Mapping[str, Any] | None = None,
+        target: Mapping[str, Any] | None = None,
     ) -> str:
         """Enqueue a turn (``june.turn``) and return its id at once; follow its events with :meth:`follow`.
 
@@ -278,7 +279,8 @@ class JuneProducer:
         once); by default a new ``t_`` + ULID. ``event``: the inbound event as the channel
         delivered it (``{"source": "slack", "user": {...}, ...}``). ``replace``: cancel the
         session's unfinished turns in favour of this one. ``trigger``:
-        ``{"kind": "proactive", "by": "cron:daily"}`` when nobody typed ``text``.
+        ``{"kind": "proactive", "by": "cron:daily"}`` when nobody typed ``text``. ``target``:
+        where the agent's ``deliver`` hook renders the finished turn.
         """
         tid = _turn_id(turn_id) if turn_id is not None else new_turn_id()
         opened_by = _json_object(trigger, "trigger")
@@ -293,6 +295,9 @@ class JuneProducer:
             "trigger": opened_by,
             "replace": bool(replace),
         }
+        delivered_to = _json_object(target, "target")
+        if delivered_to is not None:
+            payload["target"] = delivered_to
         self._send(
             self._turn_app,
             "june.turn",

@@ -6,6 +6,7 @@ Cluster hash tag: only the text between them picks the slot)::
     june:events:{<agent>:<session>}           stream   one session's events, structural and deltas
     june:relayed:{<agent>:<session>}          string   highest seq appended to that stream
     june:control:{<agent>:<session>}          channel  cancel / control signals to the running worker
+    june:gateway:sent:{<agent>:<session>}     set      turn ids the HTTP gateway sent (kept one day)
     june:events:all:<n>                       stream   firehose partition n: every session's structural events
     june:firehose:relayed:{june:events:all:<n>}  hash  session key -> highest seq appended to partition n
 
@@ -57,6 +58,10 @@ class EventKeys:
     def session_marker(self, ref: SessionRef) -> str:
         """Highest structural ``seq`` appended to :meth:`session_stream` (a string key)."""
         return f"{self.prefix}:relayed:{self.session_tag(ref)}"
+
+    def gateway_sent(self, ref: SessionRef) -> str:
+        """Set of turn ids the HTTP gateway sent for this session (a turn is followable before a worker records it)."""
+        return f"{self.prefix}:gateway:sent:{self.session_tag(ref)}"
 
     def control_channel(self, ref: SessionRef) -> str:
         """Pub/sub channel that tells the worker running the session to cancel (or other control)."""

@@ -121,7 +121,7 @@ class GatewayBackend:
     # --- reads -------------------------------------------------------------------------------
 
     def sent_key(self, ref: SessionRef) -> str:
-        return f"{self.keys.prefix}:gateway:sent:{self.keys.session_tag(ref)}"
+        return self.keys.gateway_sent(ref)
 
     async def session_exists(self, ref: SessionRef) -> bool:
         """True when Postgres has the session, or this gateway sent it a turn no worker has taken yet."""

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from .conftest import ROOT, Stack
+from .conftest import ROOT, Stack, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -88,3 +88,12 @@ def test_reset_and_cancel_outcomes_reach_the_producer(stack: Stack, session_id: 
     outcome = producer.reset("ops", session_id)
     assert (outcome.status, outcome.previous_session, outcome.generation) == ("reset", f"{session_id}#g0", 0)
     assert producer.cancel("ops", session_id, turn_id)["status"] == "nothing-to-cancel"
+
+
+def test_a_turn_with_a_target_is_delivered_by_the_agents_hook(stack: Stack, session_id: str) -> None:
+    producer = stack.producer()
+    turn_id = producer.start_turn("ops", session_id, "status", target={"channel": "C-ops"})
+    list(producer.follow("ops", session_id, turn_id=turn_id, timeout_s=30))
+    # the hook runs once the turn has ended, right after its last event
+    delivered = wait_for(lambda: stack.redis.lrange(f"it:delivered:{session_id}", 0, -1), what="delivery")
+    assert delivered == ["C-ops|ok: status"]

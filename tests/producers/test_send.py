@@ -78,6 +78,15 @@ def test_start_turn_carries_event_trigger_and_replace(
     assert payload["event"] == event
     assert payload["trigger"] == trigger
     assert payload["replace"] is True
+    assert "target" not in payload  # only sent when given
+
+
+def test_start_turn_carries_a_delivery_target(
+    producer: JuneProducer, names: Names, rclient: redis.Redis, session_id: str
+) -> None:
+    producer.start_turn("ops", session_id, "digest", target={"channel": "C-ops"})
+    (payload,) = pop_message(rclient, names.queue).args
+    assert payload["target"] == {"channel": "C-ops"}
 
 
 def test_argsrepr_names_ids_only_never_the_text_or_the_event(
