@@ -42,9 +42,6 @@ log = logging.getLogger("june_worker.gateway")
 T = TypeVar("T")
 SENT_TTL_S = 86_400
 
-_SESSION_EXISTS = "select exists (select 1 from june_sessions where agent = %s and session = %s)"
-
-
 class GatewayBackend:
     """The gateway's clients, made in :meth:`start` (the app's lifespan) and closed in :meth:`close`."""
 
@@ -127,12 +124,10 @@ class GatewayBackend:
         """True when Postgres has the session, or this gateway sent it a turn no worker has taken yet."""
 
         def query() -> bool:
-            with self.store.pool.connection() as conn:
-                try:
-                    row = conn.execute(_SESSION_EXISTS, (ref.agent, ref.session)).fetchone()
-                except psycopg.errors.UndefinedTable:
-                    return False  # no worker has created the schema yet: no session exists
-                return bool(row and row[0])
+            try:
+                return self.store.session_exists(ref)
+            except psycopg.errors.UndefinedTable:
+                return False  # no worker has created the schema yet: no session exists
 
         return await self.blocking(query) or bool(await self.redis.exists(self.sent_key(ref)))
 

@@ -201,6 +201,7 @@ with existing as (
 select true, * from ins union all select false, * from existing
 """
 
+_SESSION_EXISTS = "select exists (select 1 from june_sessions where agent = %(agent)s and session = %(session)s)"
 _GET_TURN = f"select {_TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s"
 
 _UNFINISHED = (
@@ -439,6 +440,12 @@ class PostgresStore:
             ).fetchone()
         )
         return SuspendedCheckpoint.model_validate_json(row[0]) if row and row[0] else None
+
+    def session_exists(self, ref: SessionRef) -> bool:
+        """Whether anything was ever recorded for the session (a turn, a lease, a reset)."""
+        key = {"agent": ref.agent, "session": ref.session}
+        row = self._read(lambda c: c.execute(_SESSION_EXISTS, key).fetchone())
+        return bool(row and row[0])
 
     def get_turn(self, ref: SessionRef, turn_id: str) -> TurnRecord | None:
         key = {"agent": ref.agent, "session": ref.session, "turn_id": turn_id}
