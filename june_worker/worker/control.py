@@ -91,7 +91,7 @@ def intake(host: WorkerHost, msg: TurnMessage | ProactiveMessage, *, turn_id: st
         assert turn_id is not None
         payload = TurnPayload(text=msg.text, trigger_by=msg.by, target=msg.target)
         replace = False
-    existing = host.store.get_turn(ref, turn_id)
+    existing, parked = host.queue.intake_view(ref, turn_id)  # get_turn and pending, in one round trip
     if existing is None:
         agent = host.agent(ref.agent)
         if agent is None:
@@ -102,7 +102,6 @@ def intake(host: WorkerHost, msg: TurnMessage | ProactiveMessage, *, turn_id: st
             return _reject(
                 host, ref, turn_id, payload, f"agent {agent.name} has no deliver hook, so a target cannot be rendered"
             )
-        parked = host.store.pending(ref)
         if parked is not None and parked.turn_id != turn_id:
             return _reject(host, ref, turn_id, payload, parked_reason(ref, parked))
         if replace:

@@ -150,17 +150,23 @@ class WorkerHost:
         return ran
 
     def _drain(self, ref: SessionRef, ran: dict[str, TurnResult]) -> None:
-        fence = self.queue.acquire(ref, self.owner)
-        if fence is None:
+        lease = self.queue.take(ref, self.owner)  # the lease and the first turn, one round trip
+        if lease is None:
             return  # another worker holds the session; its drain loop will run what we recorded
+        fence = lease.fence
         with self._lock:
             self._running = _Running(ref=ref, fence=fence)
         try:
-            self.sink.relay(self.store, ref)
+            # Events a previous holder committed but did not publish. A new session has none, and
+            # a stream whose markers already reach the committed count needs no read of the outbox.
+            if lease.event_seq > 0 and self.sink.relayed_seq(ref) < lease.event_seq:
+                self.sink.relay(self.store, ref)
+            rec, reset_pending = lease.turn, lease.reset_pending
             while True:
-                rec, reset_pending = self.queue.next_turn(ref)
                 if rec is None:
-                    if self.queue.release(ref, fence):
+                    # Release only if the queue is empty, else take the next turn: one statement.
+                    outcome, rec, reset_pending = self.queue.release_or_next(ref, fence)
+                    if outcome != "next":
                         return
                     continue
                 if reset_pending and rec.cancel_reason is None:
@@ -168,6 +174,7 @@ class WorkerHost:
                     self.queue.release(ref, fence, force=True)
                     return
                 ran[rec.turn_id] = self._run(ref, rec, fence)
+                rec = None
         except LeaseLostError:
             log.warning("lease on %s was taken over; this worker stops working on it", ref)
         finally:

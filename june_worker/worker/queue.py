@@ -18,10 +18,29 @@ from typing import Any
 
 from psycopg_pool import ConnectionPool
 
-from ..engine.store import SessionRef, TurnRecord
+from ..engine.store import SessionRef, SuspendedCheckpoint, TurnRecord
 from ..stores.postgres import turn_from_row
 
-__all__ = ["SessionQueue", "Stranded"]
+__all__ = ["Lease", "SessionQueue", "Stranded"]
+
+_FIRST_UNFINISHED = """
+    left join lateral (
+        select t.turn_id, t.position, t.status, t.payload, t.cancel_reason, t.attempts,
+               t.result, t.generation, t.created_at, t.finished_at
+          from june_turns t
+         where t.agent = %(a)s and t.session = %(s)s and t.status in ('queued', 'running')
+         order by t.position limit 1) t on true
+"""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A lease just taken: its fence, the session's committed event count, and its oldest unfinished turn."""
+
+    fence: int
+    event_seq: int
+    turn: TurnRecord | None
+    reset_pending: bool
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,33 @@ class SessionQueue:
             ).fetchone()
         return int(row[0]) if row else None
 
+    def take(self, ref: SessionRef, owner: str) -> Lease | None:
+        """:meth:`acquire` and :meth:`next_turn` in one round trip; None when another worker holds the session."""
+        with self.pool.connection() as conn:
+            row = conn.execute(
+                f"""
+                with acquired as (
+                    insert into june_sessions (agent, session, lease_owner, lease_expires, fence)
+                    values (%(a)s, %(s)s, %(o)s, extract(epoch from clock_timestamp()) + %(l)s, 1)
+                    on conflict (agent, session) do update
+                       set lease_owner = excluded.lease_owner,
+                           lease_expires = excluded.lease_expires,
+                           fence = june_sessions.fence + 1
+                     where june_sessions.lease_owner is null
+                        or june_sessions.lease_owner = excluded.lease_owner
+                        or june_sessions.lease_expires < extract(epoch from clock_timestamp())
+                    returning fence, event_seq, reset_pending
+                )
+                select a.fence, a.event_seq, a.reset_pending, t.* from acquired a {_FIRST_UNFINISHED}
+                """,
+                {"a": ref.agent, "s": ref.session, "o": owner, "l": self.lease_s},
+            ).fetchone()
+        if row is None:
+            return None
+        fence, event_seq, reset_pending, *turn = row
+        rec = turn_from_row(ref, turn) if turn[0] is not None else None
+        return Lease(fence=int(fence), event_seq=int(event_seq), turn=rec, reset_pending=bool(reset_pending))
+
     def renew(self, ref: SessionRef, fence: int) -> bool:
         with self.pool.connection() as conn:
             cur = conn.execute(
@@ -84,6 +130,59 @@ class SessionQueue:
                 {"a": ref.agent, "s": ref.session, "f": fence, "force": force},
             )
             return bool(cur.rowcount == 1)
+
+    def intake_view(self, ref: SessionRef, turn_id: str) -> tuple[TurnRecord | None, SuspendedCheckpoint | None]:
+        """The turn's row if it was recorded, and the session's parked checkpoint, in one round trip."""
+        with self.pool.connection() as conn:
+            row = conn.execute(
+                """
+                select (select suspended::text from june_sessions where agent = %(a)s and session = %(s)s),
+                       t.turn_id, t.position, t.status, t.payload, t.cancel_reason, t.attempts,
+                       t.result, t.generation, t.created_at, t.finished_at
+                  from (select 1) one
+                  left join june_turns t on t.agent = %(a)s and t.session = %(s)s and t.turn_id = %(t)s
+                """,
+                {"a": ref.agent, "s": ref.session, "t": turn_id},
+            ).fetchone()
+        assert row is not None
+        suspended, *turn = row
+        parked = SuspendedCheckpoint.model_validate_json(suspended) if suspended else None
+        return (turn_from_row(ref, turn) if turn[0] is not None else None), parked
+
+    def release_or_next(self, ref: SessionRef, fence: int) -> tuple[str, TurnRecord | None, bool]:
+        """After a turn: :meth:`release` if the queue is empty, else :meth:`next_turn`, in one round trip.
+
+        Returns ``("released", None, _)``, ``("lost", None, _)`` when the fence is no longer ours,
+        or ``("next", turn, reset_pending)``. The release and the turn are read in one snapshot:
+        the release fails exactly when that snapshot holds an unfinished turn, which is returned.
+        ``("next", None, _)`` means the row changed under the statement: ask again.
+        """
+        with self.pool.connection() as conn:
+            row = conn.execute(
+                f"""
+                with released as (
+                    update june_sessions s set lease_owner = null, lease_expires = null
+                     where s.agent = %(a)s and s.session = %(s)s and s.fence = %(f)s
+                       and not exists (
+                            select 1 from june_turns t
+                             where t.agent = s.agent and t.session = s.session
+                               and t.status in ('queued', 'running'))
+                    returning 1
+                )
+                select exists (select 1 from released), s.fence, s.reset_pending, t.*
+                  from june_sessions s {_FIRST_UNFINISHED}
+                 where s.agent = %(a)s and s.session = %(s)s
+                """,
+                {"a": ref.agent, "s": ref.session, "f": fence},
+            ).fetchone()
+        if row is None:
+            return "lost", None, False
+        released, current, reset_pending, *turn = row
+        if released:
+            return "released", None, False
+        if int(current) != fence:
+            return "lost", None, False
+        return "next", (turn_from_row(ref, turn) if turn[0] is not None else None), bool(reset_pending)
 
     def next_turn(self, ref: SessionRef) -> tuple[TurnRecord | None, bool]:
         """The oldest unfinished turn and whether a reset is waiting, in one round trip."""
