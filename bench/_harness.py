@@ -1,0 +1,387 @@
+"""What the worker benches share: a throwaway database, real ``celery -A june_worker`` processes, cleanup.
+
+A :class:`BenchStack` owns everything it makes and removes all of it on exit (also on Ctrl-C,
+SIGTERM or an exception): its database ``june_bench_<random>`` on ``JUNE_DATABASE_URL``
+(dropped), its queues, Redis key prefix and task results on ``JUNE_REDIS_URL`` (deleted), and
+the processes it started, each in a process group of its own, stopped by that group's id and
+nothing else. Workers run the bench agents (``JUNE_AGENTS=bench.agents:ALL``) with
+``-I bench.tasks`` (the ``bench.empty`` baseline task) at ``-l WARNING``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+import redis
+from celery import Celery
+
+from june_worker.stores import PostgresStore
+from producers import JuneProducer
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DB = "postgresql://postgres@127.0.0.1:5432/test"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+T = TypeVar("T")
+
+# kombu's Redis transport: a queue is a list named after it (priority 0), bound in this set.
+_BINDINGS = ("_kombu.binding.{}", "_kombu.binding_permanent.{}")
+_PRIORITY_SEP = "\x06\x16"
+# Atomically move every message of one list to another, oldest first stays oldest first.
+MOVE_LUA = """
+local n = 0
+while redis.call('RPOPLPUSH', KEYS[1], KEYS[2]) do n = n + 1 end
+return n
+"""
+
+
+def pct(values: Iterable[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def machine() -> str:
+    return f"{time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} CPUs  python {platform.python_version()}"
+
+
+def wait_for(predicate: Callable[[], T], *, timeout_s: float, every_s: float = 0.05, what: str) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(every_s)
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a live process has used; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all CPUs of the machine spent busy (not idle, not waiting on I/O) since boot."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C does, so that every ``finally`` (process stops, cleanup) runs."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Proc:
+    """A process the bench started, in its own session (its pid is its process group's id)."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.name = name
+        self.log = log
+        self._out = log.open("ab")
+        self.popen = subprocess.Popen(
+            args, env=env, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the worker and its pool children): the machine died."""
+        if self.alive():
+            os.killpg(self.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.pid, signal.SIGKILL)
+                self.popen.wait(10)
+        else:
+            # the group leader is gone; its children (same group) may not be
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._out.close()
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.text().splitlines()[-n:])
+
+
+class BenchStack:
+    """One bench's database, names, processes and Redis keys. Use as a context manager."""
+
+    def __init__(self, name: str, *, env: dict[str, str] | None = None) -> None:
+        self.tag = f"jb{secrets.token_hex(4)}"
+        self.name = name
+        self.admin_url = os.environ.get("JUNE_DATABASE_URL", DEFAULT_DB)
+        self.redis_url = os.environ.get("JUNE_REDIS_URL", DEFAULT_REDIS)
+        self.dbname = f"june_bench_{self.tag[2:]}"
+        self.db_url = psycopg.conninfo.make_conninfo(self.admin_url, dbname=self.dbname)
+        self.queue = f"june-bench-{self.tag}"
+        self.control_queue = f"{self.queue}.control"
+        self.staging_queue = f"{self.queue}.staging"
+        self.prefix = f"june-bench-{self.tag}"
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"june-bench-{name}-"))
+        self.procs: list[Proc] = []
+        self.sent: list[str] = []  # task ids whose results this bench forgets at the end
+        self._db_made = False
+        self._producer: JuneProducer | None = None
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("JUNE_", "CELERY_"))}
+        self.env = {
+            **base,
+            "PYTHONPATH": str(ROOT),
+            "JUNE_DATABASE_URL": self.db_url,
+            "JUNE_REDIS_URL": self.redis_url,
+            "CELERY_BROKER_URL": self.redis_url,
+            "CELERY_RESULT_BACKEND": self.redis_url,
+            "JUNE_AGENTS": "bench.agents:ALL",
+            "JUNE_QUEUE": self.queue,
+            "JUNE_CONTROL_QUEUE": self.control_queue,
+            "JUNE_KEY_PREFIX": self.prefix,
+            **(env or {}),
+        }
+        self.redis = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        # Like JuneProducer: messages that are not waited for go through an app without a result
+        # backend (one with a backend subscribes to every task's result channel as it sends).
+        self.sender = self._celery("sender", None)
+        self.client = self._celery("client", self.redis_url)
+
+    def _celery(self, name: str, backend: str | None) -> Celery:
+        app = Celery(f"{self.tag}-{name}", broker=self.redis_url, backend=backend, set_as_current=False)
+        app.conf.update(
+            task_serializer="json",
+            result_serializer="json",
+            accept_content=["json"],
+            result_accept_content=["json"],
+            task_default_queue=self.queue,
+        )
+        return app
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> BenchStack:
+        try:
+            with psycopg.connect(self.admin_url, autocommit=True) as admin:
+                admin.execute(f'create database "{self.dbname}"')
+            self._db_made = True
+            PostgresStore(self.db_url, min_size=1, max_size=1).close()  # the schema, before any worker races for it
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the processes, delete the keys, drop the database; a second Ctrl-C or SIGTERM does not cut it short."""
+        ignored = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._close()
+        finally:
+            for sig, handler in ignored.items():
+                signal.signal(sig, handler)
+
+    def _close(self) -> None:
+        for proc in self.procs:
+            try:
+                proc.stop()
+            except Exception as exc:  # keep stopping the others
+                print(f"# could not stop {proc.name} (pid {proc.pid}): {exc}", file=sys.stderr)
+        self.procs.clear()
+        try:
+            self._clean_redis()
+        finally:
+            if self._db_made:
+                with psycopg.connect(self.admin_url, autocommit=True) as admin:
+                    admin.execute(f'drop database if exists "{self.dbname}" with (force)')
+                self._db_made = False
+            if self._producer is not None:
+                self._producer.close()
+            self.sender.close()
+            self.client.close()
+            self.redis.close()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _clean_redis(self) -> None:
+        r = self.redis
+        doomed: list[str] = list(r.scan_iter(match=f"{self.prefix}:*", count=1000))
+        for q in (self.queue, self.control_queue, self.staging_queue):
+            doomed += [q, *(b.format(q) for b in _BINDINGS), *(f"{q}{_PRIORITY_SEP}{p}" for p in range(1, 10))]
+        doomed += [f"celery-task-meta-{tid}" for tid in self.sent]
+        # results of turns the workers sent themselves (the sweeper's re-sends) name our sessions
+        for key in r.scan_iter(match="celery-task-meta-*", count=1000):
+            value = r.get(key)
+            if value and f'"{self.tag}-' in value:
+                doomed.append(key)
+        for start in range(0, len(doomed), 500):
+            r.delete(*doomed[start : start + 500])
+        # messages a killed worker had taken stay in kombu's shared 'unacked' hash: drop ours only
+        ours = {self.queue, self.control_queue, self.staging_queue}
+        for tag, raw in r.hscan_iter("unacked", count=1000):
+            try:
+                _, exchange, routing_key = json.loads(raw)
+            except (ValueError, TypeError):
+                continue
+            if exchange in ours or routing_key in ours:
+                r.hdel("unacked", tag)
+                r.zrem("unacked_index", tag)
+        for key in ("_kombu.binding.celery.pidbox", "_kombu.binding.reply.celery.pidbox"):
+            members = [m for m in r.smembers(key) if self.tag in m]
+            if members:
+                r.srem(key, *members)
+
+    # --- processes ---------------------------------------------------------------------------------
+
+    def worker(
+        self,
+        name: str,
+        *,
+        pool: str = "prefork",
+        concurrency: int = 1,
+        queues: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Proc:
+        args = [
+            sys.executable, "-m", "celery", "-A", "june_worker", "worker", "-I", "bench.tasks",
+            "-P", pool, "-c", str(concurrency), "-n", f"{self.tag}-{name}@%h",
+            "-Q", queues or f"{self.queue},{self.control_queue}",
+            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING",
+        ]  # fmt: skip
+        proc = Proc(name, args, {**self.env, **(env or {})}, self.tmp / f"{name}.log")
+        self.procs.append(proc)
+        return proc
+
+    def wait_ready(self, *procs: Proc, timeout_s: float = 60) -> None:
+        for proc in procs:
+
+            def ready(proc: Proc = proc) -> bool:
+                if not proc.alive():
+                    raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+                return "bench worker ready" in proc.text()
+
+            wait_for(ready, timeout_s=timeout_s, what=f"worker {proc.name}")
+
+    def beat(self, env: dict[str, str] | None = None) -> Proc:
+        args = [
+            sys.executable, "-m", "celery", "-A", "june_worker", "beat", "-l", "INFO",
+            "-s", str(self.tmp / f"beat-{uuid.uuid4().hex[:6]}"), "--pidfile=",
+        ]  # fmt: skip
+        proc = Proc("beat", args, {**self.env, **(env or {})}, self.tmp / "beat.log")
+        self.procs.append(proc)
+        wait_for(lambda: "beat: Starting" in proc.text(), timeout_s=30, what="beat")
+        return proc
+
+    def stop(self, proc: Proc) -> None:
+        proc.stop()
+        self.procs.remove(proc)
+
+    @property
+    def producer(self) -> JuneProducer:
+        """A producer client for this stack's queues and streams, as another service would use it."""
+        if self._producer is None:
+            self._producer = JuneProducer(
+                self.redis_url, queue=self.queue, control_queue=self.control_queue, key_prefix=self.prefix
+            )
+        return self._producer
+
+    # --- messages and rows -------------------------------------------------------------------------
+
+    def send(
+        self, task: str, payload: dict[str, Any], *, queue: str | None = None, wait: bool = False, **options: Any
+    ) -> Any:
+        """Send a task by name; ``wait``: through the app with a result backend, to read its result."""
+        task_id = options.pop("task_id", None) or str(uuid.uuid4())
+        self.sent.append(task_id)
+        return (self.client if wait else self.sender).send_task(
+            task, args=[payload], queue=queue or self.queue, task_id=task_id, kwargsrepr="", **options
+        )
+
+    def turn(self, agent: str, session: str, text: str = "go", *, queue: str | None = None, **options: Any) -> str:
+        turn_id = f"t_{uuid.uuid4().hex}"
+        payload = {"turn_id": turn_id, "agent": agent, "session": session, "text": text}
+        self.send("june.turn", payload, queue=queue, argsrepr=f"{{{agent} {session} {turn_id}}}", **options)
+        return turn_id
+
+    def session(self, label: str) -> str:
+        return f"{self.tag}-{label}"
+
+    def stream_key(self, agent: str, session: str) -> str:
+        return f"{self.prefix}:events:{{{agent}:{session}}}"
+
+    def sql(self, query: str, *params: Any) -> list[tuple[Any, ...]]:
+        with psycopg.connect(self.db_url, autocommit=True) as conn:
+            cur = conn.execute(query, params)  # type: ignore[arg-type]
+            return cur.fetchall() if cur.description else []
+
+    def worker_pids(self) -> list[int]:
+        """Every live process of this stack's workers: each worker's main process and its pool."""
+        return [p for proc in self.procs if proc.alive() for p in (proc.pid, *children(proc.pid))]
+
+    def backend_pids(self) -> list[int]:
+        """The Postgres server processes serving this stack's database (other than the asking one)."""
+        rows = self.sql(
+            "select pid from pg_stat_activity where datname = current_database() and pid <> pg_backend_pid()"
+        )
+        return [int(r[0]) for r in rows]
+
+    def redis_cpu_s(self) -> float:
+        info = self.redis.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+    def forget(self, task_ids: Iterable[str]) -> None:
+        keys = [f"celery-task-meta-{t}" for t in task_ids]
+        for start in range(0, len(keys), 500):
+            self.redis.delete(*keys[start : start + 500])

@@ -1,0 +1,53 @@
+"""Bench-only additions to the june worker, loaded with ``celery -A june_worker worker -I bench.tasks``.
+
+* ``bench.empty``: the baseline, a task that does nothing, registered on the same app as the
+  ``june.*`` tasks, so it runs under the very same settings (JSON, acks_late, prefetch 1, task
+  events, started state and result stored in the result backend).
+* A WARNING line ``bench worker ready`` when the worker consumes (the benches run workers at
+  ``-l WARNING``, where Celery's own ``ready.`` line is not printed).
+* With ``JUNE_BENCH_PROBE=1``: :data:`bench.agents.PROBE` becomes the host's crash hook in each
+  pool process, to time commits for the ``stamp`` agent (it never crashes anything).
+* ``june.sweep`` results are deleted after they are stored: nobody reads them, and beat sends
+  one every ``JUNE_SWEEP_S``; without this a bench would leave them in Redis for a day.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from celery.signals import task_postrun, worker_process_init, worker_ready
+
+from june_worker.worker.app import app
+
+log = logging.getLogger("bench")
+
+
+@app.task(name="bench.empty")
+def empty(*args: Any, **kwargs: Any) -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@worker_ready.connect
+def _ready(**_: Any) -> None:
+    log.warning("bench worker ready")
+
+
+@worker_process_init.connect
+def _install_probe(**_: Any) -> None:
+    if os.environ.get("JUNE_BENCH_PROBE") == "1":
+        from june_worker.worker.host import get_host
+
+        from .agents import PROBE
+
+        get_host().crash = PROBE
+
+
+@task_postrun.connect
+def _forget_sweeps(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    if getattr(sender, "name", None) == "june.sweep" and task_id:
+        try:
+            app.backend.forget(task_id)
+        except Exception:  # best effort: it expires anyway
+            log.debug("could not forget sweep result %s", task_id, exc_info=True)

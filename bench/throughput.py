@@ -1,0 +1,433 @@
+"""Worker throughput, event latency through a worker, and recovery after SIGKILL, on real Celery workers.
+
+    .venv/bin/python bench/throughput.py [--quick] [--parts throughput,latency,recovery]
+
+Every part starts its own ``celery -A june_worker worker`` processes (prefork, ``-l WARNING``,
+``--without-gossip --without-mingle --without-heartbeat``, ``JUNE_AGENTS=bench.agents:ALL``,
+``-I bench.tasks``) on a throwaway database ``june_bench_<random>`` of ``JUNE_DATABASE_URL`` and
+on ``JUNE_REDIS_URL`` (broker, result backend and streams) under a unique queue name and key
+prefix, and removes all of it at the end (see ``bench/_harness.py``).
+
+**throughput**: turns per second for the 3-step turn of the ``bench`` agent (scripted model
+asks for the sync tool ``tick``, the tool runs, the model answers: 4 commits, 5 structural
+events), next to the rate of ``bench.empty``, a task that does nothing, run by the same workers
+under the same Celery settings. For each layout of worker processes (``1x1``: one worker
+``-c 1``; ``2x1``: two workers ``-c 1``; ``1x2``: one worker ``-c 2``; on request ``2x2`` and
+``1x4``, more pool processes than CPUs) and each round, a batch
+of each kind is sent to a staging queue nobody consumes and then moved into the workers' queue
+in one atomic Redis call, so the producer does not compete for the 2 CPUs while the workers
+drain it. The rate is the batch size over the time from that move to the last task's
+``date_done`` (stored by the worker with the result). Turn batches: each turn in its own
+session, and ``--per-session`` turns per session (sent back to back). Every turn of a batch is
+checked ``completed`` in Postgres. Figures: the median over rounds of each rate, and the median
+over rounds of turns/s divided by the empty-task rate of the same round. Next to them, the CPU
+time per task (from ``/proc``) of the worker processes, of the Postgres server processes of
+the bench database and of redis-server (shared with whatever else uses it), which the load of
+other work on the machine (also printed) distorts far less than it distorts rates.
+
+**latency**: the ``stamp`` agent's turns on one worker ``-c 1``, one at a time, each in a new
+session followed by a reader in another process blocked in XREAD (``JuneProducer.follow``).
+Measured: from the instant a step's commit returned in the worker (the engine's
+``before-publish`` hook, as a probe) to the reader holding the decoded event, for
+``turn.started``, ``action.requested`` and ``action.completed``; next to it, in the same turns,
+how long the worker's ``publish()`` call took (commit returned → ``after-*-commit`` hook), a
+delta (one plain XADD by the worker, no commit) from the model's yield to the reader, and a
+PING round trip from the bench process. Target: commit to reader p99 under 1.5 ms.
+
+**recovery**: two workers ``-c 1`` and beat; a ``hold`` turn blocks in its tool; at a random
+moment within one lease heartbeat (``lease / 3``) the whole process group of the worker running
+it gets SIGKILL; measured: from the kill to the bench reading ``turn.completed`` (finished by
+the other worker), with the default settings (lease 30 s, sweep 10 s) and with
+``JUNE_LEASE_S=5 JUNE_SWEEP_S=1``; broken down into the lease's expiry and the sweeper's
+re-send (``dispatched_at``), next to the bound ``lease + sweep`` and an ordinary turn's
+send-to-completed time on the same stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from multiprocessing.connection import Connection
+from typing import Any
+
+from _harness import MOVE_LUA, BenchStack, cpu_s, machine, machine_busy_s, median, pct, sigterm_as_exit
+
+LAYOUTS: dict[str, list[int]] = {"1x1": [1], "2x1": [1, 1], "1x2": [2], "2x2": [2, 2], "1x4": [4]}
+
+
+# --- throughput ----------------------------------------------------------------------------------------
+
+
+def wait_results(stack: BenchStack, ids: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
+    """The stored result of every task in ``ids``, polled in send order, a window at a time."""
+    pending = list(ids)
+    out: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        head = pending[:256]
+        values = stack.redis.mget([f"celery-task-meta-{t}" for t in head])
+        keep = []
+        for task_id, raw in zip(head, values, strict=True):
+            meta = json.loads(raw) if raw else None
+            if meta is not None and meta.get("status") in ("SUCCESS", "FAILURE", "REVOKED"):
+                out[task_id] = meta
+            else:
+                keep.append(task_id)
+        pending = keep + pending[len(head) :]
+        if pending and len(keep) == len(head):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(pending)} of {len(ids)} tasks not done after {timeout_s:.0f}s")
+            time.sleep(0.05)
+    return out
+
+
+@dataclass
+class Batch:
+    rate: float
+    """tasks per second"""
+    worker_ms: float
+    """CPU of the worker processes (main and pool) per task"""
+    pg_ms: float
+    """CPU of the Postgres server processes serving the bench database, per task"""
+    redis_ms: float
+    """CPU of the Redis server per task (shared with whatever else uses it)"""
+    others: float
+    """share of the machine's CPUs busy with work not counted above, during the batch"""
+
+
+def run_batch(stack: BenchStack, kind: str, n: int, per_session: int = 1) -> Batch:
+    """Send ``n`` tasks to the staging queue, release them at once, measure until the last one is done."""
+    batch = uuid.uuid4().hex[:6]
+    ids: list[str] = []
+    staging = stack.staging_queue
+    if kind == "empty":
+        for _ in range(n):
+            ids.append(stack.send("bench.empty", {}, queue=staging).id)
+    else:
+        for s in range(n // per_session):
+            session = stack.session(f"{batch}-{s}")
+            for _ in range(per_session):
+                task_id = str(uuid.uuid4())
+                stack.turn("bench", session, queue=staging, task_id=task_id)
+                ids.append(task_id)
+    workers, backends = stack.worker_pids(), stack.backend_pids()
+    w0, b0, r0, m0 = sum(map(cpu_s, workers)), sum(map(cpu_s, backends)), stack.redis_cpu_s(), machine_busy_s()
+    c0 = time.monotonic()
+    t0 = time.time()
+    moved = stack.redis.eval(MOVE_LUA, 2, staging, stack.queue)
+    assert moved == len(ids), f"moved {moved} of {len(ids)} messages"
+    results = wait_results(stack, ids, timeout_s=60 + len(ids) / 5)
+    elapsed = time.monotonic() - c0
+    w1, b1, r1, m1 = sum(map(cpu_s, workers)), sum(map(cpu_s, backends)), stack.redis_cpu_s(), machine_busy_s()
+    failed = [m for m in results.values() if m["status"] != "SUCCESS"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} {kind} tasks failed, e.g. {failed[0]}")
+    t_end = max(datetime.fromisoformat(m["date_done"]).timestamp() for m in results.values())
+    if kind != "empty":
+        rows = stack.sql(
+            "select status, count(*) from june_turns where agent = 'bench' and session like %s group by status",
+            f"{stack.tag}-{batch}-%",
+        )
+        counts = dict(rows)
+        if counts.get("completed", 0) != len(ids):
+            raise RuntimeError(f"turn batch {batch}: {counts}, expected {len(ids)} completed")
+    stack.forget(ids)
+    stack.sent.clear()
+    ours = (w1 - w0) + (b1 - b0) + (r1 - r0)
+    return Batch(
+        rate=len(ids) / (t_end - t0),
+        worker_ms=(w1 - w0) * 1000 / len(ids),
+        pg_ms=(b1 - b0) * 1000 / len(ids),
+        redis_ms=(r1 - r0) * 1000 / len(ids),
+        others=max(0.0, (m1 - m0) - ours) / (elapsed * (os.cpu_count() or 1)),
+    )
+
+
+@dataclass
+class LayoutResult:
+    layout: str
+    empty: list[Batch] = field(default_factory=list)
+    one: list[Batch] = field(default_factory=list)
+    many: list[Batch] = field(default_factory=list)
+
+    def ratio(self, name: str) -> float:
+        """Median over rounds of turns/s over the empty-task rate of the same round."""
+        turns: list[Batch] = getattr(self, name)
+        return median(t.rate / e.rate for t, e in zip(turns, self.empty, strict=True))
+
+
+def cpu_ms(batches: list[Batch]) -> float:
+    return median(b.worker_ms + b.pg_ms + b.redis_ms for b in batches)
+
+
+def throughput(args: argparse.Namespace) -> list[LayoutResult]:
+    results = []
+    for layout in args.layouts.split(","):
+        res = LayoutResult(layout)
+        with BenchStack("throughput") as stack:
+            procs = [stack.worker(f"w{i}", concurrency=c) for i, c in enumerate(LAYOUTS[layout])]
+            stack.wait_ready(*procs)
+            run_batch(stack, "empty", 40)  # warm-up: pool processes, connections, prepared statements
+            run_batch(stack, "turns", 40)
+            kinds = [("empty", args.empty, 1), ("one", args.turns, 1), ("many", args.turns, args.per_session)]
+            for r in range(args.rounds):
+                for name, n, k in kinds[r % 3 :] + kinds[: r % 3]:  # rotate: drift hits every kind alike
+                    time.sleep(0.3)
+                    getattr(res, name).append(run_batch(stack, "empty" if name == "empty" else "turns", n, k))
+                e, o, m = res.empty[-1], res.one[-1], res.many[-1]
+                print(
+                    f"#   {layout} round {r + 1}: empty {e.rate:6.1f}/s  turns {o.rate:5.1f}/s  "
+                    f"turns ({args.per_session}/session) {m.rate:5.1f}/s  | CPU ms/task empty {e.worker_ms:.1f}+"
+                    f"{e.redis_ms:.1f}  turn {o.worker_ms:.1f}+{o.pg_ms:.1f}+{o.redis_ms:.1f} (worker+pg+redis)  "
+                    f"| others used {100 * median([e.others, o.others, m.others]):.0f}% of the CPUs",
+                    flush=True,
+                )
+        results.append(res)
+    k = args.per_session
+    print()
+    print(
+        f"| layout | empty task/s | turns/s, 1 per session | ratio | turns/s, {k} per session | ratio | "
+        "CPU ms per empty task | CPU ms per turn | CPU ratio |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for res in results:
+        print(
+            f"| {res.layout} | {median(b.rate for b in res.empty):.0f} | {median(b.rate for b in res.one):.1f} | "
+            f"{res.ratio('one'):.2f} | {median(b.rate for b in res.many):.1f} | {res.ratio('many'):.2f} | "
+            f"{cpu_ms(res.empty):.2f} | {cpu_ms(res.one):.2f} | {cpu_ms(res.empty) / cpu_ms(res.one):.2f} |"
+        )
+    print(
+        f"(medians over {args.rounds} rounds, batches of {args.empty} empty tasks and {args.turns} turns; ratio: median "
+        "over rounds of turns/s / empty tasks/s of the same round; CPU: worker processes + Postgres server processes "
+        "of the bench database + redis-server (shared), per task; CPU ratio: empty / turn, what the ratio would be "
+        "if the CPUs were the only limit)"
+    )
+    for res in results:
+        ratio = res.ratio("one")
+        print(
+            f"target turns/s >= 1/3 of the empty-task rate, {res.layout}: {'met' if ratio >= 1 / 3 else 'MISSED'} "
+            f"({median(b.rate for b in res.one):.1f} turns/s, ratio {ratio:.2f})"
+        )
+    return results
+
+
+# --- event latency through a worker ----------------------------------------------------------------------
+
+
+def follow_turns(redis_url: str, prefix: str, conn: Connection) -> None:
+    """In its own process: for each (session, turn_id) received, follow that turn and send back what arrived when."""
+    from producers import JuneProducer
+
+    producer = JuneProducer(redis_url, key_prefix=prefix)
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        session, turn_id = job
+        events = producer.follow("stamp", session, turn_id=turn_id, timeout_s=30, block_ms=5000)
+        conn.send("following")
+        got = []
+        for event in events:  # the first next() sends the XREAD
+            now = time.monotonic_ns()
+            got.append((event.type, event.data.get("step"), now, event.data.get("text")))
+        conn.send(got)
+
+
+def latency(args: argparse.Namespace) -> None:
+    env = {"JUNE_BENCH_PROBE": "1", "JUNE_BENCH_PAUSE_MS": str(args.pause_ms)}
+    commit_ns: dict[str, list[int]] = {"turn.started": [], "action.requested": [], "action.completed": []}
+    delta_ns: list[int] = []
+    publish_ns: list[int] = []
+    ping_ns: list[int] = []
+    turn_ms: list[float] = []
+    with BenchStack("latency", env=env) as stack:
+        stack.wait_ready(stack.worker("w0"))
+        ctx = mp.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        reader = ctx.Process(target=follow_turns, args=(stack.redis_url, stack.prefix, theirs), daemon=True)
+        reader.start()
+        try:
+            for i in range(args.warmup + args.latency_turns):
+                session = stack.session(f"lat-{i}")
+                turn_id = f"t_{uuid.uuid4().hex}"
+                ours.send((session, turn_id))
+                assert ours.poll(30) and ours.recv() == "following"
+                time.sleep(0.005)  # the reader is in XREAD now
+                t_send = time.monotonic_ns()
+                payload = {"turn_id": turn_id, "agent": "stamp", "session": session, "text": "go"}
+                stack.send("june.turn", payload, argsrepr=turn_id)
+                assert ours.poll(30), f"turn {turn_id} did not finish; worker log:\n{stack.procs[0].tail()}"
+                got = ours.recv()
+                for _ in range(3):
+                    p0 = time.monotonic_ns()
+                    stack.redis.ping()
+                    ping_ns.append(time.monotonic_ns() - p0)
+                if i < args.warmup:
+                    continue
+                final = [g for g in got if g[0] == "turn.completed"]
+                assert final, f"turn {turn_id} ended with {got[-1][0]}"
+                stamps: dict[str, int] = json.loads(final[0][3])
+                turn_ms.append((final[0][2] - t_send) / 1e6)
+                publish_ns.extend(v - stamps[k[len("after:") :]] for k, v in stamps.items() if k.startswith("after:"))
+                for kind, step, at, text in got:
+                    if kind == "turn.started":
+                        commit_ns[kind].append(at - stamps["turn:open"])
+                    elif kind == "action.requested":
+                        commit_ns[kind].append(at - next(v for k, v in stamps.items() if k.startswith("model:")))
+                    elif kind == "action.completed":
+                        commit_ns[kind].append(at - stamps[step])
+                    elif kind == "message.delta":
+                        delta_ns.append(at - int(text))
+        finally:
+            ours.send(None)
+            reader.join(5)
+            if reader.is_alive():
+                reader.terminate()
+    every = [v for vs in commit_ns.values() for v in vs]
+
+    def row(name: str, values: list[int]) -> str:
+        us = [v / 1000 for v in values]
+        return f"| {name:<44} | {len(us):5} | {pct(us, 50):7.0f} | {pct(us, 99):7.0f} | {max(us):7.0f} |"
+
+    print()
+    print(f"# {args.latency_turns} turns (+{args.warmup} warm-up), worker pauses {args.pause_ms} ms before each step")
+    print("| measure (µs)                                 |     n |     p50 |     p99 |     max |")
+    print("|----------------------------------------------|------:|--------:|--------:|--------:|")
+    print(row("commit returned → reader (all structural)", every))
+    for kind, values in commit_ns.items():
+        print(row(f"  {kind}", values))
+    print(row("publish() call in the worker", publish_ns))
+    print(row("delta: model yield → reader (plain XADD)", delta_ns))
+    print(row("PING round trip from the bench, baseline", ping_ns))
+    print(f"(a whole turn, send → turn.completed read: median {median(turn_ms):.1f} ms, p99 {pct(turn_ms, 99):.1f} ms)")
+    p99_ms = pct(every, 99) / 1e6
+    print(f"target commit → reader p99 < 1.5 ms: {'met' if p99_ms < 1.5 else 'MISSED'} ({p99_ms:.3f} ms)")
+
+
+# --- recovery after SIGKILL ---------------------------------------------------------------------------------
+
+
+def wait_terminal(stack: BenchStack, agent: str, session: str, turn_id: str, timeout_s: float) -> tuple[str, float]:
+    last = None
+    for event in stack.producer.follow(agent, session, turn_id=turn_id, timeout_s=timeout_s, include_deltas=False):
+        last = event
+    if last is None or not last.terminal:
+        raise TimeoutError(f"turn {turn_id} did not end within {timeout_s:.0f}s")
+    return last.type, time.time()
+
+
+def recovery(args: argparse.Namespace) -> None:
+    settings = [
+        ("defaults", {}, 30.0, 10.0, args.recovery_runs),
+        ("short lease", {"JUNE_LEASE_S": "5", "JUNE_SWEEP_S": "1"}, 5.0, 1.0, args.short_runs),
+    ]
+    rows = []
+    for label, env, lease_s, sweep_s, runs in settings:
+        if runs < 1:
+            continue
+        total, expiry, redispatch, normal = [], [], [], []
+        with BenchStack("recovery", env=env) as stack:
+            workers = [stack.worker(f"w{i}") for i in range(2)]
+            stack.wait_ready(*workers)
+            stack.beat()
+            for i in range(6):  # the baseline: the same stack, nobody dies (the first turns warm the workers up)
+                session = stack.session(f"normal-{i}")
+                t0 = time.time()
+                turn_id = stack.turn("bench", session)
+                kind, t1 = wait_terminal(stack, "bench", session, turn_id, 30)
+                assert kind == "turn.completed", kind
+                if i >= 2:
+                    normal.append(t1 - t0)
+            for run in range(runs):
+                session = stack.session(f"rec-{run}")
+                turn_id = stack.turn("hold", session)
+                got = stack.redis.blpop([f"{stack.prefix}:hold:{turn_id}:pids"], timeout=30)
+                if got is None:
+                    raise TimeoutError(f"the hold tool of {turn_id} never ran")
+                pid = int(got[1].split(":")[0])
+                # Die at a random moment of the step: the lease was renewed up to one heartbeat (lease/3) ago.
+                time.sleep(random.uniform(0, lease_s / 3))
+                pgid = os.getpgid(pid)
+                victim = next((p for p in stack.procs if p.pid == pgid and p.alive()), None)
+                if victim is None:
+                    raise RuntimeError(f"pid {pid} (group {pgid}) is not a worker this bench started; not killing it")
+                t_kill = time.time()
+                victim.kill()
+                [(lease_expires,)] = stack.sql(
+                    "select lease_expires from june_sessions where agent = 'hold' and session = %s", session
+                )
+                kind, t_done = wait_terminal(stack, "hold", session, turn_id, lease_s + sweep_s + 60)
+                assert kind == "turn.completed", kind
+                [(dispatched_at,)] = stack.sql(
+                    "select dispatched_at from june_turns where agent = 'hold' and session = %s", session
+                )
+                total.append(t_done - t_kill)
+                expiry.append(lease_expires - t_kill)
+                redispatch.append((dispatched_at or t_done) - t_kill)
+                print(
+                    f"#   {label} run {run + 1}: recovered in {total[-1]:5.2f} s (lease expired at "
+                    f"+{expiry[-1]:5.2f} s, re-sent by the sweeper at +{redispatch[-1]:5.2f} s)",
+                    flush=True,
+                )
+                stack.stop(victim)
+                replacement = stack.worker(f"w{run + 2}")
+                stack.wait_ready(replacement)
+        rows.append((label, lease_s, sweep_s, total, expiry, redispatch, normal))
+    print()
+    print(
+        "| settings | runs | kill → completed, median | min–max | lease expired after kill | sweeper re-sent | "
+        "bound lease+sweep | ordinary turn |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for label, lease_s, sweep_s, total, expiry, redispatch, normal in rows:
+        print(
+            f"| {label} (lease {lease_s:g} s, sweep {sweep_s:g} s) | {len(total)} | {median(total):.2f} s | "
+            f"{min(total):.2f}–{max(total):.2f} s | {median(expiry):.2f} s | {median(redispatch):.2f} s | "
+            f"{lease_s + sweep_s:g} s | {median(normal) * 1000:.0f} ms |"
+        )
+    for label, _, _, total, *_ in rows:
+        print(f"target < 15 s ({label}): {'met' if max(total) < 15 else 'MISSED'} (max {max(total):.2f} s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small batches, few rounds, one recovery run each")
+    parser.add_argument("--parts", default="throughput,latency,recovery")
+    parser.add_argument("--layouts", default="1x1,2x1,1x2", help=f"of {', '.join(LAYOUTS)}")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--turns", type=int, default=400, help="turns per batch")
+    parser.add_argument("--empty", type=int, default=1000, help="empty tasks per batch")
+    parser.add_argument("--per-session", type=int, default=5, help="turns per session in the second turn batch")
+    parser.add_argument("--latency-turns", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--pause-ms", type=float, default=2.0, help="worker's pause before each step (latency)")
+    parser.add_argument("--recovery-runs", type=int, default=3, help="kills with the default settings")
+    parser.add_argument("--short-runs", type=int, default=8, help="kills with JUNE_LEASE_S=5 JUNE_SWEEP_S=1")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.turns, args.empty = 2, 100, 300
+        args.latency_turns, args.warmup = 60, 5
+        args.recovery_runs, args.short_runs = 1, 3
+    parts = args.parts.split(",")
+    print(f"# throughput.py  {machine()}  parts: {', '.join(parts)}{'  (quick)' if args.quick else ''}", flush=True)
+    with sigterm_as_exit():
+        if "throughput" in parts:
+            print("\n## worker throughput", flush=True)
+            throughput(args)
+        if "latency" in parts:
+            print("\n## event latency through a worker", flush=True)
+            latency(args)
+        if "recovery" in parts:
+            print("\n## recovery after SIGKILL", flush=True)
+            recovery(args)
+
+
+if __name__ == "__main__":
+    main()
