@@ -163,6 +163,14 @@ _MIGRATIONS: list[str] = [
         primary key (agent, session, generation, step_id)
     );
     """,
+    # 2: worker liveness, so a dead worker's lease is taken over before it expires
+    """
+    create table june_workers (
+        owner text collate "C" primary key,
+        alive_until double precision not null,
+        started_at double precision not null default extract(epoch from now())
+    );
+    """,
 ]
 
 _WHY_NOT = """

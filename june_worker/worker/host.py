@@ -121,6 +121,7 @@ class WorkerHost:
         self._running: _Running | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.queue.beat(self.owner, settings.alive_s)  # alive before the first lease is taken
         self._threads = [
             threading.Thread(target=self._heartbeat, name="june-heartbeat", daemon=True),
             threading.Thread(target=self._listen, name="june-control", daemon=True),
@@ -208,9 +209,18 @@ class WorkerHost:
     # --- background threads -----------------------------------------------------------------------------
 
     def _heartbeat(self) -> None:
-        """Renew the lease of the session being drained; re-check its cancel flag in Postgres."""
-        period = max(self.settings.lease_s / 3, 0.1)
-        while not self._stop.wait(period):
+        """Say this process is alive (often), renew the held lease and re-check its cancel flag (less often)."""
+        tick = max(self.settings.alive_s / 3, 0.05)
+        lease_every = max(self.settings.lease_s / 3, tick)
+        next_lease = time.monotonic() + lease_every
+        while not self._stop.wait(tick):
+            try:
+                self.queue.beat(self.owner, self.settings.alive_s)
+            except Exception:
+                log.warning("liveness heartbeat of %s failed; will retry", self.owner, exc_info=True)
+            if time.monotonic() < next_lease:
+                continue
+            next_lease = time.monotonic() + lease_every
             with self._lock:
                 running = self._running
             if running is None:

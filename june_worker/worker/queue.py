@@ -23,6 +23,21 @@ from ..stores.postgres import turn_from_row
 
 __all__ = ["Lease", "SessionQueue", "Stranded"]
 
+_NOW = "extract(epoch from clock_timestamp())"
+
+# A lease may be taken when nobody holds it, when it expired, or when its holder's process is
+# no longer alive (its june_workers row lapsed): the fence makes a zombie harmless either way.
+_LEASE_IS_FREE = f"""(
+    {{s}}.lease_owner is null
+    or {{s}}.lease_expires < {_NOW}
+    or not exists (select 1 from june_workers w where w.owner = {{s}}.lease_owner and w.alive_until >= {_NOW}))"""
+
+# The release must fail if a turn was recorded after this statement's snapshot: every enqueue
+# bumps next_position, and the row's re-check sees the newest value while this scalar subquery
+# keeps the snapshot's (the NOT EXISTS alone would still read the old snapshot).
+_NOTHING_NEW = """s.next_position = (select s2.next_position from june_sessions s2
+                                     where s2.agent = %(a)s and s2.session = %(s)s)"""
+
 _FIRST_UNFINISHED = """
     left join lateral (
         select t.turn_id, t.position, t.status, t.payload, t.cancel_reason, t.attempts,
@@ -60,16 +75,14 @@ class SessionQueue:
         """Take the session's lease if it is free, expired or already ours; return the new fence."""
         with self.pool.connection() as conn:
             row = conn.execute(
-                """
+                f"""
                 insert into june_sessions (agent, session, lease_owner, lease_expires, fence)
                 values (%(a)s, %(s)s, %(o)s, extract(epoch from clock_timestamp()) + %(l)s, 1)
                 on conflict (agent, session) do update
                    set lease_owner = excluded.lease_owner,
                        lease_expires = excluded.lease_expires,
                        fence = june_sessions.fence + 1
-                 where june_sessions.lease_owner is null
-                    or june_sessions.lease_owner = excluded.lease_owner
-                    or june_sessions.lease_expires < extract(epoch from clock_timestamp())
+                 where june_sessions.lease_owner = excluded.lease_owner or {_LEASE_IS_FREE.format(s="june_sessions")}
                 returning fence
                 """,
                 {"a": ref.agent, "s": ref.session, "o": owner, "l": self.lease_s},
@@ -88,9 +101,7 @@ class SessionQueue:
                        set lease_owner = excluded.lease_owner,
                            lease_expires = excluded.lease_expires,
                            fence = june_sessions.fence + 1
-                     where june_sessions.lease_owner is null
-                        or june_sessions.lease_owner = excluded.lease_owner
-                        or june_sessions.lease_expires < extract(epoch from clock_timestamp())
+                     where june_sessions.lease_owner = excluded.lease_owner or {_LEASE_IS_FREE.format(s="june_sessions")}
                     returning fence, event_seq, reset_pending
                 )
                 select a.fence, a.event_seq, a.reset_pending, t.* from acquired a {_FIRST_UNFINISHED}
@@ -102,6 +113,20 @@ class SessionQueue:
         fence, event_seq, reset_pending, *turn = row
         rec = turn_from_row(ref, turn) if turn[0] is not None else None
         return Lease(fence=int(fence), event_seq=int(event_seq), turn=rec, reset_pending=bool(reset_pending))
+
+    def beat(self, owner: str, alive_s: float) -> None:
+        """This worker process is alive for ``alive_s`` more seconds; after that its leases may be taken over."""
+        with self.pool.connection() as conn:
+            conn.execute(
+                f"insert into june_workers (owner, alive_until) values (%s, {_NOW} + %s) "
+                "on conflict (owner) do update set alive_until = excluded.alive_until",
+                (owner, alive_s),
+            )
+
+    def forget_dead_workers(self, *, older_than_s: float) -> int:
+        with self.pool.connection() as conn:
+            cur = conn.execute(f"delete from june_workers where alive_until < {_NOW} - %s", (older_than_s,))
+            return int(cur.rowcount)
 
     def renew(self, ref: SessionRef, fence: int) -> bool:
         with self.pool.connection() as conn:
@@ -119,13 +144,13 @@ class SessionQueue:
         """
         with self.pool.connection() as conn:
             cur = conn.execute(
-                """
+                f"""
                 update june_sessions s set lease_owner = null, lease_expires = null
                  where s.agent = %(a)s and s.session = %(s)s and s.fence = %(f)s
-                   and (%(force)s or not exists (
+                   and (%(force)s or (not exists (
                         select 1 from june_turns t
                          where t.agent = s.agent and t.session = s.session
-                           and t.status in ('queued', 'running')))
+                           and t.status in ('queued', 'running')) and {_NOTHING_NEW}))
                 """,
                 {"a": ref.agent, "s": ref.session, "f": fence, "force": force},
             )
@@ -167,6 +192,7 @@ class SessionQueue:
                             select 1 from june_turns t
                              where t.agent = s.agent and t.session = s.session
                                and t.status in ('queued', 'running'))
+                       and {_NOTHING_NEW}
                     returning 1
                 )
                 select exists (select 1 from released), s.fence, s.reset_pending, t.*
@@ -238,13 +264,13 @@ class SessionQueue:
         now = time.time()
         with self.pool.connection() as conn:
             rows = conn.execute(
-                """
+                f"""
                 with first as (
                     select distinct on (t.agent, t.session) t.agent, t.session, t.turn_id
                       from june_turns t
                       join june_sessions s on s.agent = t.agent and s.session = t.session
                      where t.status in ('queued', 'running')
-                       and (s.lease_owner is null or s.lease_expires < %(now)s)
+                       and {_LEASE_IS_FREE.format(s="s")}
                        and coalesce(t.dispatched_at, t.created_at) < %(cutoff)s
                      order by t.agent, t.session, t.position
                      limit %(limit)s
@@ -284,12 +310,12 @@ class SessionQueue:
         now = time.time()
         with self.pool.connection() as conn:
             rows = conn.execute(
-                """
-                select agent, session, event_seq from june_sessions
-                 where event_seq > 0 and updated_at > %s
-                   and (lease_owner is null or lease_expires < %s)
-                 limit %s
+                f"""
+                select s.agent, s.session, s.event_seq from june_sessions s
+                 where s.event_seq > 0 and s.updated_at > %(since)s
+                   and {_LEASE_IS_FREE.format(s="s")}
+                 limit %(limit)s
                 """,
-                (now - since_s, now, limit),
+                {"since": now - since_s, "limit": limit},
             ).fetchall()
         return [(SessionRef(a, s), int(seq)) for a, s, seq in rows]

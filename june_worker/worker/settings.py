@@ -11,6 +11,9 @@ JUNE_AGENTS                 agents to serve, ``module:attr`` list    june_worker
 JUNE_QUEUE                  queue of turn messages                   june
 JUNE_CONTROL_QUEUE          queue of resume / cancel / reset         june.control
 JUNE_LEASE_S                session lease length                     30
+JUNE_ALIVE_S                a worker process counts as dead after    3
+                            this long without a heartbeat; its
+                            leases are then taken over at once
 JUNE_SWEEP_S                sweeper period (beat)                    10
 JUNE_KEY_PREFIX             prefix of every Redis key                june
 JUNE_STREAM_MAXLEN          approximate cap of a session stream      10000
@@ -56,6 +59,7 @@ class WorkerSettings:
     queue: str = "june"
     control_queue: str = "june.control"
     lease_s: float = 30.0
+    alive_s: float = 3.0
     sweep_s: float = 10.0
     key_prefix: str = "june"
     stream_maxlen: int = 10_000
@@ -83,6 +87,7 @@ class WorkerSettings:
             queue=env.get("JUNE_QUEUE", cls.queue),
             control_queue=env.get("JUNE_CONTROL_QUEUE", cls.control_queue),
             lease_s=lease_s,
+            alive_s=max(_float(env, "JUNE_ALIVE_S", cls.alive_s), 0.5),
             sweep_s=_float(env, "JUNE_SWEEP_S", cls.sweep_s),
             key_prefix=env.get("JUNE_KEY_PREFIX", cls.key_prefix),
             stream_maxlen=int(_float(env, "JUNE_STREAM_MAXLEN", cls.stream_maxlen)),

@@ -2,14 +2,16 @@
 
 It finds, in Postgres:
 
-* sessions with a queued or running turn and no live lease: a worker died (its lease
-  expired) or the turn's message was lost (Redis restarted). It re-sends ``june.turn``
-  for the session's first unfinished turn; intake is idempotent, so a duplicate is harmless;
+* sessions with a queued or running turn and no live lease: a worker died (its liveness
+  heartbeat lapsed, ``JUNE_ALIVE_S``, or its lease expired) or the turn's message was lost
+  (Redis restarted). It re-sends ``june.turn`` for the session's first unfinished turn;
+  intake is idempotent, so a duplicate is harmless;
 * parks whose ``timeout_s`` passed: it answers them with a timeout and re-sends the turn;
 * sessions whose stream may miss events (a worker died between commit and publish):
   it relays them from the outbox. Only sessions nobody holds, so it never races a holder.
 
-Recovery time is therefore bounded by the lease length plus one sweep period.
+Recovery time is therefore bounded by the liveness window (3 s by default; never more than
+the lease length) plus one sweep period.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
             relayed += host.sink.relay(host.store, ref)
         except Exception:
             log.warning("relay of %s failed; the next sweep tries again", ref, exc_info=True)
+    host.queue.forget_dead_workers(older_than_s=24 * 3600)
     if redispatched or expired or relayed:
         log.info("sweep: %d turns re-sent, %d parks expired, %d events relayed", redispatched, expired, relayed)
     return {"status": "swept", "redispatched": redispatched, "expired_parks": expired, "relayed": relayed}

@@ -119,6 +119,7 @@ class Stack:
             "JUNE_CONTROL_QUEUE": self.control_queue,
             "JUNE_KEY_PREFIX": self.prefix,
             "JUNE_LEASE_S": "2",
+            "JUNE_ALIVE_S": "1",
             "JUNE_SWEEP_S": "0.5",
             "JUNE_ENABLE_TEST_HOOKS": "1",
             "JUNE_IT_DELTAS": "2000",
