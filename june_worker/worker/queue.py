@@ -259,6 +259,9 @@ class SessionQueue:
     def stranded(self, *, grace_s: float, limit: int) -> list[Stranded]:
         """Sessions with a queued or running turn, no live lease, and no dispatch in the last ``grace_s``.
 
+        A turn whose session nobody held yet is left alone for ``grace_s`` after it was recorded
+        (its own message is normally on its way); one whose holder died is re-sent at once.
+
         Marks what it returns as dispatched now, so two sweepers do not both re-send it.
         """
         now = time.time()
@@ -271,7 +274,10 @@ class SessionQueue:
                       join june_sessions s on s.agent = t.agent and s.session = t.session
                      where t.status in ('queued', 'running')
                        and {_LEASE_IS_FREE.format(s="s")}
-                       and coalesce(t.dispatched_at, t.created_at) < %(cutoff)s
+                       and coalesce(t.dispatched_at, 0) < %(cutoff)s
+                       -- a dead holder's turn goes at once; a turn nobody held yet gets the grace
+                       -- period in which its own message normally arrives
+                       and (s.lease_owner is not null or t.created_at < %(cutoff)s)
                      order by t.agent, t.session, t.position
                      limit %(limit)s
                 ), marked as (
