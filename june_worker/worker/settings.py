@@ -19,6 +19,7 @@ JUNE_KEY_PREFIX             prefix of every Redis key                june
 JUNE_STREAM_MAXLEN          approximate cap of a session stream      10000
 JUNE_STREAM_MAX_AGE_S       drop stream entries older than this      0 (keep)
 JUNE_FIREHOSE_PARTITIONS    partitions of the all-sessions stream    1
+JUNE_TASK_EVENTS            Celery task events (Flower); 0 = off     1
 ==========================  =======================================  ==========================
 
 Crash injection for tests is honoured only when ``JUNE_ENABLE_TEST_HOOKS=1``:
