@@ -42,6 +42,7 @@ log = logging.getLogger("june_worker.gateway")
 T = TypeVar("T")
 SENT_TTL_S = 86_400
 
+
 class GatewayBackend:
     """The gateway's clients, made in :meth:`start` (the app's lifespan) and closed in :meth:`close`."""
 
