@@ -186,7 +186,7 @@ def reset(host: WorkerHost, msg: ResetMessage, dispatch: Dispatch, *, wait_s: fl
             rec, _ = host.queue.next_turn(ref)
             if rec is None or rec.cancel_reason is None:
                 break
-            host._run(ref, rec, fence)
+            host.run_turn(ref, rec, fence)
         parked = host.store.pending(ref)
         if parked is not None:
             host.sink.publish(ref, host.store.commit(ref, reset_park_commit(parked), fence=fence))

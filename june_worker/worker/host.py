@@ -174,7 +174,7 @@ class WorkerHost:
                     # A reset waits for the session: stop here; it runs what is queued after it.
                     self.queue.release(ref, fence, force=True)
                     return
-                ran[rec.turn_id] = self._run(ref, rec, fence)
+                ran[rec.turn_id] = self.run_turn(ref, rec, fence)
                 rec = None
         except LeaseLostError:
             log.warning("lease on %s was taken over; this worker stops working on it", ref)
@@ -182,7 +182,8 @@ class WorkerHost:
             with self._lock:
                 self._running = None
 
-    def _run(self, ref: SessionRef, rec: TurnRecord, fence: int) -> TurnResult:
+    def run_turn(self, ref: SessionRef, rec: TurnRecord, fence: int) -> TurnResult:
+        """Run one turn under the lease fenced by ``fence`` (the caller holds it), then deliver it if it has a target."""
         agent = self.agent(ref.agent)
         if agent is None:
             return reject_turn(self.store, self.sink, ref, rec.turn_id, f"unknown agent {ref.agent!r}", fence=fence)
