@@ -67,7 +67,7 @@ from ..errors import LeaseLostError, ResumeConflictError, StoreError
 from ._pg_commit import commit_statement
 from ._sql import qmark_to_format
 
-__all__ = ["PostgresStore", "turn_from_row"]
+__all__ = ["TURN_COLUMNS", "PostgresStore", "turn_from_row"]
 
 Conn: TypeAlias = psycopg.Connection[TupleRow]
 T = TypeVar("T")
@@ -190,11 +190,12 @@ from (select 1) as one
 left join june_sessions s on s.agent = %(agent)s and s.session = %(session)s
 """
 
-_TURN_COLUMNS = "turn_id, position, status, payload::text, cancel_reason, attempts, result::text, generation, created_at, finished_at"
+TURN_COLUMNS = "turn_id, position, status, payload::text, cancel_reason, attempts, result::text, generation, created_at, finished_at"
+"""A turn row's columns in the order :func:`turn_from_row` reads them."""
 
 _ENQUEUE = f"""
 with existing as (
-    select {_TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s
+    select {TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s
 ), sess as (
     insert into june_sessions as s (agent, session, next_position)
     select %(agent)s, %(session)s, 2 where not exists (select 1 from existing)
@@ -204,16 +205,18 @@ with existing as (
     insert into june_turns (agent, session, turn_id, position, status, payload, generation)
     select %(agent)s, %(session)s, %(turn_id)s, sess.position, 'queued', %(payload)s::json, sess.generation from sess
     on conflict do nothing
-    returning {_TURN_COLUMNS}
+    returning {TURN_COLUMNS}
 )
 select true, * from ins union all select false, * from existing
 """
 
 _SESSION_EXISTS = "select exists (select 1 from june_sessions where agent = %(agent)s and session = %(session)s)"
-_GET_TURN = f"select {_TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s"
+_GET_TURN = (
+    f"select {TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s"
+)
 
 _UNFINISHED = (
-    f"select {_TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s "
+    f"select {TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s "
     "and status in ('queued', 'running') order by position"
 )
 

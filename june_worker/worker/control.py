@@ -91,9 +91,18 @@ def intake(host: WorkerHost, msg: TurnMessage | ProactiveMessage, *, turn_id: st
         assert turn_id is not None
         payload = TurnPayload(text=msg.text, trigger_by=msg.by, target=msg.target)
         replace = False
-    existing, parked = host.queue.intake_view(ref, turn_id)  # get_turn and pending, in one round trip
+    agent = host.agent(ref.agent)
+    if agent is not None and not replace and (payload.target is None or agent.deliver is not None):
+        # The common case: record the turn and take the session's lease in one statement.
+        got = host.queue.intake(ref, turn_id, payload, host.owner)
+        if got.recorded or (got.existing is not None and got.existing.status in UNFINISHED_TURN_STATUSES):
+            # A turn to run: ours if the lease was free, else its holder's (nothing to do here).
+            ran = host.drain(ref, lease=got.lease) if got.lease is not None else {}
+            return _after_drain(host, ref, turn_id, ran)
+        existing, parked = got.existing, got.parked  # a finished turn, a park, or a copy recorded concurrently
+    else:
+        existing, parked = host.queue.intake_view(ref, turn_id)  # get_turn and pending, in one round trip
     if existing is None:
-        agent = host.agent(ref.agent)
         if agent is None:
             return _reject(
                 host, ref, turn_id, payload, f"unknown agent {ref.agent!r}; this worker serves {sorted(host.agents)}"
@@ -111,7 +120,11 @@ def intake(host: WorkerHost, msg: TurnMessage | ProactiveMessage, *, turn_id: st
         host.store.enqueue_turn(ref, turn_id, payload)
     elif existing.status not in UNFINISHED_TURN_STATUSES and existing.result is not None:
         return summary(ref, turn_id, existing.result)
-    ran = host.drain(ref)
+    return _after_drain(host, ref, turn_id, host.drain(ref))
+
+
+def _after_drain(host: WorkerHost, ref: SessionRef, turn_id: str, ran: dict[str, TurnResult]) -> dict[str, Any]:
+    """The summary of ``turn_id``: its result if it ran here or has ended, else its status."""
     if turn_id in ran:
         return summary(ref, turn_id, ran[turn_id])
     rec = host.store.get_turn(ref, turn_id)

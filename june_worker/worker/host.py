@@ -35,7 +35,7 @@ from ..errors import ConfigError, LeaseLostError
 from ..events.keys import EventKeys
 from ..events.redis_stream import RedisStreamSink, Trim
 from ..stores.postgres import PostgresStore
-from .queue import SessionQueue
+from .queue import Lease, SessionQueue
 from .settings import WorkerSettings
 
 __all__ = ["WorkerHost", "get_host", "load_agents"]
@@ -136,22 +136,24 @@ class WorkerHost:
 
     # --- the drain loop -------------------------------------------------------------------------------
 
-    def drain(self, ref: SessionRef) -> dict[str, TurnResult]:
-        """Run the session's unfinished turns if we can take its lease; return what ran."""
+    def drain(self, ref: SessionRef, *, lease: Lease | None = None) -> dict[str, TurnResult]:
+        """Run the session's unfinished turns if we can take its lease (or hold ``lease``); return what ran."""
         ran: dict[str, TurnResult] = {}
         for attempt in range(5):
             try:
-                self._drain(ref, ran)
+                self._drain(ref, ran, lease)
                 return ran
             except TRANSIENT as exc:
                 # A dropped connection: whatever committed stays committed; replay from a fresh read.
                 log.warning("database connection lost while draining %s (%s); retrying", ref, type(exc).__name__)
                 time.sleep(min(0.05 * 2**attempt, 1.0))
-        self._drain(ref, ran)
+                lease = None
+        self._drain(ref, ran, None)
         return ran
 
-    def _drain(self, ref: SessionRef, ran: dict[str, TurnResult]) -> None:
-        lease = self.queue.take(ref, self.owner)  # the lease and the first turn, one round trip
+    def _drain(self, ref: SessionRef, ran: dict[str, TurnResult], lease: Lease | None) -> None:
+        if lease is None:
+            lease = self.queue.take(ref, self.owner)  # the lease and the first turn, one round trip
         if lease is None:
             return  # another worker holds the session; its drain loop will run what we recorded
         fence = lease.fence

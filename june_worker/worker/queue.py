@@ -18,10 +18,10 @@ from typing import Any
 
 from psycopg_pool import ConnectionPool
 
-from ..engine.store import SessionRef, SuspendedCheckpoint, TurnRecord
-from ..stores.postgres import turn_from_row
+from ..engine.store import SessionRef, SuspendedCheckpoint, TurnPayload, TurnRecord
+from ..stores.postgres import TURN_COLUMNS, turn_from_row
 
-__all__ = ["Lease", "SessionQueue", "Stranded"]
+__all__ = ["Intake", "Lease", "SessionQueue", "Stranded"]
 
 _NOW = "extract(epoch from clock_timestamp())"
 
@@ -37,6 +37,48 @@ _LEASE_IS_FREE = f"""(
 # keeps the snapshot's (the NOT EXISTS alone would still read the old snapshot).
 _NOTHING_NEW = """s.next_position = (select s2.next_position from june_sessions s2
                                      where s2.agent = %(a)s and s2.session = %(s)s)"""
+
+
+# Intake in one statement: record the turn unless it exists or another turn is parked, and take
+# the lease in the same update of the session row that bumps next_position (so a holder's release
+# fails, _NOTHING_NEW), when there is a turn to run and the lease is free or ours. The first
+# unfinished turn comes from this statement's snapshot, or is the one just recorded.
+_TAKE = f"(s.lease_owner = excluded.lease_owner or {_LEASE_IS_FREE.format(s='s')})"
+_INTAKE = f"""
+with existing as (
+    select {TURN_COLUMNS} from june_turns where agent = %(a)s and session = %(s)s and turn_id = %(t)s
+), parked as (
+    select suspended::text as suspended from june_sessions
+     where agent = %(a)s and session = %(s)s and suspended is not null
+), plan as (
+    select not exists (select 1 from existing) and not exists (select 1 from parked) as record,
+           exists (select 1 from existing where status in ('queued', 'running')) as rerun
+), sess as (
+    insert into june_sessions as s (agent, session, next_position, lease_owner, lease_expires, fence)
+    select %(a)s, %(s)s, 2, %(o)s, {_NOW} + %(l)s, 1 from plan where plan.record or plan.rerun
+    on conflict (agent, session) do update
+       set next_position = s.next_position + (select plan.record::int from plan),
+           fence = case when {_TAKE} then s.fence + 1 else s.fence end,
+           lease_owner = case when {_TAKE} then excluded.lease_owner else s.lease_owner end,
+           lease_expires = case when {_TAKE} then excluded.lease_expires else s.lease_expires end
+    returning s.next_position - 1 as position, s.generation, s.fence, s.lease_owner, s.event_seq, s.reset_pending
+), ins as (
+    insert into june_turns (agent, session, turn_id, position, status, payload, generation)
+    select %(a)s, %(s)s, %(t)s, sess.position, 'queued', %(p)s::json, sess.generation from sess, plan where plan.record
+    on conflict do nothing
+    returning {TURN_COLUMNS}
+)
+select (select suspended from parked), exists (select 1 from ins),
+       sess.lease_owner = %(o)s, sess.fence, sess.event_seq, sess.reset_pending, e.*, f.*
+  from (select 1) one
+  left join sess on true
+  left join existing e on true
+  left join lateral (
+        (select {TURN_COLUMNS} from june_turns
+          where agent = %(a)s and session = %(s)s and status in ('queued', 'running') order by position limit 1)
+        union all (select * from ins)
+        order by position limit 1) f on sess.lease_owner = %(o)s
+"""
 
 _FIRST_UNFINISHED = """
     left join lateral (
@@ -56,6 +98,19 @@ class Lease:
     event_seq: int
     turn: TurnRecord | None
     reset_pending: bool
+
+
+@dataclass(frozen=True)
+class Intake:
+    """What :meth:`SessionQueue.intake` found and did."""
+
+    existing: TurnRecord | None
+    """The turn as it stood before this call, if it was recorded already (a redelivery)."""
+    parked: SuspendedCheckpoint | None
+    """The session's parked checkpoint; a new turn is not recorded while another one is parked."""
+    recorded: bool
+    lease: Lease | None
+    """Taken when a turn is there to run (recorded now, or recorded before and unfinished) and nobody holds it."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +168,38 @@ class SessionQueue:
         fence, event_seq, reset_pending, *turn = row
         rec = turn_from_row(ref, turn) if turn[0] is not None else None
         return Lease(fence=int(fence), event_seq=int(event_seq), turn=rec, reset_pending=bool(reset_pending))
+
+    def intake(self, ref: SessionRef, turn_id: str, payload: TurnPayload, owner: str) -> Intake:
+        """Record a turn and take the session's lease, in one statement (one round trip, one commit).
+
+        The turn is recorded unless it already is, or another turn is parked (the caller rejects
+        it then). The lease is taken if there is a turn to run and it is free, expired, held by a
+        dead worker or already ours; otherwise its holder runs the turn: recording it made the
+        holder's release fail (:data:`_NOTHING_NEW`).
+        """
+        params = {
+            "a": ref.agent,
+            "s": ref.session,
+            "t": turn_id,
+            "p": payload.model_dump_json(),
+            "o": owner,
+            "l": self.lease_s,
+        }
+        with self.pool.connection() as conn:
+            row = conn.execute(_INTAKE, params).fetchone()
+        assert row is not None
+        suspended, recorded, took, fence, event_seq, reset_pending = row[:6]
+        existing, first = row[6:16], row[16:26]
+        lease = None
+        if took:
+            rec = turn_from_row(ref, first) if first[0] is not None else None
+            lease = Lease(fence=int(fence), event_seq=int(event_seq), turn=rec, reset_pending=bool(reset_pending))
+        return Intake(
+            existing=turn_from_row(ref, existing) if existing[0] is not None else None,
+            parked=SuspendedCheckpoint.model_validate_json(suspended) if suspended else None,
+            recorded=bool(recorded),
+            lease=lease,
+        )
 
     def beat(self, owner: str, alive_s: float) -> None:
         """This worker process is alive for ``alive_s`` more seconds; after that its leases may be taken over."""
