@@ -9,9 +9,11 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from june_worker.engine.store import SessionRef, TurnPayload
+from june_worker.engine.events import Completed, TurnCompleted
+from june_worker.engine.store import Commit, SessionRef, SuspendedCheckpoint, TurnPayload
+from june_worker.engine.types import InputRequest
 from june_worker.stores.postgres import PostgresStore
-from june_worker.worker.queue import SessionQueue
+from june_worker.worker.queue import _INTAKE, SessionQueue
 
 from .conftest import wait_for
 
@@ -107,3 +109,134 @@ def test_the_sweeper_finds_a_session_whose_holder_died(queue: tuple[PostgresStor
     assert q.take(ref, "dead") is not None
     assert [s.ref for s in q.stranded(grace_s=0, limit=100)] == []  # held by a live worker
     wait_for(lambda: ref in [s.ref for s in q.stranded(grace_s=0, limit=100)], timeout_s=5, what="the sweeper")
+
+
+# --- intake: the turn and the lease in one statement ---------------------------------------------------
+
+
+def test_intake_records_a_new_turn_and_takes_the_free_lease(queue: tuple[PostgresStore, SessionQueue]) -> None:
+    store, q = queue
+    ref = _ref()
+    q.beat("w1", 60)
+    got = q.intake(ref, "t1", TurnPayload(text="hi"), "w1")
+    assert got.recorded and got.existing is None and got.parked is None
+    assert got.lease is not None and got.lease.fence == 1 and got.lease.event_seq == 0
+    assert got.lease.turn is not None and got.lease.turn.turn_id == "t1" and got.lease.turn.position == 1
+    second = q.intake(ref, "t2", TurnPayload(text="again"), "w1")  # ours already: taken again, fence moves on
+    assert second.lease is not None and second.lease.fence == 2
+    assert second.lease.turn is not None and second.lease.turn.turn_id == "t1"  # still the oldest unfinished
+    assert store.get_turn(ref, "t2") is not None and store.get_turn(ref, "t2").position == 2  # type: ignore[union-attr]
+
+
+def test_intake_under_a_live_holder_records_the_turn_and_leaves_it_to_the_holder(
+    queue: tuple[PostgresStore, SessionQueue],
+) -> None:
+    _, q = queue
+    ref = _ref()
+    q.beat("holder", 60)
+    q.beat("other", 60)
+    lease = q.take(ref, "holder")
+    assert lease is not None and lease.turn is None
+    got = q.intake(ref, "t1", TurnPayload(text="hi"), "other")
+    assert got.recorded and got.lease is None
+    outcome, rec, _ = q.release_or_next(ref, lease.fence)  # the holder cannot let go: the turn is its to run
+    assert outcome == "next" and rec is not None and rec.turn_id == "t1"
+
+
+def test_intake_does_not_record_a_turn_it_already_has_and_reruns_an_unfinished_one(
+    queue: tuple[PostgresStore, SessionQueue],
+) -> None:
+    store, q = queue
+    ref = _ref()
+    q.beat("w1", 60)
+    first = q.intake(ref, "t1", TurnPayload(text="hi"), "w1")
+    assert first.lease is not None
+    q.release(ref, first.lease.fence, force=True)  # the worker died, say; the turn is still queued
+    again = q.intake(ref, "t1", TurnPayload(text="a different text"), "w1")
+    assert not again.recorded and again.existing is not None and again.existing.payload.text == "hi"
+    assert again.lease is not None and again.lease.turn is not None and again.lease.turn.turn_id == "t1"
+    assert [t.turn_id for t in store.unfinished_turns(ref)] == ["t1"]
+
+
+def test_intake_of_a_finished_turn_takes_no_lease(queue: tuple[PostgresStore, SessionQueue]) -> None:
+    store, q = queue
+    ref = _ref()
+    q.beat("w1", 60)
+    lease = q.intake(ref, "t1", TurnPayload(text="hi"), "w1").lease
+    assert lease is not None
+    store.commit(ref, _ending("t1"), fence=lease.fence)
+    assert q.release(ref, lease.fence)
+    again = q.intake(ref, "t1", TurnPayload(text="hi"), "w1")
+    assert not again.recorded and again.lease is None
+    assert again.existing is not None and again.existing.status == "completed"
+
+
+def test_intake_records_nothing_while_another_turn_is_parked(queue: tuple[PostgresStore, SessionQueue]) -> None:
+    store, q = queue
+    ref = _ref()
+    q.beat("w1", 60)
+    lease = q.intake(ref, "t1", TurnPayload(text="refund"), "w1").lease
+    assert lease is not None
+    store.commit(
+        ref,
+        Commit(
+            suspended=SuspendedCheckpoint(
+                turn_id="t1", request=InputRequest(id="ok", prompt="approve?"), call_id="c1", opening_text="refund"
+            ),
+            status="suspended",
+            turn_id="t1",
+            turn_status="suspended",
+        ),
+        fence=lease.fence,
+    )
+    assert q.release(ref, lease.fence)
+    got = q.intake(ref, "t2", TurnPayload(text="next"), "w1")
+    assert not got.recorded and got.lease is None and got.existing is None
+    assert got.parked is not None and got.parked.turn_id == "t1"
+    assert store.get_turn(ref, "t2") is None
+
+
+def test_a_turn_recorded_by_an_intake_while_the_holder_releases_is_never_stranded(
+    queue: tuple[PostgresStore, SessionQueue], fresh_db: str
+) -> None:
+    # Given a holder with an empty queue, and an intake statement that ran but has not committed
+    _, q = queue
+    ref = _ref()
+    q.beat("holder", 60)
+    q.beat("other", 60)
+    lease = q.take(ref, "holder")
+    assert lease is not None and lease.turn is None
+    intake = psycopg.connect(fresh_db)
+    params = {"a": ref.agent, "s": ref.session, "t": "t_late", "o": "other", "l": 30.0}
+    intake.execute(_INTAKE, {**params, "p": TurnPayload(text="late").model_dump_json()})
+    # When the holder releases (its statement's snapshot cannot see the turn) and the intake commits
+    outcome: list[object] = []
+    releasing = threading.Thread(target=lambda: outcome.append(q.release_or_next(ref, lease.fence)))
+    releasing.start()
+    wait_for(lambda: _waits_on_a_lock(fresh_db, "released as"), what="the release to wait on the session row")
+    intake.commit()
+    intake.close()
+    releasing.join(10)
+    # Then the holder keeps the lease and runs the turn
+    assert outcome and outcome[0][0] == "next"  # type: ignore[index]
+    again = q.release_or_next(ref, lease.fence)
+    assert again[0] == "next" and again[1] is not None and again[1].turn_id == "t_late"
+
+
+def _ending(turn_id: str) -> Commit:
+    result = Completed(turn_id=turn_id, text="done")
+    return Commit(
+        events=[TurnCompleted(turn_id=turn_id, text="done")],
+        status="done",
+        turn_id=turn_id,
+        turn_status="completed",
+        turn_result=result,
+    )
+
+
+def _waits_on_a_lock(url: str, query_part: str) -> bool:
+    with psycopg.connect(url, autocommit=True) as admin:
+        rows = admin.execute(
+            "select 1 from pg_stat_activity where wait_event_type = 'Lock' and query like %s", (f"%{query_part}%",)
+        ).fetchall()
+    return bool(rows)
