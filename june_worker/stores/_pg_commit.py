@@ -15,6 +15,11 @@ which would refuse a ``\\u0000`` in them.
 
 Event bodies are sent without their leading ``{``; the statement puts ``{"seq":<n>,`` in
 front, since the sequence number is known only once the session row is updated.
+
+With ``release`` (a fenced commit that ends its turn), ``upd`` also gives the session's lease
+up, unless another turn is queued or running or one was recorded after the statement's
+snapshot (``next_position`` moved: the same guard as the worker queue's release). It then
+returns whether the lease is free as a second column.
 """
 
 from __future__ import annotations
@@ -43,12 +48,17 @@ class _Shape(NamedTuple):
     fenced: bool
     expect: bool
     turn: bool
+    release: bool
 
 
-def commit_statement(ref: SessionRef, commit: Commit, fence: int | None) -> tuple[str, dict[str, Any]]:
-    """The statement for this commit and its parameters."""
+def commit_statement(
+    ref: SessionRef, commit: Commit, fence: int | None, *, release: bool = False
+) -> tuple[str, dict[str, Any]]:
+    """The statement for this commit and its parameters; ``release``: see the module docstring."""
     messages, steps, events = commit.messages, commit.steps, commit.events
     turn = commit.turn_id is not None and commit.turn_status is not None
+    if release and (fence is None or not turn):
+        raise ValueError("only a fenced commit that sets its turn's status can release the lease")
     shape = _Shape(
         messages=_count(len(messages)),
         steps=_count(len(steps)),
@@ -58,6 +68,7 @@ def commit_statement(ref: SessionRef, commit: Commit, fence: int | None) -> tupl
         fenced=fence is not None,
         expect=commit.expect_suspended is not None,
         turn=turn,
+        release=release,
     )
     p: dict[str, Any] = {"agent": ref.agent, "session": ref.session, "n_events": Int8(len(events))}
     if fence is not None:
@@ -148,15 +159,25 @@ def _sql(shape: _Shape) -> str:
         sets.append("suspended = %(suspended)s::json")
     elif shape.suspended == "clear":
         sets.append("suspended = null")
+    if shape.release:
+        free = (
+            "not exists (select 1 from june_turns t where t.agent = s.agent and t.session = s.session"
+            " and t.status in ('queued', 'running') and t.turn_id <> %(t_id)s::text)"
+            " and s.next_position = (select s2.next_position from june_sessions s2"
+            " where s2.agent = %(agent)s::text and s2.session = %(session)s::text)"
+        )
+        sets.append(f"lease_owner = case when {free} then null else s.lease_owner end")
+        sets.append(f"lease_expires = case when {free} then null else s.lease_expires end")
     where = ["s.agent = %(agent)s::text", "s.session = %(session)s::text"]
     if shape.fenced:
         where.append("s.fence = %(fence)s::bigint")
     if shape.expect:
         where.append("s.suspended->>'turn_id' = %(exp_turn)s::text")
         where.append("s.suspended->'request'->>'id' = %(exp_input)s::text")
+    returning = "s.event_seq, s.lease_owner is null as released" if shape.release else "s.event_seq"
     parts = [
         f"upd as (\n    update june_sessions s set {', '.join(sets)}\n    where {' and '.join(where)}\n"
-        "    returning s.event_seq\n)"
+        f"    returning {returning}\n)"
     ]
     if shape.messages:
         source = _source("m", shape.messages, [("idx", "integer"), ("turn_id", "text"), ("role", "text")], "body")
@@ -190,4 +211,4 @@ def _sql(shape: _Shape) -> str:
             "    from upd\n"
             "    where t.agent = %(agent)s::text and t.session = %(session)s::text and t.turn_id = %(t_id)s::text\n)"
         )
-    return "with " + ", ".join(parts) + "\nselect event_seq from upd"
+    return "with " + ", ".join(parts) + f"\nselect {'event_seq, released' if shape.release else 'event_seq'} from upd"

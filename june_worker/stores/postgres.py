@@ -479,11 +479,11 @@ class PostgresStore:
     def commit(self, ref: SessionRef, commit: Commit | CommitBuilder, *, fence: int | None = None) -> list[TurnEvent]:
         with self._connection() as conn:
             if isinstance(commit, Commit):
-                return self._apply(conn, ref, commit, fence)
+                return self._apply(conn, ref, commit, fence)[0]
             handle = _Handle(conn)
             try:
                 built = commit(handle)
-                events = self._apply(conn, ref, built, fence)
+                events = self._apply(conn, ref, built, fence)[0]
             except BaseException:
                 if handle.begun:
                     with contextlib.suppress(psycopg.Error):  # a dead connection has no transaction left
@@ -493,8 +493,22 @@ class PostgresStore:
                 conn.execute("commit", prepare=False)
             return events
 
-    def _apply(self, conn: Conn, ref: SessionRef, commit: Commit, fence: int | None) -> list[TurnEvent]:
-        sql, params = commit_statement(ref, commit, fence)
+    def commit_releasing(self, ref: SessionRef, commit: Commit, *, fence: int) -> tuple[list[TurnEvent], bool]:
+        """:meth:`commit` the checkpoint that ends a turn and, in the same statement, give the lease up.
+
+        For a host that leases sessions (``fence``, ``lease_owner`` on the session row): the lease
+        is given up unless another turn of the session is queued or running, or one was recorded
+        after this statement's snapshot (``next_position`` moved). Returns the events and whether
+        the lease is free now; if not, the caller runs the session's next turn. ``commit`` must set
+        its turn's status (``turn_id`` and ``turn_status``).
+        """
+        with self._connection() as conn:
+            return self._apply(conn, ref, commit, fence, release=True)
+
+    def _apply(
+        self, conn: Conn, ref: SessionRef, commit: Commit, fence: int | None, *, release: bool = False
+    ) -> tuple[list[TurnEvent], bool]:
+        sql, params = commit_statement(ref, commit, fence, release=release)
         cur = self._cursors.get(conn)
         if cur is None or cur.closed:
             cur = self._cursors[conn] = conn.cursor()  # one per connection: a step's commit skips making one
@@ -509,7 +523,8 @@ class PostgresStore:
                 raise StoreError(f"session {ref}: the commit broke a unique constraint: {exc}") from exc
             if row is not None:
                 base = row[0] - len(commit.events)
-                return [e.model_copy(update={"seq": base + i}) for i, e in enumerate(commit.events, start=1)]
+                events = [e.model_copy(update={"seq": base + i}) for i, e in enumerate(commit.events, start=1)]
+                return events, release and bool(row[1])
             # Nothing was written. Ask why: off the happy path, so a second round trip is fine.
             found = conn.execute(_WHY_NOT, params).fetchone()
             current_fence, parked_turn, parked_input = found if found is not None else (0, None, None)

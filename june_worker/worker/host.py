@@ -6,7 +6,9 @@ process, lazily, and remade after a fork, never at import time.
 
 The drain loop is the heart: take the session's lease, relay any events a previous holder
 committed but did not publish, then run the session's unfinished turns oldest first, each
-under the fence of this lease, until the release succeeds (the queue is empty).
+under the fence of this lease, until the release succeeds (the queue is empty). The commit
+that ends a turn tries the release in the same statement, so a session with nothing else
+queued costs no statement of its own to let go.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import redis
 
 from ..engine.agent import Agent, deliver_result
 from ..engine.crash import CrashAt
-from ..engine.events import TurnResult
+from ..engine.events import TurnEvent, TurnResult
 from ..engine.loop import TurnRunner, reject_turn
-from ..engine.store import SessionRef, TurnRecord
+from ..engine.store import UNFINISHED_TURN_STATUSES, Commit, CommitBuilder, SessionRef, TurnRecord
 from ..errors import ConfigError, LeaseLostError
 from ..events.keys import EventKeys
 from ..events.redis_stream import RedisStreamSink, Trim
@@ -89,6 +91,35 @@ class _Cancel:
                     callback()
 
         self._loop.call_soon_threadsafe(apply)
+
+
+class _EndingReleases:
+    """The store as a drained turn sees it: the commit that ends the turn also gives the lease up.
+
+    That saves the release its own statement (a round trip and a disk flush) whenever the
+    session has nothing else queued. ``released`` says whether it did; None when no such commit
+    ran (the turn had ended before, or its ending failed). Everything else is the store's own.
+    """
+
+    def __init__(self, store: PostgresStore, turn_id: str) -> None:
+        self._store = store
+        self._turn_id = turn_id
+        self.released: bool | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def commit(self, ref: SessionRef, commit: Commit | CommitBuilder, *, fence: int | None = None) -> list[TurnEvent]:
+        if (
+            isinstance(commit, Commit)
+            and fence is not None
+            and commit.turn_id == self._turn_id
+            and commit.turn_status is not None
+            and commit.turn_status not in UNFINISHED_TURN_STATUSES
+        ):
+            events, self.released = self._store.commit_releasing(ref, commit, fence=fence)
+            return events
+        return self._store.commit(ref, commit, fence=fence)
 
 
 @dataclass
@@ -176,7 +207,9 @@ class WorkerHost:
                     # A reset waits for the session: stop here; it runs what is queued after it.
                     self.queue.release(ref, fence, force=True)
                     return
-                ran[rec.turn_id] = self.run_turn(ref, rec, fence)
+                ran[rec.turn_id], released = self._run_turn(ref, rec, fence, release=True)
+                if released:
+                    return  # the turn's last commit gave the lease up: nothing else was queued
                 rec = None
         except LeaseLostError:
             log.warning("lease on %s was taken over; this worker stops working on it", ref)
@@ -186,15 +219,25 @@ class WorkerHost:
 
     def run_turn(self, ref: SessionRef, rec: TurnRecord, fence: int) -> TurnResult:
         """Run one turn under the lease fenced by ``fence`` (the caller holds it), then deliver it if it has a target."""
+        return self._run_turn(ref, rec, fence)[0]
+
+    def _run_turn(
+        self, ref: SessionRef, rec: TurnRecord, fence: int, *, release: bool = False
+    ) -> tuple[TurnResult, bool]:
+        """:meth:`run_turn`; with ``release``, the turn's last commit also gives the lease up if nothing else is
+        queued (not for a turn with a delivery target: it is delivered under the lease). Returns whether it did."""
         agent = self.agent(ref.agent)
         if agent is None:
-            return reject_turn(self.store, self.sink, ref, rec.turn_id, f"unknown agent {ref.agent!r}", fence=fence)
+            rejected = reject_turn(self.store, self.sink, ref, rec.turn_id, f"unknown agent {ref.agent!r}", fence=fence)
+            return rejected, False
         cancel = _Cancel(self.loop, rec.cancel_reason)
         with self._lock:
             if self._running is not None:
                 self._running.turn_id = rec.turn_id
                 self._running.cancel = cancel
-        runner = TurnRunner(agent, self.store, self.sink, ref, rec, fence=fence, cancel=cancel, crash=self.crash)
+        ending = _EndingReleases(self.store, rec.turn_id) if release and rec.payload.target is None else None
+        store = ending if ending is not None else self.store
+        runner = TurnRunner(agent, store, self.sink, ref, rec, fence=fence, cancel=cancel, crash=self.crash)
         result = self.loop.run_until_complete(runner.run())
         if rec.payload.target is not None and result.status != "rejected":
             try:
@@ -204,7 +247,7 @@ class WorkerHost:
                 )
             except Exception:
                 log.exception("delivering turn %s of %s to %s failed", rec.turn_id, ref, rec.payload.target)
-        return result
+        return result, bool(ending is not None and ending.released)
 
     def run_async(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)

@@ -5,9 +5,12 @@ session row. Taking the lease bumps ``fence``; every step commit carries the fen
 given and is refused once another worker took over (:class:`~june_worker.errors.LeaseLostError`).
 
 The rule a reader must not break: **the lease is released only by a statement that also
-checks the queue is empty**. A worker that records a turn and finds the lease taken relies on
-the holder to run it; the holder's release fails while that turn is queued, so the holder
-loops back and runs it. Nothing is left behind between "queue empty" and "lease released".
+checks the queue is empty** (here, and in the turn's last commit:
+:meth:`~june_worker.stores.postgres.PostgresStore.commit_releasing`). A worker that records a
+turn and finds the lease taken relies on the holder to run it; the holder's release fails while
+that turn is queued, or if it was recorded after the release's snapshot (``next_position``
+moved), so the holder loops back and runs it. Nothing is left behind between "queue empty" and
+"lease released".
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from june_worker.engine.events import Completed, TurnCompleted
+from june_worker.engine.events import Completed, TurnCompleted, TurnEvent
 from june_worker.engine.store import Commit, SessionRef, SuspendedCheckpoint, TurnPayload
 from june_worker.engine.types import InputRequest
+from june_worker.errors import LeaseLostError
 from june_worker.stores.postgres import PostgresStore
 from june_worker.worker.queue import _INTAKE, SessionQueue
 
@@ -223,6 +224,9 @@ def test_a_turn_recorded_by_an_intake_while_the_holder_releases_is_never_strande
     assert again[0] == "next" and again[1] is not None and again[1].turn_id == "t_late"
 
 
+# --- the turn's last commit gives the lease up in the same statement -----------------------------------
+
+
 def _ending(turn_id: str) -> Commit:
     result = Completed(turn_id=turn_id, text="done")
     return Commit(
@@ -240,3 +244,77 @@ def _waits_on_a_lock(url: str, query_part: str) -> bool:
             "select 1 from pg_stat_activity where wait_event_type = 'Lock' and query like %s", (f"%{query_part}%",)
         ).fetchall()
     return bool(rows)
+
+
+def test_the_last_commit_releases_the_lease_when_nothing_else_is_queued(
+    queue: tuple[PostgresStore, SessionQueue],
+) -> None:
+    store, q = queue
+    ref = _ref()
+    q.beat("w1", 60)
+    q.beat("w2", 60)
+    lease = q.intake(ref, "t1", TurnPayload(text="hi"), "w1").lease
+    assert lease is not None
+    events, released = store.commit_releasing(ref, _ending("t1"), fence=lease.fence)
+    assert released and [e.type for e in events] == ["turn.completed"] and events[0].seq == 1
+    rec = store.get_turn(ref, "t1")
+    assert rec is not None and rec.status == "completed" and rec.result is not None
+    assert q.take(ref, "w2") is not None  # free for anyone
+
+
+def test_the_last_commit_keeps_the_lease_while_another_turn_is_queued(
+    queue: tuple[PostgresStore, SessionQueue],
+) -> None:
+    store, q = queue
+    ref = _ref()
+    q.beat("w1", 60)
+    lease = q.intake(ref, "t1", TurnPayload(text="hi"), "w1").lease
+    assert lease is not None
+    assert q.intake(ref, "t2", TurnPayload(text="next"), "w2").lease is None  # w2 is not alive: no matter, held
+    _, released = store.commit_releasing(ref, _ending("t1"), fence=lease.fence)
+    assert not released
+    outcome, rec, _ = q.release_or_next(ref, lease.fence)
+    assert outcome == "next" and rec is not None and rec.turn_id == "t2"
+
+
+def test_the_last_commit_of_a_fenced_off_holder_writes_nothing_and_releases_nothing(
+    queue: tuple[PostgresStore, SessionQueue],
+) -> None:
+    store, q = queue
+    ref = _ref()
+    q.beat("w1", 0.2)
+    q.beat("w2", 60)
+    old = q.intake(ref, "t1", TurnPayload(text="hi"), "w1").lease
+    assert old is not None
+    new = wait_for(lambda: q.take(ref, "w2"), timeout_s=5, what="the takeover of a dead holder's lease")
+    with pytest.raises(LeaseLostError):
+        store.commit_releasing(ref, _ending("t1"), fence=old.fence)
+    assert store.events(ref) == [] and q.renew(ref, new.fence)  # the new holder still holds it
+
+
+def test_a_turn_recorded_while_the_last_commit_releases_is_never_stranded(
+    queue: tuple[PostgresStore, SessionQueue], fresh_db: str
+) -> None:
+    # Given a holder about to commit its turn's end, and an intake that recorded a turn but has not committed
+    store, q = queue
+    ref = _ref()
+    q.beat("holder", 60)
+    lease = q.intake(ref, "t1", TurnPayload(text="hi"), "holder").lease
+    assert lease is not None
+    intake = psycopg.connect(fresh_db)
+    params = {"a": ref.agent, "s": ref.session, "t": "t_late", "o": "other", "l": 30.0}
+    intake.execute(_INTAKE, {**params, "p": TurnPayload(text="late").model_dump_json()})
+    # When the last commit runs (its snapshot cannot see the new turn) and the intake then commits
+    outcome: list[tuple[list[TurnEvent], bool]] = []
+    ending = threading.Thread(
+        target=lambda: outcome.append(store.commit_releasing(ref, _ending("t1"), fence=lease.fence))
+    )
+    ending.start()
+    wait_for(lambda: _waits_on_a_lock(fresh_db, "update june_sessions s set event_seq"), what="the commit to wait")
+    intake.commit()
+    intake.close()
+    ending.join(10)
+    # Then the commit applied, but the holder kept the lease and runs the new turn
+    assert outcome and outcome[0][1] is False and [e.type for e in outcome[0][0]] == ["turn.completed"]
+    again = q.release_or_next(ref, lease.fence)
+    assert again[0] == "next" and again[1] is not None and again[1].turn_id == "t_late"
