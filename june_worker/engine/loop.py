@@ -55,6 +55,7 @@ from .store import (
     Commit,
     CommitBuilder,
     SessionRef,
+    SessionSnapshot,
     SessionStore,
     StepRecord,
     StoreHandle,
@@ -136,6 +137,9 @@ class TurnRunner:
     A runner is used once. The host (in-process session, Celery worker) makes sure only one
     runner works on a session at a time, and passes the session's fencing token when it has
     one, so that a runner whose lease was taken over cannot commit.
+
+    ``snapshot``: the session as the host read it once it held the session (the worker reads it
+    with the lease, in the same statement); without one the runner loads it from the store.
     """
 
     def __init__(
@@ -150,6 +154,7 @@ class TurnRunner:
         cancel: CancelProbe = NO_CANCEL,
         crash: CrashHook | None = None,
         runtime: Any = None,
+        snapshot: SessionSnapshot | None = None,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -161,6 +166,7 @@ class TurnRunner:
         self.cancel = cancel
         self._crash = crash
         self.runtime = runtime
+        self._snapshot = snapshot
         self.messages: list[Message] = []
         self.steps: dict[str, StepRecord] = {}
         self.usage = Usage()
@@ -176,7 +182,7 @@ class TurnRunner:
         rec = self.record
         if rec.status in ("completed", "failed", "cancelled", "rejected", "suspended") and rec.result is not None:
             return rec.result  # a redelivered turn that already ended reports its own result
-        snap = self.store.load(self.ref)
+        snap = self._snapshot if self._snapshot is not None else self.store.load(self.ref)
         self.messages = list(snap.messages)
         self.steps.update(snap.steps)  # in place: the input broker reads this same mapping
         payload = rec.payload

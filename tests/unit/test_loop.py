@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 
 from june_worker.engine.events import Completed
+from june_worker.engine.loop import TurnRunner
 from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
-from june_worker.engine.store import SessionRef
+from june_worker.engine.sink import NullSink
+from june_worker.engine.store import SessionRef, SessionSnapshot, TurnPayload
 from june_worker.engine.types import AssistantMessage, Finish, ModelReply, ToolMessage, UserMessage
 from june_worker.errors import TurnFailedError
 from june_worker.models import Reply, ScriptedModel
@@ -300,3 +302,28 @@ def test_the_unit_tier_refuses_network_calls() -> None:
 
     with pytest.raises(PermissionError, match="no network calls in the unit tier"):
         socket.create_connection(("203.0.113.7", 443), timeout=0.1)
+
+
+class _CountingLoads(SQLiteStore):
+    loads = 0
+
+    def load(self, ref: SessionRef) -> SessionSnapshot:
+        self.loads += 1
+        return super().load(ref)
+
+
+async def test_a_runner_given_the_sessions_snapshot_does_not_read_the_store() -> None:
+    # Given a session with one finished turn, read once by the host
+    store = _CountingLoads(":memory:")
+    rt = runtime_with(store, ScriptedModel(ORDER_SCRIPT * 2), [order_tool()])
+    await rt.session("ops", "s1").turn("Order 3 widgets", turn_id="t1")
+    ref = SessionRef("ops", "s1")
+    snapshot = store.load(ref)
+    rec, _ = store.enqueue_turn(ref, "t2", TurnPayload(text="Order 3 more"))
+    loads = store.loads
+    # When a runner is given that snapshot
+    result = await TurnRunner(rt.agents["ops"], store, NullSink(), ref, rec, snapshot=snapshot).run()
+    # Then it runs the turn on it, after the first turn's messages, and never loads
+    assert isinstance(result, Completed) and result.text == "Done — order placed."
+    assert store.loads == loads
+    assert [m.turn_id for m in transcript(store)] == ["t1"] * 4 + ["t2"] * 4
