@@ -42,11 +42,7 @@ NAMES = [
     ("select (select suspended::text", "worker/queue.py SessionQueue.intake_view (turn row + park)"),
     ("select turn_id, position, status", "stores/postgres.py get_turn"),
     ("select suspended::text from june_sessions", "stores/postgres.py pending"),
-    (
-        "with existing as ( select turn_id, position, status, payload::text, cancel_reason, attempts, result::text, "
-        "generation, created_at, finished_at from june_turns where agent = %(a)s",
-        "worker/queue.py SessionQueue.intake (turn + lease + first turn)",
-    ),
+    ("with snap as", "worker/queue.py SessionQueue.intake (turn + lease + transcript)"),
     ("with existing as", "stores/postgres.py enqueue_turn"),
     ("with acquired as", "worker/queue.py SessionQueue.take (lease + first turn)"),
     ("insert into june_sessions (agent, session, lease_owner", "worker/queue.py SessionQueue.acquire"),

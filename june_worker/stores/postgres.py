@@ -67,7 +67,7 @@ from ..errors import LeaseLostError, ResumeConflictError, StoreError
 from ._pg_commit import commit_statement
 from ._sql import qmark_to_format
 
-__all__ = ["TURN_COLUMNS", "PostgresStore", "turn_from_row"]
+__all__ = ["MESSAGES_JSON", "STEPS_JSON", "TURN_COLUMNS", "PostgresStore", "session_snapshot", "turn_from_row"]
 
 Conn: TypeAlias = psycopg.Connection[TupleRow]
 T = TypeVar("T")
@@ -180,12 +180,16 @@ where agent = %(agent)s and session = %(session)s
 
 _ENSURE_SESSION = "insert into june_sessions (agent, session) values (%(agent)s, %(session)s) on conflict do nothing"
 
-_LOAD = """
-select s.generation, s.status, s.suspended::text, s.event_seq, s.reset_pending,
-    (select coalesce(json_agg(m.body order by m.idx), '[]'::json)::text
-       from june_messages m where m.agent = %(agent)s and m.session = %(session)s),
-    (select coalesce(json_agg(json_build_array(st.step_id, st.turn_id, st.data)), '[]'::json)::text
-       from june_steps st where st.agent = %(agent)s and st.session = %(session)s)
+MESSAGES_JSON = """(select coalesce(json_agg(m.body order by m.idx), '[]'::json)::text
+       from june_messages m where m.agent = %(agent)s and m.session = %(session)s)"""
+"""The session's transcript as one JSON text (a scalar subquery), as :func:`session_snapshot` reads it."""
+
+STEPS_JSON = """(select coalesce(json_agg(json_build_array(st.step_id, st.turn_id, st.data)), '[]'::json)::text
+       from june_steps st where st.agent = %(agent)s and st.session = %(session)s)"""
+"""The session's steps as one JSON text (a scalar subquery), as :func:`session_snapshot` reads it."""
+
+_LOAD = f"""
+select s.generation, s.status, s.suspended::text, s.event_seq, s.reset_pending, {MESSAGES_JSON}, {STEPS_JSON}
 from (select 1) as one
 left join june_sessions s on s.agent = %(agent)s and s.session = %(session)s
 """
@@ -427,21 +431,7 @@ class PostgresStore:
         key = {"agent": ref.agent, "session": ref.session}
         row = self._read(lambda c: c.execute(_LOAD, key).fetchone())
         assert row is not None
-        generation, status, suspended, event_seq, reset_pending, messages, steps = row
-        return SessionSnapshot(
-            ref_agent=ref.agent,
-            ref_session=ref.session,
-            generation=generation or 0,
-            status=status or "new",
-            suspended=SuspendedCheckpoint.model_validate_json(suspended) if suspended else None,
-            reset_pending=bool(reset_pending),
-            messages=_MessagesAdapter.validate_json(messages),
-            steps={
-                step_id: StepRecord(step_id=step_id, turn_id=turn_id, data=data)
-                for step_id, turn_id, data in json.loads(steps)
-            },
-            event_seq=event_seq or 0,
-        )
+        return session_snapshot(ref, *row)
 
     def pending(self, ref: SessionRef) -> SuspendedCheckpoint | None:
         key = {"agent": ref.agent, "session": ref.session}
@@ -584,6 +574,33 @@ class PostgresStore:
     def close(self) -> None:
         if self._owns_pool:
             self._pool.close()
+
+
+def session_snapshot(
+    ref: SessionRef,
+    generation: int | None,
+    status: str | None,
+    suspended: str | None,
+    event_seq: int | None,
+    reset_pending: bool | None,
+    messages: str,
+    steps: str,
+) -> SessionSnapshot:
+    """A session from its row's columns (None: no row yet) and :data:`MESSAGES_JSON`, :data:`STEPS_JSON`."""
+    return SessionSnapshot(
+        ref_agent=ref.agent,
+        ref_session=ref.session,
+        generation=generation or 0,
+        status=status or "new",
+        suspended=SuspendedCheckpoint.model_validate_json(suspended) if suspended else None,
+        reset_pending=bool(reset_pending),
+        messages=_MessagesAdapter.validate_json(messages),
+        steps={
+            step_id: StepRecord(step_id=step_id, turn_id=turn_id, data=data)
+            for step_id, turn_id, data in json.loads(steps)
+        },
+        event_seq=event_seq or 0,
+    )
 
 
 def turn_from_row(ref: SessionRef, row: Sequence[Any]) -> TurnRecord:

@@ -32,7 +32,7 @@ from ..engine.agent import Agent, deliver_result
 from ..engine.crash import CrashAt
 from ..engine.events import TurnEvent, TurnResult
 from ..engine.loop import TurnRunner, reject_turn
-from ..engine.store import UNFINISHED_TURN_STATUSES, Commit, CommitBuilder, SessionRef, TurnRecord
+from ..engine.store import UNFINISHED_TURN_STATUSES, Commit, CommitBuilder, SessionRef, SessionSnapshot, TurnRecord
 from ..errors import ConfigError, LeaseLostError
 from ..events.keys import EventKeys
 from ..events.redis_stream import RedisStreamSink, Trim
@@ -195,7 +195,7 @@ class WorkerHost:
             # a stream whose markers already reach the committed count needs no read of the outbox.
             if lease.event_seq > 0 and self.sink.relayed_seq(ref) < lease.event_seq:
                 self.sink.relay(self.store, ref)
-            rec, reset_pending = lease.turn, lease.reset_pending
+            rec, reset_pending, snapshot = lease.turn, lease.reset_pending, lease.snapshot
             while True:
                 if rec is None:
                     # Release only if the queue is empty, else take the next turn: one statement.
@@ -207,10 +207,10 @@ class WorkerHost:
                     # A reset waits for the session: stop here; it runs what is queued after it.
                     self.queue.release(ref, fence, force=True)
                     return
-                ran[rec.turn_id], released = self._run_turn(ref, rec, fence, release=True)
+                ran[rec.turn_id], released = self._run_turn(ref, rec, fence, snapshot=snapshot, release=True)
                 if released:
                     return  # the turn's last commit gave the lease up: nothing else was queued
-                rec = None
+                rec, snapshot = None, None  # the next turn reads the session as that one left it
         except LeaseLostError:
             log.warning("lease on %s was taken over; this worker stops working on it", ref)
         finally:
@@ -222,10 +222,17 @@ class WorkerHost:
         return self._run_turn(ref, rec, fence)[0]
 
     def _run_turn(
-        self, ref: SessionRef, rec: TurnRecord, fence: int, *, release: bool = False
+        self,
+        ref: SessionRef,
+        rec: TurnRecord,
+        fence: int,
+        *,
+        snapshot: SessionSnapshot | None = None,
+        release: bool = False,
     ) -> tuple[TurnResult, bool]:
-        """:meth:`run_turn`; with ``release``, the turn's last commit also gives the lease up if nothing else is
-        queued (not for a turn with a delivery target: it is delivered under the lease). Returns whether it did."""
+        """:meth:`run_turn`, on ``snapshot`` if the session was read with the lease; with ``release``, the turn's
+        last commit also gives the lease up if nothing else is queued (not for a turn with a delivery target: it
+        is delivered under the lease). Returns whether it did."""
         agent = self.agent(ref.agent)
         if agent is None:
             rejected = reject_turn(self.store, self.sink, ref, rec.turn_id, f"unknown agent {ref.agent!r}", fence=fence)
@@ -237,7 +244,9 @@ class WorkerHost:
                 self._running.cancel = cancel
         ending = _EndingReleases(self.store, rec.turn_id) if release and rec.payload.target is None else None
         store = ending if ending is not None else self.store
-        runner = TurnRunner(agent, store, self.sink, ref, rec, fence=fence, cancel=cancel, crash=self.crash)
+        runner = TurnRunner(
+            agent, store, self.sink, ref, rec, fence=fence, cancel=cancel, crash=self.crash, snapshot=snapshot
+        )
         result = self.loop.run_until_complete(runner.run())
         if rec.payload.target is not None and result.status != "rejected":
             try:

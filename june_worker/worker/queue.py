@@ -21,12 +21,13 @@ from typing import Any
 
 from psycopg_pool import ConnectionPool
 
-from ..engine.store import SessionRef, SuspendedCheckpoint, TurnPayload, TurnRecord
-from ..stores.postgres import TURN_COLUMNS, turn_from_row
+from ..engine.store import SessionRef, SessionSnapshot, SuspendedCheckpoint, TurnPayload, TurnRecord
+from ..stores.postgres import MESSAGES_JSON, STEPS_JSON, TURN_COLUMNS, session_snapshot, turn_from_row
 
 __all__ = ["Intake", "Lease", "SessionQueue", "Stranded"]
 
 _NOW = "extract(epoch from clock_timestamp())"
+_INTAKE_ATTEMPTS = 3
 
 # A lease may be taken when nobody holds it, when it expired, or when its holder's process is
 # no longer alive (its june_workers row lapsed): the fence makes a zombie harmless either way.
@@ -44,43 +45,59 @@ _NOTHING_NEW = """s.next_position = (select s2.next_position from june_sessions 
 
 # Intake in one statement: record the turn unless it exists or another turn is parked, and take
 # the lease in the same update of the session row that bumps next_position (so a holder's release
-# fails, _NOTHING_NEW), when there is a turn to run and the lease is free or ours. The first
-# unfinished turn comes from this statement's snapshot, or is the one just recorded.
-_TAKE = f"(s.lease_owner = excluded.lease_owner or {_LEASE_IS_FREE.format(s='s')})"
+# fails, _NOTHING_NEW), when there is a turn to run and the lease is free or ours. Taking the lease
+# also reads the session (transcript, steps, first unfinished turn) for the turn to run on, so the
+# lease is taken only if the row it updates is the very version this statement's snapshot saw
+# (xmin): every commit updates that row, so nothing was committed to the session that the snapshot
+# misses. If another writer got in between, the lease is left alone and `retry` says to run the
+# statement again (a new snapshot); the turn, once recorded, is not recorded twice.
+_TAKE = f"""(s.lease_owner = excluded.lease_owner or {_LEASE_IS_FREE.format(s="s")})
+            and s.xmin = (select snap.version from snap)"""
 _INTAKE = f"""
-with existing as (
-    select {TURN_COLUMNS} from june_turns where agent = %(a)s and session = %(s)s and turn_id = %(t)s
-), parked as (
-    select suspended::text as suspended from june_sessions
-     where agent = %(a)s and session = %(s)s and suspended is not null
+with snap as (
+    select s.xmin as version, s.fence, s.generation, s.status, s.suspended::text as suspended
+      from june_sessions s where s.agent = %(agent)s and s.session = %(session)s
+), existing as (
+    select {TURN_COLUMNS} from june_turns
+     where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s
 ), plan as (
-    select not exists (select 1 from existing) and not exists (select 1 from parked) as record,
+    select not exists (select 1 from existing) and not exists (select 1 from snap where suspended is not null) as record,
            exists (select 1 from existing where status in ('queued', 'running')) as rerun
 ), sess as (
     insert into june_sessions as s (agent, session, next_position, lease_owner, lease_expires, fence)
-    select %(a)s, %(s)s, 2, %(o)s, {_NOW} + %(l)s, 1 from plan where plan.record or plan.rerun
+    select %(agent)s, %(session)s, 2, %(o)s, {_NOW} + %(l)s, 1 from plan where plan.record or plan.rerun
     on conflict (agent, session) do update
        set next_position = s.next_position + (select plan.record::int from plan),
            fence = case when {_TAKE} then s.fence + 1 else s.fence end,
            lease_owner = case when {_TAKE} then excluded.lease_owner else s.lease_owner end,
            lease_expires = case when {_TAKE} then excluded.lease_expires else s.lease_expires end
-    returning s.next_position - 1 as position, s.generation, s.fence, s.lease_owner, s.event_seq, s.reset_pending
+    returning s.next_position - 1 as position, s.generation, s.fence, s.lease_owner, s.lease_expires,
+              s.event_seq, s.reset_pending
 ), ins as (
     insert into june_turns (agent, session, turn_id, position, status, payload, generation)
-    select %(a)s, %(s)s, %(t)s, sess.position, 'queued', %(p)s::json, sess.generation from sess, plan where plan.record
+    select %(agent)s, %(session)s, %(turn_id)s, sess.position, 'queued', %(payload)s::json, sess.generation
+      from sess, plan where plan.record
     on conflict do nothing
     returning {TURN_COLUMNS}
 )
-select (select suspended from parked), exists (select 1 from ins),
-       sess.lease_owner = %(o)s, sess.fence, sess.event_seq, sess.reset_pending, e.*, f.*
+select exists (select 1 from ins), k.took,
+       not k.took and sess.fence is not null and (sess.lease_owner = %(o)s or {_LEASE_IS_FREE.format(s="sess")}),
+       sess.fence, snap.generation, snap.status, snap.suspended, sess.event_seq, sess.reset_pending,
+       case when k.took then {MESSAGES_JSON} end,
+       case when k.took then {STEPS_JSON} end,
+       e.*, f.*
   from (select 1) one
+  left join snap on true
   left join sess on true
+  cross join lateral (
+        select coalesce(sess.lease_owner = %(o)s and sess.fence = coalesce(snap.fence, 0) + 1, false) as took) k
   left join existing e on true
   left join lateral (
         (select {TURN_COLUMNS} from june_turns
-          where agent = %(a)s and session = %(s)s and status in ('queued', 'running') order by position limit 1)
+          where agent = %(agent)s and session = %(session)s and status in ('queued', 'running')
+          order by position limit 1)
         union all (select * from ins)
-        order by position limit 1) f on sess.lease_owner = %(o)s
+        order by position limit 1) f on k.took
 """
 
 _FIRST_UNFINISHED = """
@@ -101,6 +118,8 @@ class Lease:
     event_seq: int
     turn: TurnRecord | None
     reset_pending: bool
+    snapshot: SessionSnapshot | None = None
+    """The session as it stood when the lease was taken, when it was read with it (:meth:`SessionQueue.intake`)."""
 
 
 @dataclass(frozen=True)
@@ -173,34 +192,50 @@ class SessionQueue:
         return Lease(fence=int(fence), event_seq=int(event_seq), turn=rec, reset_pending=bool(reset_pending))
 
     def intake(self, ref: SessionRef, turn_id: str, payload: TurnPayload, owner: str) -> Intake:
-        """Record a turn and take the session's lease, in one statement (one round trip, one commit).
+        """Record a turn and take the session's lease with its snapshot, in one statement (one round trip, one commit).
 
         The turn is recorded unless it already is, or another turn is parked (the caller rejects
         it then). The lease is taken if there is a turn to run and it is free, expired, held by a
         dead worker or already ours; otherwise its holder runs the turn: recording it made the
-        holder's release fail (:data:`_NOTHING_NEW`).
+        holder's release fail (:data:`_NOTHING_NEW`). With the lease comes the session as it is
+        now (:attr:`Lease.snapshot`), read in the same statement (see :data:`_INTAKE`).
         """
         params = {
-            "a": ref.agent,
-            "s": ref.session,
-            "t": turn_id,
-            "p": payload.model_dump_json(),
+            "agent": ref.agent,
+            "session": ref.session,
+            "turn_id": turn_id,
+            "payload": payload.model_dump_json(),
             "o": owner,
             "l": self.lease_s,
         }
-        with self.pool.connection() as conn:
-            row = conn.execute(_INTAKE, params).fetchone()
-        assert row is not None
-        suspended, recorded, took, fence, event_seq, reset_pending = row[:6]
-        existing, first = row[6:16], row[16:26]
+        recorded = False
+        for _ in range(_INTAKE_ATTEMPTS):
+            with self.pool.connection() as conn:
+                row = conn.execute(_INTAKE, params).fetchone()
+            assert row is not None
+            inserted, took, retry, fence, generation, status, suspended, event_seq, reset_pending = row[:9]
+            messages, steps, existing, first = row[9], row[10], row[11:21], row[21:31]
+            recorded = recorded or bool(inserted)
+            if not retry:
+                break
         lease = None
         if took:
-            rec = turn_from_row(ref, first) if first[0] is not None else None
-            lease = Lease(fence=int(fence), event_seq=int(event_seq), turn=rec, reset_pending=bool(reset_pending))
+            lease = Lease(
+                fence=int(fence),
+                event_seq=int(event_seq),
+                turn=turn_from_row(ref, first) if first[0] is not None else None,
+                reset_pending=bool(reset_pending),
+                snapshot=session_snapshot(
+                    ref, generation, status, suspended, event_seq, reset_pending, messages, steps
+                ),
+            )
+        elif retry:
+            lease = self.take(ref, owner)  # the row kept changing under us: the lease without a snapshot
+        rec = turn_from_row(ref, existing) if existing[0] is not None else None
         return Intake(
-            existing=turn_from_row(ref, existing) if existing[0] is not None else None,
+            existing=None if recorded else rec,
             parked=SuspendedCheckpoint.model_validate_json(suspended) if suspended else None,
-            recorded=bool(recorded),
+            recorded=recorded,
             lease=lease,
         )
 

@@ -9,12 +9,13 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from june_worker.engine.events import Completed, TurnCompleted, TurnEvent
+from june_worker.engine.events import Completed, TurnCompleted, TurnEvent, TurnStarted
 from june_worker.engine.store import Commit, SessionRef, SuspendedCheckpoint, TurnPayload
-from june_worker.engine.types import InputRequest
+from june_worker.engine.types import InputRequest, ProactiveTrigger, UserMessage
 from june_worker.errors import LeaseLostError
+from june_worker.stores._pg_commit import commit_statement
 from june_worker.stores.postgres import PostgresStore
-from june_worker.worker.queue import _INTAKE, SessionQueue
+from june_worker.worker.queue import _INTAKE, Intake, SessionQueue
 
 from .conftest import wait_for
 
@@ -32,6 +33,12 @@ def queue(fresh_db: str) -> Iterator[tuple[PostgresStore, SessionQueue]]:
 
 def _ref() -> SessionRef:
     return SessionRef("ops", f"q-{uuid.uuid4().hex[:8]}")
+
+
+def _intake_params(ref: SessionRef, turn_id: str, owner: str) -> dict[str, object]:
+    """The parameters of SessionQueue.intake's statement, to run it in a transaction held open."""
+    payload = TurnPayload(text=turn_id).model_dump_json()
+    return {"agent": ref.agent, "session": ref.session, "turn_id": turn_id, "payload": payload, "o": owner, "l": 30.0}
 
 
 def test_a_turn_recorded_while_the_holder_releases_is_never_stranded(
@@ -208,8 +215,7 @@ def test_a_turn_recorded_by_an_intake_while_the_holder_releases_is_never_strande
     lease = q.take(ref, "holder")
     assert lease is not None and lease.turn is None
     intake = psycopg.connect(fresh_db)
-    params = {"a": ref.agent, "s": ref.session, "t": "t_late", "o": "other", "l": 30.0}
-    intake.execute(_INTAKE, {**params, "p": TurnPayload(text="late").model_dump_json()})
+    intake.execute(_INTAKE, _intake_params(ref, "t_late", "other"))
     # When the holder releases (its statement's snapshot cannot see the turn) and the intake commits
     outcome: list[object] = []
     releasing = threading.Thread(target=lambda: outcome.append(q.release_or_next(ref, lease.fence)))
@@ -224,7 +230,60 @@ def test_a_turn_recorded_by_an_intake_while_the_holder_releases_is_never_strande
     assert again[0] == "next" and again[1] is not None and again[1].turn_id == "t_late"
 
 
+def test_intake_reads_the_session_with_the_lease(queue: tuple[PostgresStore, SessionQueue]) -> None:
+    store, q = queue
+    ref = _ref()
+    q.beat("w1", 60)
+    lease = q.intake(ref, "t1", TurnPayload(text="hi"), "w1").lease
+    assert lease is not None and lease.snapshot == store.load(ref)  # a new session: empty
+    store.commit(ref, _opening("t1"), fence=lease.fence)
+    _, released = store.commit_releasing(ref, _ending("t1"), fence=lease.fence)
+    assert released
+    again = q.intake(ref, "t2", TurnPayload(text="more"), "w1").lease
+    assert again is not None and again.snapshot == store.load(ref)
+    assert [m.turn_id for m in again.snapshot.messages] == ["t1"] and again.snapshot.event_seq == 2
+
+
+def test_an_intake_taking_the_lease_as_its_holder_lets_go_reads_what_the_holder_committed(
+    queue: tuple[PostgresStore, SessionQueue], fresh_db: str
+) -> None:
+    # Given a holder whose turn's last commit (it gives the lease up) runs in a transaction held open
+    store, q = queue
+    ref = _ref()
+    q.beat("holder", 60)
+    q.beat("next", 60)
+    lease = q.intake(ref, "t1", TurnPayload(text="hi"), "holder").lease
+    assert lease is not None
+    store.commit(ref, _opening("t1"), fence=lease.fence)
+    holder = psycopg.connect(fresh_db)
+    sql, params = commit_statement(ref, _ending("t1"), lease.fence, release=True)
+    assert holder.execute(sql, params).fetchone() == (2, True)
+    # When another worker's intake starts (its snapshot misses that commit) and the holder then commits
+    got: list[Intake] = []
+    intake = threading.Thread(target=lambda: got.append(q.intake(ref, "t2", TurnPayload(text="next"), "next")))
+    intake.start()
+    wait_for(lambda: _waits_on_a_lock(fresh_db, "with snap as"), what="the intake to wait on the session row")
+    holder.commit()
+    holder.close()
+    intake.join(10)
+    # Then it takes the lease with the session as the holder left it: t1 ended, t2 next
+    assert got and got[0].recorded and got[0].lease is not None
+    taken = got[0].lease
+    assert taken.snapshot == store.load(ref) and taken.snapshot.status == "done" and taken.event_seq == 2
+    assert taken.turn is not None and taken.turn.turn_id == "t2"
+
+
 # --- the turn's last commit gives the lease up in the same statement -----------------------------------
+
+
+def _opening(turn_id: str) -> Commit:
+    return Commit(
+        messages=[(0, UserMessage(turn_id=turn_id, text="hi"))],
+        events=[TurnStarted(turn_id=turn_id, trigger=ProactiveTrigger(by="test"))],
+        status="running",
+        turn_id=turn_id,
+        turn_status="running",
+    )
 
 
 def _ending(turn_id: str) -> Commit:
@@ -302,8 +361,7 @@ def test_a_turn_recorded_while_the_last_commit_releases_is_never_stranded(
     lease = q.intake(ref, "t1", TurnPayload(text="hi"), "holder").lease
     assert lease is not None
     intake = psycopg.connect(fresh_db)
-    params = {"a": ref.agent, "s": ref.session, "t": "t_late", "o": "other", "l": 30.0}
-    intake.execute(_INTAKE, {**params, "p": TurnPayload(text="late").model_dump_json()})
+    intake.execute(_INTAKE, _intake_params(ref, "t_late", "other"))
     # When the last commit runs (its snapshot cannot see the new turn) and the intake then commits
     outcome: list[tuple[list[TurnEvent], bool]] = []
     ending = threading.Thread(
