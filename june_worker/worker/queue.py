@@ -22,6 +22,7 @@ from typing import Any
 from psycopg_pool import ConnectionPool
 
 from ..engine.store import SessionRef, SessionSnapshot, SuspendedCheckpoint, TurnPayload, TurnRecord
+from ..stores._sql import one_line
 from ..stores.postgres import MESSAGES_JSON, STEPS_JSON, TURN_COLUMNS, session_snapshot, turn_from_row
 
 __all__ = ["Intake", "Lease", "SessionQueue", "Stranded"]
@@ -53,7 +54,7 @@ _NOTHING_NEW = """s.next_position = (select s2.next_position from june_sessions 
 # statement again (a new snapshot); the turn, once recorded, is not recorded twice.
 _TAKE = f"""(s.lease_owner = excluded.lease_owner or {_LEASE_IS_FREE.format(s="s")})
             and s.xmin = (select snap.version from snap)"""
-_INTAKE = f"""
+_INTAKE = one_line(f"""
 with snap as (
     select s.xmin as version, s.fence, s.generation, s.status, s.suspended::text as suspended
       from june_sessions s where s.agent = %(agent)s and s.session = %(session)s
@@ -98,7 +99,7 @@ select exists (select 1 from ins), k.took,
           order by position limit 1)
         union all (select * from ins)
         order by position limit 1) f on k.took
-"""
+""")
 
 _FIRST_UNFINISHED = """
     left join lateral (
