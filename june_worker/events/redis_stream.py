@@ -15,6 +15,14 @@ once (:meth:`RedisStreamSink.relay`) and the later events follow in order; witho
 events wait in the store until someone calls :meth:`~RedisStreamSink.relay` (a new worker,
 the sweeper). The store is the source of truth; Redis only ever holds a prefix of it.
 
+With ``pipelined=True`` (the worker's sink) a publish sends its commands on the sink's own
+connection and returns without waiting for the reply: Redis appends the events as soon as it
+reads them, while the worker goes on to its next step. The replies are read at the next
+publish, or at :meth:`~RedisStreamSink.flush` (the worker flushes when a turn ends, so its
+events are in Redis before the task reports it done); a gap or an error they report is acted
+on then. Everything goes over that one connection, in order: deltas never overtake the
+structural events committed before them.
+
 The sink never raises into the turn: a Redis error is logged (no URL, no password) and the
 call returns. After an error the sink stays quiet for ``retry_after_s`` (publishes return
 at once), so an unreachable Redis does not slow every step of every turn; the first
@@ -42,6 +50,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +59,7 @@ from typing import Any, Protocol
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 
 from ..engine.events import TurnEvent, is_structural
@@ -129,6 +138,8 @@ class RedisStreamSink:
     ``store``: where to fill a gap from (see the module docstring); pass the same store the
     engine commits to. ``session_trim`` / ``firehose_trim``: applied on every append.
     ``firehose=False`` leaves the firehose out (each publish is then one script call).
+    ``pipelined``: publishes do not wait for Redis's reply (see the module docstring); needs
+    ``store``, to fill from it whatever a late-read reply says is missing.
     """
 
     def __init__(
@@ -142,9 +153,12 @@ class RedisStreamSink:
         firehose_trim: Trim = Trim(maxlen=100_000),
         retry_after_s: float = 1.0,
         relay_batch: int = 500,
+        pipelined: bool = False,
     ) -> None:
         if relay_batch < 1:
             raise ValueError(f"relay_batch must be at least 1, not {relay_batch}")
+        if pipelined and store is None:
+            raise ValueError("a pipelined sink needs a store to fill gaps from")
         self.client = client
         self.keys = keys
         self.store = store
@@ -156,6 +170,10 @@ class RedisStreamSink:
         self._where = _where(client)
         self._sha: str | None = None
         self._quiet_until = 0.0
+        self.pipelined = pipelined
+        self._conn: Any = None  # the pipelined sink's own connection, made on first use
+        self._unread: list[SessionRef | None] = []  # per reply owed on it: the session of an append, None: a delta
+        self._lock = threading.Lock()
 
     @classmethod
     def from_url(
@@ -191,6 +209,17 @@ class RedisStreamSink:
         if not structural or self._quiet():
             return
         structural.sort(key=lambda e: e.seq or 0)
+        if self.pipelined:
+            try:
+                sha = self._script()
+            except Exception as exc:
+                self._failed(exc, f"publish of {len(structural)} event(s) of {ref}")
+                return
+            calls = self._calls(ref, structural, lenient=False)
+            self.flush()  # what the previous publish owes, read now: its reply has long arrived
+            if not self._quiet():
+                self._send([("EVALSHA", sha, len(keys), *keys, *args) for keys, args in calls], ref)
+            return
         try:
             gap = self._append(ref, structural, lenient=False)
             if gap:
@@ -213,6 +242,11 @@ class RedisStreamSink:
         trim = self.session_trim
         stream = self.keys.session_stream(ref)
         fields: dict[Any, Any] = {"type": event.type, "data": encode_event(ref, event)}
+        if self.pipelined:
+            self.flush()
+            if not self._quiet():
+                self._send(_xadd(stream, fields, trim), None)
+            return
         try:
             minid = trim.minid()
             if minid is None or trim.maxlen is None:
@@ -235,7 +269,7 @@ class RedisStreamSink:
         new worker, the sweeper) can retry. It trusts the store: a seq missing from the store
         is skipped, not waited for.
         """
-        after = self.relayed_seq(ref)
+        after = self.relayed_seq(ref)  # reads the replies still owed first
         events = store.events(ref, after_seq=after)
         appended = 0
         for i in range(0, len(events), self.relay_batch):
@@ -246,6 +280,7 @@ class RedisStreamSink:
 
     def relayed_seq(self, ref: SessionRef) -> int:
         """The highest seq appended everywhere this sink writes (session stream and firehose)."""
+        self.flush()
         pipe = self.client.pipeline(transaction=False)
         pipe.get(self.keys.session_marker(ref))
         if self.firehose:
@@ -260,6 +295,16 @@ class RedisStreamSink:
         Returns the number appended to the session stream when ``count``, else the first seq
         refused for a gap (0: none).
         """
+        results = self._run(self._calls(ref, events, lenient=lenient))
+        if count:
+            return int(results[0][0])
+        gaps = [int(r[2]) for r in results if int(r[2])]
+        return min(gaps) if gaps else 0
+
+    def _calls(
+        self, ref: SessionRef, events: Sequence[TurnEvent], *, lenient: bool
+    ) -> list[tuple[list[str], list[str | int]]]:
+        """The append script's (keys, args) for the session stream and the firehose partition."""
         triples: list[str | int] = []
         for e in events:
             triples += [e.seq or 0, e.type, encode_event(ref, e)]
@@ -278,21 +323,16 @@ class RedisStreamSink:
                     [ref.key, mode, *self.firehose_trim.script_args(), *triples],
                 )
             )
-        results = self._run(calls)
-        if count:
-            return int(results[0][0])
-        gaps = [int(r[2]) for r in results if int(r[2])]
-        return min(gaps) if gaps else 0
+        return calls
 
     def _run(self, calls: list[tuple[list[str], list[str | int]]]) -> list[list[Any]]:
         """EVALSHA every call in one pipeline; load the script and run them all again on NOSCRIPT
         (harmless: the script is idempotent)."""
         for attempt in (1, 2):
-            if self._sha is None:
-                self._sha = str(self.client.script_load(_APPEND_LUA))
+            sha = self._script()
             pipe = self.client.pipeline(transaction=False)
             for keys, args in calls:
-                pipe.evalsha(self._sha, len(keys), *keys, *args)
+                pipe.evalsha(sha, len(keys), *keys, *args)
             results = pipe.execute(raise_on_error=False)
             errors = [r for r in results if isinstance(r, Exception)]
             if not errors:
@@ -302,6 +342,74 @@ class RedisStreamSink:
                 continue
             raise errors[0]
         raise AssertionError("unreachable")
+
+    def _script(self) -> str:
+        if self._sha is None:
+            self._sha = str(self.client.script_load(_APPEND_LUA))
+        return self._sha
+
+    # --- pipelined publishing ------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Read the replies still owed to pipelined publishes and act on them: fill a gap from the
+        store, log an error. A no-op for a sink that is not pipelined. Never raises."""
+        if not self.pipelined:
+            return
+        with self._lock:
+            gaps = self._read_unread()
+        for ref in gaps:
+            assert self.store is not None
+            try:
+                self.relay(self.store, ref)
+            except Exception as exc:
+                self._failed(exc, f"relay of {ref}")
+
+    def _send(self, commands: list[tuple[Any, ...]], ref: SessionRef | None) -> None:
+        """Send ``commands`` on the sink's connection, owing one reply each (call :meth:`flush` first)."""
+        with self._lock:
+            try:
+                if self._conn is None:
+                    self._conn = self.client.connection_pool.make_connection()
+                # no health check: its PING would read a reply owed to an earlier publish
+                self._conn.send_packed_command(self._conn.pack_commands(commands), check_health=False)
+                self._unread.extend([ref] * len(commands))
+            except Exception as exc:
+                self._lost(exc, "pipelined publish")
+
+    def _read_unread(self) -> list[SessionRef]:
+        """Read every owed reply, in order; return the sessions whose appends found a gap."""
+        owed, self._unread = self._unread, []
+        gaps: list[SessionRef] = []
+        for ref in owed:
+            try:
+                reply = self._conn.read_response()
+            except NoScriptError:
+                self._sha = None  # Redis lost its scripts: it lost the streams too, the relay rebuilds them
+                reply = [0, 0, 1]
+            except ResponseError as exc:
+                self._failed(exc, f"append to the stream of {ref}" if ref else "delta")
+                continue
+            except Exception as exc:
+                self._lost(exc, "reading pipelined replies")
+                return []  # the next publish finds the gap, if one was left
+            if ref is not None and int(reply[2]) and ref not in gaps:
+                gaps.append(ref)
+        return gaps
+
+    def _lost(self, exc: Exception, what: str) -> None:
+        """The connection failed mid-reply: drop it and what it owed (the store keeps the events)."""
+        self._unread = []
+        if self._conn is not None:
+            self._conn.disconnect()
+        self._failed(exc, what)
+
+    def close(self) -> None:
+        """Read what is owed and let the sink's own connection go (the client is the caller's)."""
+        self.flush()
+        with self._lock:
+            if self._conn is not None:
+                self._conn.disconnect()
+                self._conn = None
 
     def _quiet(self) -> bool:
         return time.monotonic() < self._quiet_until
@@ -317,3 +425,18 @@ class RedisStreamSink:
             redact(str(exc)),
             self.retry_after_s,
         )
+
+
+def _xadd(stream: str, fields: dict[str, Any], trim: Trim) -> list[tuple[Any, ...]]:
+    """The commands that append one entry and apply ``trim``: XADD with MAXLEN or MINID, or both with XTRIM."""
+    op = "=" if trim.exact else "~"
+    flat = [x for kv in fields.items() for x in kv]
+    minid = trim.minid()
+    if trim.maxlen is not None:
+        commands: list[tuple[Any, ...]] = [("XADD", stream, "MAXLEN", op, trim.maxlen, "*", *flat)]
+        if minid is not None:
+            commands.append(("XTRIM", stream, "MINID", op, minid))
+        return commands
+    if minid is not None:
+        return [("XADD", stream, "MINID", op, minid, "*", *flat)]
+    return [("XADD", stream, "*", *flat)]

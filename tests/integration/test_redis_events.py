@@ -315,6 +315,92 @@ def test_deltas_carry_their_step_and_are_never_deduplicated(
     assert client.exists(keys.firehose_stream(keys.partition(ref))) == 0  # deltas never reach the firehose
 
 
+# --- pipelined publishing (the worker's sink) ---------------------------------------------------------
+
+
+def _published(store: MemoryStore, ref: SessionRef, events: list[TurnEvent]) -> list[TurnEvent]:
+    """``events`` committed to ``store``, stamped with their seqs, as the engine hands them to the sink."""
+    return store.commit(ref, Commit(events=[e.model_copy(update={"seq": None}) for e in events]))
+
+
+def test_a_pipelined_publish_does_not_wait_for_the_reply_and_keeps_commit_order_with_the_deltas(
+    client: redis.Redis, keys: EventKeys, ref: SessionRef
+) -> None:
+    store = MemoryStore()
+    sink = RedisStreamSink(client, keys=keys, store=store, pipelined=True)
+    events = turn_events("t1", 1, ["a", "b"])
+    first = _published(store, ref, events[:2])
+    sink.publish(ref, first)
+    assert sink._unread  # sent; the reply is read later
+    sink.publish_delta(ref, MessageDelta(turn_id="t1", step="model:2", text="b"))
+    rest = _published(store, ref, events[2:])
+    sink.publish(ref, rest)
+    sink.publish(ref, first + rest)  # a replay appends nothing
+    sink.flush()
+    assert not sink._unread
+    got = [(e.event.seq, e.event.type) for e in entries(client, keys.session_stream(ref))]
+    assert got == [(1, "turn.started"), (2, "message.completed"), (None, "message.delta"), (3, "message.completed")] + [
+        (4, "turn.completed")
+    ]
+    assert structural(client, keys.firehose_stream(keys.partition(ref))) == [(e.seq, e.type) for e in store.events(ref)]
+    sink.close()
+
+
+def test_a_gap_that_a_late_read_reply_reports_is_filled_from_the_store(
+    client: redis.Redis, keys: EventKeys, ref: SessionRef
+) -> None:
+    # Given seqs 1-3 committed and never published (the worker that committed them died)
+    store = MemoryStore()
+    _published(store, ref, turn_events("t1", 1, ["a", "b"])[:3])
+    sink = RedisStreamSink(client, keys=keys, store=store, pipelined=True)
+    # When the next commit's events are published without waiting, and the reply is read at flush
+    sink.publish(ref, _published(store, ref, [TurnCompleted(turn_id="t1", text="b")]))
+    sink.flush()
+    # Then the stream holds the whole log, in order, once
+    assert structural(client, keys.session_stream(ref)) == [(e.seq, e.type) for e in store.events(ref)]
+    sink.close()
+
+
+def test_a_pipelined_sink_loses_nothing_when_its_connection_dies_with_replies_owed(
+    client: redis.Redis, keys: EventKeys, ref: SessionRef, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a pipelined sink that published the start of a turn
+    store = MemoryStore()
+    sink = RedisStreamSink(client, keys=keys, store=store, pipelined=True, retry_after_s=0.0)
+    events = turn_events("t1", 1, ["a", "b"])
+    sink.publish(ref, _published(store, ref, events[:2]))
+    sink.flush()
+    # When Redis drops its connection, and the next publish goes into the dead socket
+    host, port = sink._conn._sock.getsockname()[:2]
+    assert client.client_kill(f"{host}:{port}")
+    with caplog.at_level(logging.WARNING, logger="june_worker.events"):
+        sink.publish(ref, _published(store, ref, events[2:3]))
+        sink.flush()  # must not raise
+        # Then the next publish, on a new connection, finds the gap and fills it from the store
+        sink.publish(ref, _published(store, ref, events[3:]))
+        sink.flush()
+    assert structural(client, keys.session_stream(ref)) == [(e.seq, e.type) for e in store.events(ref)]
+    assert any("failed" in r.getMessage() for r in caplog.records)
+    sink.close()
+
+
+def test_a_pipelined_sink_rebuilds_the_stream_when_redis_does_not_know_its_script(
+    client: redis.Redis, keys: EventKeys, ref: SessionRef
+) -> None:
+    store = MemoryStore()
+    sink = RedisStreamSink(client, keys=keys, store=store, pipelined=True)
+    sink._sha = "0" * 40  # as after SCRIPT FLUSH or a failover (never flushed here: the Redis is shared)
+    sink.publish(ref, _published(store, ref, turn_events("t1", 1, ["a"])))
+    sink.flush()
+    assert structural(client, keys.session_stream(ref)) == [(e.seq, e.type) for e in store.events(ref)]
+    sink.close()
+
+
+def test_a_pipelined_sink_needs_a_store_to_fill_gaps_from(client: redis.Redis, keys: EventKeys) -> None:
+    with pytest.raises(ValueError, match="needs a store"):
+        RedisStreamSink(client, keys=keys, pipelined=True)
+
+
 # --- follow ------------------------------------------------------------------------------------------
 
 
