@@ -145,6 +145,7 @@ class WorkerHost:
             keys=self.keys,
             store=self.store,
             session_trim=Trim(maxlen=settings.stream_maxlen or None, max_age_s=settings.stream_max_age_s or None),
+            pipelined=True,  # a step's publish overlaps the next step; flushed when a turn ends
         )
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.loop = asyncio.new_event_loop()
@@ -236,6 +237,7 @@ class WorkerHost:
         agent = self.agent(ref.agent)
         if agent is None:
             rejected = reject_turn(self.store, self.sink, ref, rec.turn_id, f"unknown agent {ref.agent!r}", fence=fence)
+            self.sink.flush()
             return rejected, False
         cancel = _Cancel(self.loop, rec.cancel_reason)
         with self._lock:
@@ -248,6 +250,7 @@ class WorkerHost:
             agent, store, self.sink, ref, rec, fence=fence, cancel=cancel, crash=self.crash, snapshot=snapshot
         )
         result = self.loop.run_until_complete(runner.run())
+        self.sink.flush()  # the turn's events are in Redis (or relayed) before anyone hears it ended
         if rec.payload.target is not None and result.status != "rejected":
             try:
                 events = self.store.events(ref, turn_id=rec.turn_id)
@@ -338,6 +341,7 @@ class WorkerHost:
 
     def close(self) -> None:
         self._stop.set()
+        self.sink.close()
         self.store.close()
         self.redis.close()
 
