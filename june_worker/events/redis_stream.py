@@ -216,9 +216,8 @@ class RedisStreamSink:
                 self._failed(exc, f"publish of {len(structural)} event(s) of {ref}")
                 return
             calls = self._calls(ref, structural, lenient=False)
-            self.flush()  # what the previous publish owes, read now: its reply has long arrived
-            if not self._quiet():
-                self._send([("EVALSHA", sha, len(keys), *keys, *args) for keys, args in calls], ref)
+            sent = self._send([("EVALSHA", sha, len(keys), *keys, *args) for keys, args in calls], ref)
+            self.flush(keep=sent)  # what earlier publishes owe: read after sending, their replies have arrived
             return
         try:
             gap = self._append(ref, structural, lenient=False)
@@ -243,9 +242,7 @@ class RedisStreamSink:
         stream = self.keys.session_stream(ref)
         fields: dict[Any, Any] = {"type": event.type, "data": encode_event(ref, event)}
         if self.pipelined:
-            self.flush()
-            if not self._quiet():
-                self._send(_xadd(stream, fields, trim), None)
+            self.flush(keep=self._send(_xadd(stream, fields, trim), None))
             return
         try:
             minid = trim.minid()
@@ -350,13 +347,14 @@ class RedisStreamSink:
 
     # --- pipelined publishing ------------------------------------------------------------------
 
-    def flush(self) -> None:
-        """Read the replies still owed to pipelined publishes and act on them: fill a gap from the
-        store, log an error. A no-op for a sink that is not pipelined. Never raises."""
+    def flush(self, *, keep: int = 0) -> None:
+        """Read the replies still owed to pipelined publishes, all but the last ``keep``, and act on
+        them: fill a gap from the store, log an error. A no-op for a sink that is not pipelined.
+        Never raises."""
         if not self.pipelined:
             return
         with self._lock:
-            gaps = self._read_unread()
+            gaps = self._read_unread(keep)
         for ref in gaps:
             assert self.store is not None
             try:
@@ -364,21 +362,28 @@ class RedisStreamSink:
             except Exception as exc:
                 self._failed(exc, f"relay of {ref}")
 
-    def _send(self, commands: list[tuple[Any, ...]], ref: SessionRef | None) -> None:
-        """Send ``commands`` on the sink's connection, owing one reply each (call :meth:`flush` first)."""
+    def _send(self, commands: list[tuple[Any, ...]], ref: SessionRef | None) -> int:
+        """Send ``commands`` on the sink's connection, owing one reply each; return how many are owed
+        for them (0: not sent, the sink is quiet or the connection failed)."""
+        if self._quiet():
+            return 0
         with self._lock:
             try:
                 if self._conn is None:
                     self._conn = self.client.connection_pool.make_connection()
                 # no health check: its PING would read a reply owed to an earlier publish
                 self._conn.send_packed_command(self._conn.pack_commands(commands), check_health=False)
-                self._unread.extend([ref] * len(commands))
             except Exception as exc:
                 self._lost(exc, "pipelined publish")
+                return 0
+            self._unread.extend([ref] * len(commands))
+            return len(commands)
 
-    def _read_unread(self) -> list[SessionRef]:
-        """Read every owed reply, in order; return the sessions whose appends found a gap."""
-        owed, self._unread = self._unread, []
+    def _read_unread(self, keep: int = 0) -> list[SessionRef]:
+        """Read the owed replies in order, all but the last ``keep``; return the sessions whose appends
+        found a gap."""
+        cut = len(self._unread) - keep
+        owed, self._unread = self._unread[:cut], self._unread[cut:]
         gaps: list[SessionRef] = []
         for ref in owed:
             try:
