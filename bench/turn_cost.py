@@ -93,7 +93,7 @@ class Meter:
         self._wrap(
             RedisStreamSink, "_send", lambda sink, cmds, ref: "redis: pipelined send " + ",".join(c[0] for c in cmds)
         )
-        self._wrap(RedisStreamSink, "_read_unread", lambda sink: "redis: pipelined replies read (owed)")
+        self._wrap(RedisStreamSink, "_read_unread", lambda sink, keep=0: "redis: pipelined replies read (owed)")
         self._wrap(redis.Redis, "execute_command", lambda client, *args, **k: f"redis: {args[0]}")
         self._wrap(
             redis.client.Pipeline,

@@ -1,0 +1,42 @@
+"""The in-process benchmark scripts still run against the code as it is now.
+
+They reach into the worker (``bench/turn_cost.py`` wraps the sink's and the queue's methods to
+time them), so a change there can break them without any other test noticing. Each runs here
+with the smallest sizes its options allow; the figures themselves are not checked (no timed
+asserts: docs/benchmarks.md holds the measurements).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPTS = {
+    "turn_cost.py": (["-n", "5"], "a whole turn (wall)"),
+    "event_latency.py": (["-n", "20", "--warmup", "5"], "target p99 < 1.5 ms"),
+    "step_overhead.py": (["--steps", "2", "--rounds", "1"], "tables+indexes grew per step"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_the_benchmark_script_runs_to_its_summary(script: str, database_url: str, redis_url: str) -> None:
+    args, summary = SCRIPTS[script]
+    env = {**os.environ, "JUNE_DATABASE_URL": database_url, "JUNE_REDIS_URL": redis_url}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    assert summary in done.stdout, done.stdout[-2000:]
