@@ -13,8 +13,10 @@ import os
 from typing import Any
 
 from celery import Celery
+from celery.concurrency import get_implementation
+from celery.signals import worker_init
 
-__all__ = ["app"]
+__all__ = ["SUPPORTED_POOLS", "app"]
 
 log = logging.getLogger("june_worker.worker")
 
@@ -34,3 +36,23 @@ def _config() -> Any:
 app = Celery("june_worker")
 app.config_from_object(_config())
 app.autodiscover_tasks(["june_worker.worker"], related_name="tasks", force=True)
+
+
+# A worker process runs one turn at a time on its own event loop, Postgres pool and Redis
+# connection (worker/host.py): the pools that run tasks in separate processes, or one at a time,
+# are the ones that keep that true. Threads or greenlets would share one host between tasks.
+SUPPORTED_POOLS = ("prefork", "solo")
+
+
+@worker_init.connect  # type: ignore[untyped-decorator]
+def _refuse_shared_pools(sender: Any = None, **_: Any) -> None:
+    if getattr(sender, "app", None) is not app:
+        return
+    pool = get_implementation(sender.pool_cls)
+    if pool not in {get_implementation(name) for name in SUPPORTED_POOLS}:
+        message = (
+            f"june-worker runs on --pool prefork or solo, not {pool.__module__}.{pool.__qualname__}: "
+            "one turn per process at a time"
+        )
+        log.critical(message)
+        raise SystemExit(message)  # a signal handler's Exception is only logged; the worker must not start

@@ -97,3 +97,13 @@ def test_the_same_message_delivered_twice_gives_one_turn_and_one_row(stack: Stac
     assert users == [(1,)]
     started = [e for e in stack.structural("ops", session_id) if e["type"] == "turn.started"]
     assert len(started) == 1
+
+
+def test_a_worker_on_a_pool_that_shares_the_process_refuses_to_start(stack: Stack) -> None:
+    # threads would share the process's one host (event loop, lease, sink) between tasks
+    args = [sys.executable, "-m", "celery", "-A", "june_worker", "worker", "-P", "threads", "-c", "2"]
+    args += ["-Q", stack.queue, "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"]
+    done = subprocess.run(args, env=stack.env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "june-worker runs on --pool prefork or solo, not celery.concurrency.thread.TaskPool" in done.stderr
+    assert "ready." not in done.stderr + done.stdout
