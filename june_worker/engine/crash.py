@@ -21,7 +21,14 @@ CrashHook = Callable[[str, str], None]
 """Called at ``before-/after-model-commit`` and ``before-/after-tool-commit`` with the step id."""
 
 CRASH_POINTS = frozenset(
-    {"before-model-commit", "after-model-commit", "before-tool-commit", "after-tool-commit", "before-publish"}
+    {
+        "before-model-commit",
+        "after-model-commit",
+        "before-tool-commit",
+        "after-tool-commit",
+        "before-publish",
+        "before-deliver",  # the worker host, after a turn with a target ended, with its turn id as the step
+    }
 )
 
 

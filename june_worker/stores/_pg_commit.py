@@ -20,6 +20,10 @@ With ``release`` (a fenced commit that ends its turn), ``upd`` also gives the se
 up, unless another turn is queued or running or one was recorded after the statement's
 snapshot (``next_position`` moved: the same guard as the worker queue's release). It then
 returns whether the lease is free as a second column.
+
+With ``deliver_due`` (the commit that ends a turn with a delivery target), the turn row is marked
+due for delivery in the same statement; the worker clears the mark once the agent's ``deliver``
+hook ran, and its sweeper re-sends a turn whose mark stayed (at-least-once delivery).
 """
 
 from __future__ import annotations
@@ -49,16 +53,19 @@ class _Shape(NamedTuple):
     expect: bool
     turn: bool
     release: bool
+    deliver: bool
 
 
 def commit_statement(
-    ref: SessionRef, commit: Commit, fence: int | None, *, release: bool = False
+    ref: SessionRef, commit: Commit, fence: int | None, *, release: bool = False, deliver_due: bool = False
 ) -> tuple[str, dict[str, Any]]:
-    """The statement for this commit and its parameters; ``release``: see the module docstring."""
+    """The statement for this commit and its parameters; ``release``, ``deliver_due``: see the module docstring."""
     messages, steps, events = commit.messages, commit.steps, commit.events
     turn = commit.turn_id is not None and commit.turn_status is not None
     if release and (fence is None or not turn):
         raise ValueError("only a fenced commit that sets its turn's status can release the lease")
+    if deliver_due and not turn:
+        raise ValueError("only a commit that sets its turn's status can make its delivery due")
     shape = _Shape(
         messages=_count(len(messages)),
         steps=_count(len(steps)),
@@ -69,6 +76,7 @@ def commit_statement(
         expect=commit.expect_suspended is not None,
         turn=turn,
         release=release,
+        deliver=deliver_due,
     )
     p: dict[str, Any] = {"agent": ref.agent, "session": ref.session, "n_events": Int8(len(events))}
     if fence is not None:
@@ -207,8 +215,9 @@ def _sql(shape: _Shape) -> str:
             "turn as (\n    update june_turns t set status = %(t_status)s::text, result = %(t_result)s::json,\n"
             "        attempts = t.attempts + case when %(t_status)s::text = 'running' then 1 else 0 end,\n"
             "        finished_at = case when %(t_status)s::text in ('queued', 'running') then null\n"
-            "            else extract(epoch from now()) end\n"
-            "    from upd\n"
+            "            else extract(epoch from now()) end"
+            + (", deliver_due = true, delivery_attempts = 0" if shape.deliver else "")
+            + "\n    from upd\n"
             "    where t.agent = %(agent)s::text and t.session = %(session)s::text and t.turn_id = %(t_id)s::text\n)"
         )
     return "with " + ", ".join(parts) + f"\nselect {'event_seq, released' if shape.release else 'event_seq'} from upd"

@@ -171,6 +171,14 @@ _MIGRATIONS: list[str] = [
         started_at double precision not null default extract(epoch from now())
     );
     """,
+    # 3: a worker delivers a turn with a target at least once: its ending commit sets deliver_due,
+    # the delivery clears it, the sweeper re-sends what stayed due (a crash in between)
+    """
+    alter table june_turns
+        add column deliver_due boolean not null default false,
+        add column delivery_attempts integer not null default 0;
+    create index june_turns_deliver_due on june_turns (finished_at) where deliver_due;
+    """,
 ]
 
 _WHY_NOT = """
@@ -492,13 +500,28 @@ class PostgresStore:
         the lease is free now; if not, the caller runs the session's next turn. ``commit`` must set
         its turn's status (``turn_id`` and ``turn_status``).
         """
+        return self.commit_ending(ref, commit, fence=fence, release=True)
+
+    def commit_ending(
+        self, ref: SessionRef, commit: Commit, *, fence: int, release: bool = False, deliver_due: bool = False
+    ) -> tuple[list[TurnEvent], bool]:
+        """:meth:`commit` the checkpoint that ends a turn, with what a worker does in the same statement:
+        ``release`` as :meth:`commit_releasing`; ``deliver_due`` marks the turn due for delivery to its
+        target (the worker clears the mark once delivered). Returns the events and whether the lease is free."""
         with self._connection() as conn:
-            return self._apply(conn, ref, commit, fence, release=True)
+            return self._apply(conn, ref, commit, fence, release=release, deliver_due=deliver_due)
 
     def _apply(
-        self, conn: Conn, ref: SessionRef, commit: Commit, fence: int | None, *, release: bool = False
+        self,
+        conn: Conn,
+        ref: SessionRef,
+        commit: Commit,
+        fence: int | None,
+        *,
+        release: bool = False,
+        deliver_due: bool = False,
     ) -> tuple[list[TurnEvent], bool]:
-        sql, params = commit_statement(ref, commit, fence, release=release)
+        sql, params = commit_statement(ref, commit, fence, release=release, deliver_due=deliver_due)
         cur = self._cursors.get(conn)
         if cur is None or cur.closed:
             cur = self._cursors[conn] = conn.cursor()  # one per connection: a step's commit skips making one

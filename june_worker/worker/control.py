@@ -120,6 +120,8 @@ def intake(host: WorkerHost, msg: TurnMessage | ProactiveMessage, *, turn_id: st
                 host.signal_cancel(ref, cancelled, "replaced")
         host.store.enqueue_turn(ref, turn_id, payload)
     elif existing.status not in UNFINISHED_TURN_STATUSES and existing.result is not None:
+        if existing.payload.target is not None and agent is not None:
+            host.deliver(ref, existing, agent, existing.result)  # if its delivery is still due (a crash, a failure)
         return summary(ref, turn_id, existing.result)
     return _after_drain(host, ref, turn_id, host.drain(ref))
 

@@ -93,18 +93,24 @@ class _Cancel:
         self._loop.call_soon_threadsafe(apply)
 
 
-class _EndingReleases:
-    """The store as a drained turn sees it: the commit that ends the turn also gives the lease up.
+class _Ending:
+    """The store as the worker's turn sees it: the commit that ends the turn does more in its statement.
 
-    That saves the release its own statement (a round trip and a disk flush) whenever the
-    session has nothing else queued. ``released`` says whether it did; None when no such commit
-    ran (the turn had ended before, or its ending failed). Everything else is the store's own.
+    ``release``: it also gives the lease up when the session has nothing else queued, which
+    saves the release its own statement (a round trip and a disk flush). ``released`` says
+    whether it did; None when no such commit ran (the turn had ended before, or its ending
+    failed). ``deliver_due``: it marks the turn due for delivery to its target, so a crash
+    before the delivery leaves the mark for the sweeper (``ended`` says the mark was set).
+    Everything else is the store's own.
     """
 
-    def __init__(self, store: PostgresStore, turn_id: str) -> None:
+    def __init__(self, store: PostgresStore, turn_id: str, *, release: bool, deliver_due: bool) -> None:
         self._store = store
         self._turn_id = turn_id
+        self._release = release
+        self._deliver_due = deliver_due
         self.released: bool | None = None
+        self.ended = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
@@ -117,7 +123,12 @@ class _EndingReleases:
             and commit.turn_status is not None
             and commit.turn_status not in UNFINISHED_TURN_STATUSES
         ):
-            events, self.released = self._store.commit_releasing(ref, commit, fence=fence)
+            events, released = self._store.commit_ending(
+                ref, commit, fence=fence, release=self._release, deliver_due=self._deliver_due
+            )
+            self.ended = True
+            if self._release:
+                self.released = released
             return events
         return self._store.commit(ref, commit, fence=fence)
 
@@ -244,22 +255,57 @@ class WorkerHost:
             if self._running is not None:
                 self._running.turn_id = rec.turn_id
                 self._running.cancel = cancel
-        ending = _EndingReleases(self.store, rec.turn_id) if release and rec.payload.target is None else None
-        store = ending if ending is not None else self.store
+        target = rec.payload.target
+        # A turn with a target keeps the lease while it is delivered; its ending marks the delivery due.
+        ending = _Ending(self.store, rec.turn_id, release=release and target is None, deliver_due=target is not None)
         runner = TurnRunner(
-            agent, store, self.sink, ref, rec, fence=fence, cancel=cancel, crash=self.crash, snapshot=snapshot
+            agent, ending, self.sink, ref, rec, fence=fence, cancel=cancel, crash=self.crash, snapshot=snapshot
         )
         result = self.loop.run_until_complete(runner.run())
         self.sink.flush()  # the turn's events are in Redis (or relayed) before anyone hears it ended
-        if rec.payload.target is not None and result.status != "rejected":
-            try:
-                events = self.store.events(ref, turn_id=rec.turn_id)
-                self.loop.run_until_complete(
-                    deliver_result(agent, target=rec.payload.target, result=result, events=events, session=ref.session)
-                )
-            except Exception:
-                log.exception("delivering turn %s of %s to %s failed", rec.turn_id, ref, rec.payload.target)
-        return result, bool(ending is not None and ending.released)
+        if target is not None and result.status != "rejected":
+            if ending.ended:
+                self.deliver(ref, rec, agent, result)
+            else:  # the turn ended by a path that could not mark it (a commit with tool writes): once, best effort
+                self._deliver_once(ref, rec, agent, result)
+        return result, bool(ending.released)
+
+    # --- delivery to a turn's target ------------------------------------------------------------------
+
+    def deliver(self, ref: SessionRef, rec: TurnRecord, agent: Agent, result: TurnResult) -> bool:
+        """Run the agent's ``deliver`` hook for a turn whose delivery is due, then clear the mark.
+
+        At least once: a crash before the mark is cleared leaves it for the sweeper, which sends
+        the turn again, and its intake delivers it. A hook that raises is tried again at the next
+        sweep, up to ``JUNE_DELIVERY_ATTEMPTS`` attempts in all, then given up (logged). Returns
+        whether the hook ran to its end here.
+        """
+        attempt = self.queue.claim_delivery(ref, rec.turn_id)
+        if attempt is None:
+            return False  # not due: delivered already, or given up
+        if self.crash is not None:
+            self.crash("before-deliver", rec.turn_id)
+        if self._deliver_once(ref, rec, agent, result):
+            self.queue.delivery_done(ref, rec.turn_id)
+            return True
+        if attempt >= self.settings.delivery_attempts:
+            self.queue.delivery_done(ref, rec.turn_id)
+            log.error("gave up delivering turn %s of %s after %d attempts", rec.turn_id, ref, attempt)
+        return False
+
+    def _deliver_once(self, ref: SessionRef, rec: TurnRecord, agent: Agent, result: TurnResult) -> bool:
+        target = rec.payload.target
+        if target is None:
+            return False
+        try:
+            events = self.store.events(ref, turn_id=rec.turn_id)
+            self.loop.run_until_complete(
+                deliver_result(agent, target=target, result=result, events=events, session=ref.session)
+            )
+        except Exception:
+            log.exception("delivering turn %s of %s to %s failed", rec.turn_id, ref, target)
+            return False
+        return True
 
     def run_async(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)

@@ -423,6 +423,57 @@ class SessionQueue:
             out.append(Stranded(ref=ref, turn=turn_from_row(ref, turn)))
         return out
 
+    # --- delivery to a turn's target (at least once) ---------------------------------------------
+
+    def claim_delivery(self, ref: SessionRef, turn_id: str) -> int | None:
+        """Count one delivery attempt of a turn whose delivery is due; None if it is not due.
+
+        The claim also stamps ``dispatched_at``, so the sweeper leaves the turn alone for a sweep
+        period while this attempt runs.
+        """
+        with self.pool.connection() as conn:
+            row = conn.execute(
+                """
+                update june_turns set delivery_attempts = delivery_attempts + 1, dispatched_at = %(now)s
+                 where agent = %(a)s and session = %(s)s and turn_id = %(t)s and deliver_due
+                returning delivery_attempts
+                """,
+                {"a": ref.agent, "s": ref.session, "t": turn_id, "now": time.time()},
+            ).fetchone()
+        return None if row is None else int(row[0])
+
+    def delivery_done(self, ref: SessionRef, turn_id: str) -> None:
+        """The turn's delivery is no longer due: its hook ran, or its attempts ran out."""
+        with self.pool.connection() as conn:
+            conn.execute(
+                "update june_turns set deliver_due = false where agent = %s and session = %s and turn_id = %s",
+                (ref.agent, ref.session, turn_id),
+            )
+
+    def undelivered(self, *, grace_s: float, limit: int) -> list[TurnRecord]:
+        """Turns whose delivery stayed due for ``grace_s`` since they ended or were last attempted.
+
+        Marks what it returns as dispatched now, so two sweepers do not both re-send it.
+        """
+        now = time.time()
+        with self.pool.connection() as conn:
+            rows = conn.execute(
+                f"""
+                with due as (
+                    select agent, session, turn_id from june_turns
+                     where deliver_due and finished_at < %(cutoff)s and coalesce(dispatched_at, 0) < %(cutoff)s
+                     limit %(limit)s
+                    for update skip locked
+                )
+                update june_turns t set dispatched_at = %(now)s
+                  from due
+                 where t.agent = due.agent and t.session = due.session and t.turn_id = due.turn_id
+                returning t.agent, t.session, {", ".join("t." + c.strip() for c in TURN_COLUMNS.split(","))}
+                """,
+                {"now": now, "cutoff": now - grace_s, "limit": limit},
+            ).fetchall()
+        return [turn_from_row(SessionRef(a, s), turn) for a, s, *turn in rows]
+
     def expired_parks(self, *, limit: int) -> list[SessionRef]:
         """Sessions parked on a request whose ``timeout_s`` has passed."""
         with self.pool.connection() as conn:

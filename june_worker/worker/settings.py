@@ -62,6 +62,7 @@ class WorkerSettings:
     lease_s: float = 30.0
     alive_s: float = 3.0
     sweep_s: float = 10.0
+    delivery_attempts: int = 5
     key_prefix: str = "june"
     stream_maxlen: int = 10_000
     stream_max_age_s: float = 0.0
@@ -90,6 +91,7 @@ class WorkerSettings:
             lease_s=lease_s,
             alive_s=max(_float(env, "JUNE_ALIVE_S", cls.alive_s), 0.5),
             sweep_s=_float(env, "JUNE_SWEEP_S", cls.sweep_s),
+            delivery_attempts=max(int(_float(env, "JUNE_DELIVERY_ATTEMPTS", cls.delivery_attempts)), 1),
             key_prefix=env.get("JUNE_KEY_PREFIX", cls.key_prefix),
             stream_maxlen=int(_float(env, "JUNE_STREAM_MAXLEN", cls.stream_maxlen)),
             stream_max_age_s=_float(env, "JUNE_STREAM_MAX_AGE_S", cls.stream_max_age_s),

@@ -49,6 +49,11 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
     for stranded in host.queue.stranded(grace_s=max(period, 1.0), limit=limit):
         dispatch(stranded.turn)
         redispatched += 1
+    # A turn whose delivery to its target stayed due (its worker died before it, or the hook failed)
+    # goes out again; its intake delivers it.
+    for turn in host.queue.undelivered(grace_s=max(period, 1.0), limit=limit):
+        dispatch(turn)
+        redispatched += 1
     relayed = 0
     for ref, _ in host.queue.recently_active(since_s=max(3 * period, 30.0), limit=limit):
         try:

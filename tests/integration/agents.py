@@ -113,6 +113,9 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
 
 
 def _deliver(*, target: dict[str, Any], result: Any, events: list[Any], session: str) -> None:
+    if target.get("channel") == "broken":  # a target whose rendering always fails
+        _redis().rpush(f"it:delivery-failed:{session}", "attempt")
+        raise RuntimeError("the channel is broken")
     _redis().rpush(f"it:delivered:{session}", f"{target.get('channel')}|{getattr(result, 'text', result.status)}")
 
 

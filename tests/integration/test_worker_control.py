@@ -188,6 +188,10 @@ def test_a_proactive_turn_opens_with_a_trigger_and_is_delivered(stack: Stack, se
     assert '"role":"trigger"' in first.replace(" ", "") and "cron:daily" in first
     wait_for(lambda: stack.redis.lrange(f"it:delivered:{session_id}", 0, -1), what="delivery")
     assert stack.redis.lrange(f"it:delivered:{session_id}", 0, -1) == ["C-ops|ok: daily digest"]
+    # delivered on the first attempt and no longer due: the sweeper will not send it again
+    assert stack.sql(
+        "select deliver_due, delivery_attempts from june_turns where agent = 'ops' and session = %s", session_id
+    ) == [(False, 1)]
 
 
 def test_a_proactive_message_delivered_twice_is_one_turn(stack: Stack, session_id: str) -> None:

@@ -191,3 +191,50 @@ def test_a_turn_cancelled_while_its_worker_is_dead_is_still_cancelled_after_reco
         control.stop()
     assert (end["type"], end["reason"]) == ("turn.cancelled", "requested")
     assert "message.completed" not in [e["type"] for e in stack.structural("dribble", session)]
+
+
+# --- delivery to a turn's target: at least once ------------------------------------------------------
+
+
+def _delivery(stack: Stack, session: str, turn_id: str) -> tuple[bool, int]:
+    row = stack.sql(
+        "select deliver_due, delivery_attempts from june_turns where agent = 'ops' and session = %s and turn_id = %s",
+        session,
+        turn_id,
+    )
+    return (bool(row[0][0]), int(row[0][1])) if row else (True, 0)
+
+
+def test_a_worker_killed_before_delivering_a_turn_leaves_it_for_another_worker_to_deliver(stack: Stack) -> None:
+    # Given a worker that dies after the turn's ending commit, before its deliver hook runs
+    session = f"deliver-kill-{uuid.uuid4().hex[:6]}"
+    doomed = stack.worker(f"doomed-{session[-6:]}", pool="solo", env={"JUNE_CRASH_AT": "before-deliver"})
+    turn_id = stack.turn("ops", session, "digest", target={"channel": "C-ops"})
+    wait_for(lambda: doomed.popen.poll() is not None, what="the worker to kill itself before delivering")
+    doomed.kill()
+    assert _completed(stack, "ops", session, turn_id)  # the turn ended; only its delivery is owed
+    assert stack.redis.lrange(f"it:delivered:{session}", 0, -1) == []
+    # When another worker and the sweeper are up
+    rescuer = stack.worker(f"rescuer-{session[-6:]}")
+    try:
+        wait_for(lambda: not _delivery(stack, session, turn_id)[0], timeout_s=RECOVERY_BOUND_S, what="the delivery")
+    finally:
+        rescuer.stop()
+    # Then the turn was delivered once, by the second attempt (the first died with its worker)
+    delivered = stack.redis.lrange(f"it:delivered:{session}", 0, -1)
+    assert len(delivered) == 1 and delivered[0].startswith("C-ops|"), delivered
+    assert _delivery(stack, session, turn_id) == (False, 2)
+
+
+def test_a_failing_deliver_hook_is_tried_again_by_the_sweeper_then_given_up(stack: Stack) -> None:
+    session = f"deliver-fail-{uuid.uuid4().hex[:6]}"
+    worker = stack.worker(f"deliver-fail-{session[-6:]}", env={"JUNE_DELIVERY_ATTEMPTS": "3"})
+    try:
+        turn_id = stack.turn("ops", session, "digest", target={"channel": "broken"})
+        wait_for(lambda: not _delivery(stack, session, turn_id)[0], timeout_s=60, what="the delivery to be given up")
+    finally:
+        worker.stop()
+    assert _completed(stack, "ops", session, turn_id)
+    assert stack.redis.llen(f"it:delivery-failed:{session}") == 3  # the first try and two re-sends, no more
+    assert _delivery(stack, session, turn_id) == (False, 3)
+    assert "gave up delivering turn" in worker.log.read_text(errors="replace")

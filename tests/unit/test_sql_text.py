@@ -21,11 +21,13 @@ def test_the_intake_statement_is_short_enough_for_psycopgs_query_cache() -> None
     assert len(queue._INTAKE.encode()) <= PSYCOPG_CACHED_QUERY_MAX
 
 
-@pytest.mark.parametrize("release", [False, True])
-def test_every_commit_shape_of_an_ordinary_step_is_short_enough_for_psycopgs_query_cache(release: bool) -> None:
+@pytest.mark.parametrize(("release", "deliver"), [(False, False), (True, False), (False, True)])
+def test_every_commit_shape_of_an_ordinary_step_is_short_enough_for_psycopgs_query_cache(
+    release: bool, deliver: bool
+) -> None:
     # up to two messages, two steps and three events: what a turn's open, model, tool and last steps commit
     for messages, steps, events, suspended in itertools.product(range(3), range(3), range(4), ["keep", "set", "clear"]):
-        shape = _Shape(messages, steps, events, True, suspended, True, suspended == "clear", True, release)
+        shape = _Shape(messages, steps, events, True, suspended, True, suspended == "clear", True, release, deliver)
         assert len(_sql(shape).encode()) <= PSYCOPG_CACHED_QUERY_MAX, shape
 
 
