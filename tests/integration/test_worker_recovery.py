@@ -197,6 +197,7 @@ def test_a_turn_cancelled_while_its_worker_is_dead_is_still_cancelled_after_reco
 
 
 def _delivery(stack: Stack, session: str, turn_id: str) -> tuple[bool, int]:
+    """(deliver_due, delivery_attempts) of the turn; a turn not recorded yet counts as (True, 0)."""
     row = stack.sql(
         "select deliver_due, delivery_attempts from june_turns where agent = 'ops' and session = %s and turn_id = %s",
         session,
@@ -217,7 +218,7 @@ def test_a_worker_killed_before_delivering_a_turn_leaves_it_for_another_worker_t
     # When another worker and the sweeper are up
     rescuer = stack.worker(f"rescuer-{session[-6:]}")
     try:
-        wait_for(lambda: not _delivery(stack, session, turn_id)[0], timeout_s=RECOVERY_BOUND_S, what="the delivery")
+        wait_for(lambda: _delivery(stack, session, turn_id) == (False, 2), timeout_s=RECOVERY_BOUND_S, what="delivery")
     finally:
         rescuer.stop()
     # Then the turn was delivered once, by the second attempt (the first died with its worker)
@@ -231,7 +232,8 @@ def test_a_failing_deliver_hook_is_tried_again_by_the_sweeper_then_given_up(stac
     worker = stack.worker(f"deliver-fail-{session[-6:]}", env={"JUNE_DELIVERY_ATTEMPTS": "3"})
     try:
         turn_id = stack.turn("ops", session, "digest", target={"channel": "broken"})
-        wait_for(lambda: not _delivery(stack, session, turn_id)[0], timeout_s=60, what="the delivery to be given up")
+        # (not due before the turn ends, either: wait for the attempts to be spent)
+        wait_for(lambda: _delivery(stack, session, turn_id) == (False, 3), timeout_s=60, what="delivery given up")
     finally:
         worker.stop()
     assert _completed(stack, "ops", session, turn_id)
