@@ -266,7 +266,7 @@ class WorkerHost:
         if target is not None and result.status != "rejected":
             if ending.ended:
                 self.deliver(ref, rec, agent, result)
-            else:  # the turn ended by a path that could not mark it (a commit with tool writes): once, best effort
+            else:  # its ending commit was not one _Ending could mark (not a plain Commit): once, best effort
                 self._deliver_once(ref, rec, agent, result)
         return result, bool(ending.released)
 
