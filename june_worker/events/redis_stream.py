@@ -371,13 +371,23 @@ class RedisStreamSink:
             try:
                 if self._conn is None:
                     self._conn = self.client.connection_pool.make_connection()
-                # no health check: its PING would read a reply owed to an earlier publish
+                if not self._unread:  # (else a PING's PONG would be read in an owed reply's place)
+                    self._check_idle_connection()
                 self._conn.send_packed_command(self._conn.pack_commands(commands), check_health=False)
             except Exception as exc:
                 self._lost(exc, "pipelined publish")
                 return 0
             self._unread.extend([ref] * len(commands))
             return len(commands)
+
+    def _check_idle_connection(self) -> None:
+        """The client's health check on the sink's connection: a PING once it has been idle for the
+        client's ``health_check_interval``. A connection Redis dropped meanwhile (a restart, a proxy's
+        idle timeout) is let go, so the send that follows opens a new one instead of failing."""
+        try:
+            self._conn.check_health()
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._conn.disconnect()
 
     def _read_unread(self, keep: int = 0) -> list[SessionRef]:
         """Read the owed replies in order, all but the last ``keep``; return the sessions whose appends

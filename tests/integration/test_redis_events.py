@@ -384,6 +384,30 @@ def test_a_pipelined_sink_loses_nothing_when_its_connection_dies_with_replies_ow
     sink.close()
 
 
+def test_a_pipelined_sink_checks_an_idle_connection_before_publishing_on_it(
+    redis_url: str, keys: EventKeys, ref: SessionRef, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a pipelined sink whose client checks connections idle for more than 50 ms
+    client = redis.Redis.from_url(redis_url, health_check_interval=0.05)
+    store = MemoryStore()
+    sink = RedisStreamSink(client, keys=keys, store=store, pipelined=True)
+    events = turn_events("t1", 1, ["a", "b"])
+    sink.publish(ref, _published(store, ref, events[:2]))
+    sink.flush()
+    # When Redis drops the connection while it is idle (a restart, a proxy's idle timeout)
+    host, port = sink._conn._sock.getsockname()[:2]
+    assert client.client_kill(f"{host}:{port}")
+    time.sleep(0.1)  # idle past the health-check interval
+    with caplog.at_level(logging.WARNING, logger="june_worker.events"):
+        sink.publish(ref, _published(store, ref, events[2:]))
+        sink.flush()
+    # Then the publish found the connection dead before sending, reconnected, and nothing failed
+    assert structural(client, keys.session_stream(ref)) == [(e.seq, e.type) for e in store.events(ref)]
+    assert [r.getMessage() for r in caplog.records] == []
+    sink.close()
+    client.close()
+
+
 def test_a_pipelined_sink_rebuilds_the_stream_when_redis_does_not_know_its_script(
     client: redis.Redis, keys: EventKeys, ref: SessionRef
 ) -> None:
