@@ -15,13 +15,13 @@ once (:meth:`RedisStreamSink.relay`) and the later events follow in order; witho
 events wait in the store until someone calls :meth:`~RedisStreamSink.relay` (a new worker,
 the sweeper). The store is the source of truth; Redis only ever holds a prefix of it.
 
-With ``pipelined=True`` (the worker's sink) a publish sends its commands on the sink's own
-connection and returns without waiting for the reply: Redis appends the events as soon as it
-reads them, while the worker goes on to its next step. The replies are read at the next
-publish, or at :meth:`~RedisStreamSink.flush` (the worker flushes when a turn ends, so its
-events are in Redis before the task reports it done); a gap or an error they report is acted
-on then. Everything goes over that one connection, in order: deltas never overtake the
-structural events committed before them.
+With ``pipelined=True`` (the sink a worker's running turns publish to) a publish sends its
+commands on the sink's own connection and returns without waiting for the reply: Redis appends
+the events as soon as it reads them, while the worker goes on to its next step. The replies are
+read at the next publish, or at :meth:`~RedisStreamSink.flush` (the worker flushes when a turn
+ends, so its events are in Redis before the task reports it done); a gap or an error they
+report is acted on then. Everything goes over that one connection, in order: deltas never
+overtake the structural events committed before them.
 
 The sink never raises into the turn: a Redis error is logged (no URL, no password) and the
 call returns. After an error the sink stays quiet for ``retry_after_s`` (publishes return

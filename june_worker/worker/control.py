@@ -74,7 +74,6 @@ def turn_message(rec: TurnRecord) -> dict[str, Any]:
 def _reject(host: WorkerHost, ref: SessionRef, turn_id: str, payload: TurnPayload, reason: str) -> dict[str, Any]:
     host.store.enqueue_turn(ref, turn_id, payload)
     result = reject_turn(host.store, host.sink, ref, turn_id, reason)
-    host.sink.flush()
     log.warning("rejected turn %s of %s: %s", turn_id, ref, reason)
     return summary(ref, turn_id, result)
 
@@ -168,7 +167,6 @@ def resume(host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch) -> dict[str
         log.exception("resume of %s %s failed before the answer was applied", ref, msg.turn_id)
         return {**out, "status": "error", "reason": f"{type(exc).__name__}: {exc}"}
     host.sink.publish(ref, events)
-    host.sink.flush()  # the answer's events are in Redis before the turn that follows them can run
     rec = host.store.get_turn(ref, msg.turn_id)
     if rec is not None:
         dispatch(rec)  # a lost message is found by the sweeper: the turn is queued in Postgres
@@ -207,7 +205,6 @@ def reset(host: WorkerHost, msg: ResetMessage, dispatch: Dispatch, *, wait_s: fl
         parked = host.store.pending(ref)
         if parked is not None:
             host.sink.publish(ref, host.store.commit(ref, reset_park_commit(parked), fence=fence))
-            host.sink.flush()
         result = host.store.reset(ref)
         host.queue.set_reset_pending(ref, False)
     finally:

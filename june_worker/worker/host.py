@@ -151,12 +151,12 @@ class WorkerHost:
         self.redis = redis.Redis.from_url(
             settings.redis_url, health_check_interval=30, socket_timeout=5, socket_connect_timeout=2
         )
-        self.sink = RedisStreamSink(
-            self.redis,
-            keys=self.keys,
-            store=self.store,
-            session_trim=Trim(maxlen=settings.stream_maxlen or None, max_age_s=settings.stream_max_age_s or None),
-            pipelined=True,  # a step's publish overlaps the next step; flushed when a turn ends
+        trim = Trim(maxlen=settings.stream_maxlen or None, max_age_s=settings.stream_max_age_s or None)
+        self.sink = RedisStreamSink(self.redis, keys=self.keys, store=self.store, session_trim=trim)
+        # A running turn's steps publish without waiting for Redis (the next step overlaps the append);
+        # _run_turn flushes it when the turn ends. Everything else publishes through self.sink.
+        self._turn_sink = RedisStreamSink(
+            self.redis, keys=self.keys, store=self.store, session_trim=trim, pipelined=True
         )
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.loop = asyncio.new_event_loop()
@@ -248,7 +248,6 @@ class WorkerHost:
         agent = self.agent(ref.agent)
         if agent is None:
             rejected = reject_turn(self.store, self.sink, ref, rec.turn_id, f"unknown agent {ref.agent!r}", fence=fence)
-            self.sink.flush()
             return rejected, False
         cancel = _Cancel(self.loop, rec.cancel_reason)
         with self._lock:
@@ -259,10 +258,10 @@ class WorkerHost:
         # A turn with a target keeps the lease while it is delivered; its ending marks the delivery due.
         ending = _Ending(self.store, rec.turn_id, release=release and target is None, deliver_due=target is not None)
         runner = TurnRunner(
-            agent, ending, self.sink, ref, rec, fence=fence, cancel=cancel, crash=self.crash, snapshot=snapshot
+            agent, ending, self._turn_sink, ref, rec, fence=fence, cancel=cancel, crash=self.crash, snapshot=snapshot
         )
         result = self.loop.run_until_complete(runner.run())
-        self.sink.flush()  # the turn's events are in Redis (or relayed) before anyone hears it ended
+        self._turn_sink.flush()  # the turn's events are in Redis (or relayed) before anyone hears it ended
         if target is not None and result.status != "rejected":
             if ending.ended:
                 self.deliver(ref, rec, agent, result)
@@ -387,7 +386,7 @@ class WorkerHost:
 
     def close(self) -> None:
         self._stop.set()
-        self.sink.close()
+        self._turn_sink.close()
         self.store.close()
         self.redis.close()
 

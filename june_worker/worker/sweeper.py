@@ -40,7 +40,6 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
             continue
         try:
             host.sink.publish(ref, host.store.commit(ref, commit))
-            host.sink.flush()
         except ResumeConflictError:
             continue  # answered meanwhile
         expired += 1

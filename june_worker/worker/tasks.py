@@ -77,7 +77,6 @@ def _rejected(task: str, args: tuple[Any, ...], exc: PayloadError, task_id: str 
         if host.store.get_turn(ref, turn_id) is None:
             host.store.enqueue_turn(ref, turn_id, TurnPayload(text=str(raw.get("text", ""))[:1000]))
             reject_turn(host.store, host.sink, ref, turn_id, reason)
-            host.sink.flush()
     except Exception:
         log.exception("could not record the rejection of turn %s", turn_id)
     return out
