@@ -37,7 +37,16 @@ from psycopg.types.numeric import Int8
 from ..engine.store import Commit, SessionRef
 from ._sql import dumps
 
-__all__ = ["VALUES_MAX", "commit_statement"]
+__all__ = ["NOTHING_NEW", "VALUES_MAX", "commit_statement"]
+
+NOTHING_NEW = (
+    "s.next_position = (select s2.next_position from june_sessions s2"
+    " where s2.agent = %(agent)s::text and s2.session = %(session)s::text)"
+)
+"""Part of every lease release (here and in the worker's queue), on the session row ``s``: no turn
+was recorded after the statement's snapshot. Every enqueue bumps ``next_position``; the row's
+re-check sees the newest value while this scalar subquery keeps the snapshot's (a NOT EXISTS on
+the turns alone would still read the old snapshot)."""
 
 VALUES_MAX = 4
 """Up to this many rows of a part are sent as plain parameters; more go as JSON arrays."""
@@ -170,9 +179,7 @@ def _sql(shape: _Shape) -> str:
     if shape.release:
         free = (
             "not exists (select 1 from june_turns t where t.agent = s.agent and t.session = s.session"
-            " and t.status in ('queued', 'running') and t.turn_id <> %(t_id)s::text)"
-            " and s.next_position = (select s2.next_position from june_sessions s2"
-            " where s2.agent = %(agent)s::text and s2.session = %(session)s::text)"
+            f" and t.status in ('queued', 'running') and t.turn_id <> %(t_id)s::text) and {NOTHING_NEW}"
         )
         sets.append(f"lease_owner = case when {free} then null else s.lease_owner end")
         sets.append(f"lease_expires = case when {free} then null else s.lease_expires end")

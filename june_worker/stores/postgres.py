@@ -67,7 +67,15 @@ from ..errors import LeaseLostError, ResumeConflictError, StoreError
 from ._pg_commit import commit_statement
 from ._sql import qmark_to_format
 
-__all__ = ["MESSAGES_JSON", "STEPS_JSON", "TURN_COLUMNS", "PostgresStore", "session_snapshot", "turn_from_row"]
+__all__ = [
+    "MESSAGES_JSON",
+    "STEPS_JSON",
+    "TURN_COLUMNS",
+    "PostgresStore",
+    "session_snapshot",
+    "turn_columns",
+    "turn_from_row",
+]
 
 Conn: TypeAlias = psycopg.Connection[TupleRow]
 T = TypeVar("T")
@@ -202,7 +210,17 @@ from (select 1) as one
 left join june_sessions s on s.agent = %(agent)s and s.session = %(session)s
 """
 
-TURN_COLUMNS = "turn_id, position, status, payload::text, cancel_reason, attempts, result::text, generation, created_at, finished_at"
+
+def turn_columns(alias: str = "") -> str:
+    """A turn row's columns in the order :func:`turn_from_row` reads them, each prefixed with ``alias``
+    (``"t."``), JSON as text."""
+    names = (
+        "turn_id position status payload::text cancel_reason attempts result::text generation created_at finished_at"
+    )
+    return ", ".join(alias + name for name in names.split())
+
+
+TURN_COLUMNS = turn_columns()
 """A turn row's columns in the order :func:`turn_from_row` reads them."""
 
 _ENQUEUE = f"""

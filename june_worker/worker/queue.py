@@ -22,8 +22,9 @@ from typing import Any
 from psycopg_pool import ConnectionPool
 
 from ..engine.store import SessionRef, SessionSnapshot, SuspendedCheckpoint, TurnPayload, TurnRecord
+from ..stores._pg_commit import NOTHING_NEW
 from ..stores._sql import one_line
-from ..stores.postgres import MESSAGES_JSON, STEPS_JSON, TURN_COLUMNS, session_snapshot, turn_from_row
+from ..stores.postgres import MESSAGES_JSON, STEPS_JSON, TURN_COLUMNS, session_snapshot, turn_columns, turn_from_row
 
 __all__ = ["Intake", "Lease", "SessionQueue", "Stranded"]
 
@@ -37,16 +38,10 @@ _LEASE_IS_FREE = f"""(
     or {{s}}.lease_expires < {_NOW}
     or not exists (select 1 from june_workers w where w.owner = {{s}}.lease_owner and w.alive_until >= {_NOW}))"""
 
-# The release must fail if a turn was recorded after this statement's snapshot: every enqueue
-# bumps next_position, and the row's re-check sees the newest value while this scalar subquery
-# keeps the snapshot's (the NOT EXISTS alone would still read the old snapshot).
-_NOTHING_NEW = """s.next_position = (select s2.next_position from june_sessions s2
-                                     where s2.agent = %(a)s and s2.session = %(s)s)"""
-
 
 # Intake in one statement: record the turn unless it exists or another turn is parked, and take
 # the lease in the same update of the session row that bumps next_position (so a holder's release
-# fails, _NOTHING_NEW), when there is a turn to run and the lease is free or ours. Taking the lease
+# fails, NOTHING_NEW), when there is a turn to run and the lease is free or ours. Taking the lease
 # also reads the session (transcript, steps, first unfinished turn) for the turn to run on, so the
 # lease is taken only if the row it updates is the very version this statement's snapshot saw
 # (xmin): every commit updates that row, so nothing was committed to the session that the snapshot
@@ -101,12 +96,22 @@ select exists (select 1 from ins), k.took,
         order by position limit 1) f on k.took
 """)
 
-_FIRST_UNFINISHED = """
+# Take the lease if it is free or already ours (bumping the fence); no row comes back otherwise.
+_ACQUIRE = f"""
+    insert into june_sessions (agent, session, lease_owner, lease_expires, fence)
+    values (%(agent)s, %(session)s, %(o)s, {_NOW} + %(l)s, 1)
+    on conflict (agent, session) do update
+       set lease_owner = excluded.lease_owner,
+           lease_expires = excluded.lease_expires,
+           fence = june_sessions.fence + 1
+     where june_sessions.lease_owner = excluded.lease_owner or {_LEASE_IS_FREE.format(s="june_sessions")}
+"""
+
+_FIRST_UNFINISHED = f"""
     left join lateral (
-        select t.turn_id, t.position, t.status, t.payload, t.cancel_reason, t.attempts,
-               t.result, t.generation, t.created_at, t.finished_at
+        select {turn_columns("t.")}
           from june_turns t
-         where t.agent = %(a)s and t.session = %(s)s and t.status in ('queued', 'running')
+         where t.agent = %(agent)s and t.session = %(session)s and t.status in ('queued', 'running')
          order by t.position limit 1) t on true
 """
 
@@ -153,17 +158,8 @@ class SessionQueue:
         """Take the session's lease if it is free, expired or already ours; return the new fence."""
         with self.pool.connection() as conn:
             row = conn.execute(
-                f"""
-                insert into june_sessions (agent, session, lease_owner, lease_expires, fence)
-                values (%(a)s, %(s)s, %(o)s, extract(epoch from clock_timestamp()) + %(l)s, 1)
-                on conflict (agent, session) do update
-                   set lease_owner = excluded.lease_owner,
-                       lease_expires = excluded.lease_expires,
-                       fence = june_sessions.fence + 1
-                 where june_sessions.lease_owner = excluded.lease_owner or {_LEASE_IS_FREE.format(s="june_sessions")}
-                returning fence
-                """,
-                {"a": ref.agent, "s": ref.session, "o": owner, "l": self.lease_s},
+                f"{_ACQUIRE} returning fence",
+                {"agent": ref.agent, "session": ref.session, "o": owner, "l": self.lease_s},
             ).fetchone()
         return int(row[0]) if row else None
 
@@ -172,19 +168,10 @@ class SessionQueue:
         with self.pool.connection() as conn:
             row = conn.execute(
                 f"""
-                with acquired as (
-                    insert into june_sessions (agent, session, lease_owner, lease_expires, fence)
-                    values (%(a)s, %(s)s, %(o)s, extract(epoch from clock_timestamp()) + %(l)s, 1)
-                    on conflict (agent, session) do update
-                       set lease_owner = excluded.lease_owner,
-                           lease_expires = excluded.lease_expires,
-                           fence = june_sessions.fence + 1
-                     where june_sessions.lease_owner = excluded.lease_owner or {_LEASE_IS_FREE.format(s="june_sessions")}
-                    returning fence, event_seq, reset_pending
-                )
+                with acquired as ({_ACQUIRE} returning fence, event_seq, reset_pending)
                 select a.fence, a.event_seq, a.reset_pending, t.* from acquired a {_FIRST_UNFINISHED}
                 """,
-                {"a": ref.agent, "s": ref.session, "o": owner, "l": self.lease_s},
+                {"agent": ref.agent, "session": ref.session, "o": owner, "l": self.lease_s},
             ).fetchone()
         if row is None:
             return None
@@ -198,8 +185,9 @@ class SessionQueue:
         The turn is recorded unless it already is, or another turn is parked (the caller rejects
         it then). The lease is taken if there is a turn to run and it is free, expired, held by a
         dead worker or already ours; otherwise its holder runs the turn: recording it made the
-        holder's release fail (:data:`_NOTHING_NEW`). With the lease comes the session as it is
-        now (:attr:`Lease.snapshot`), read in the same statement (see :data:`_INTAKE`).
+        holder's release fail (:data:`~june_worker.stores._pg_commit.NOTHING_NEW`). With the
+        lease comes the session as it is now (:attr:`Lease.snapshot`), read in the same
+        statement (see :data:`_INTAKE`).
         """
         params = {
             "agent": ref.agent,
@@ -272,13 +260,13 @@ class SessionQueue:
             cur = conn.execute(
                 f"""
                 update june_sessions s set lease_owner = null, lease_expires = null
-                 where s.agent = %(a)s and s.session = %(s)s and s.fence = %(f)s
+                 where s.agent = %(agent)s and s.session = %(session)s and s.fence = %(f)s
                    and (%(force)s or (not exists (
                         select 1 from june_turns t
                          where t.agent = s.agent and t.session = s.session
-                           and t.status in ('queued', 'running')) and {_NOTHING_NEW}))
+                           and t.status in ('queued', 'running')) and {NOTHING_NEW}))
                 """,
-                {"a": ref.agent, "s": ref.session, "f": fence, "force": force},
+                {"agent": ref.agent, "session": ref.session, "f": fence, "force": force},
             )
             return bool(cur.rowcount == 1)
 
@@ -286,14 +274,13 @@ class SessionQueue:
         """The turn's row if it was recorded, and the session's parked checkpoint, in one round trip."""
         with self.pool.connection() as conn:
             row = conn.execute(
-                """
-                select (select suspended::text from june_sessions where agent = %(a)s and session = %(s)s),
-                       t.turn_id, t.position, t.status, t.payload, t.cancel_reason, t.attempts,
-                       t.result, t.generation, t.created_at, t.finished_at
+                f"""
+                select (select suspended::text from june_sessions where agent = %(agent)s and session = %(session)s),
+                       {turn_columns("t.")}
                   from (select 1) one
-                  left join june_turns t on t.agent = %(a)s and t.session = %(s)s and t.turn_id = %(t)s
+                  left join june_turns t on t.agent = %(agent)s and t.session = %(session)s and t.turn_id = %(t)s
                 """,
-                {"a": ref.agent, "s": ref.session, "t": turn_id},
+                {"agent": ref.agent, "session": ref.session, "t": turn_id},
             ).fetchone()
         assert row is not None
         suspended, *turn = row
@@ -313,19 +300,19 @@ class SessionQueue:
                 f"""
                 with released as (
                     update june_sessions s set lease_owner = null, lease_expires = null
-                     where s.agent = %(a)s and s.session = %(s)s and s.fence = %(f)s
+                     where s.agent = %(agent)s and s.session = %(session)s and s.fence = %(f)s
                        and not exists (
                             select 1 from june_turns t
                              where t.agent = s.agent and t.session = s.session
                                and t.status in ('queued', 'running'))
-                       and {_NOTHING_NEW}
+                       and {NOTHING_NEW}
                     returning 1
                 )
                 select exists (select 1 from released), s.fence, s.reset_pending, t.*
                   from june_sessions s {_FIRST_UNFINISHED}
-                 where s.agent = %(a)s and s.session = %(s)s
+                 where s.agent = %(agent)s and s.session = %(session)s
                 """,
-                {"a": ref.agent, "s": ref.session, "f": fence},
+                {"agent": ref.agent, "session": ref.session, "f": fence},
             ).fetchone()
         if row is None:
             return "lost", None, False
@@ -410,8 +397,7 @@ class SessionQueue:
                     update june_turns t set dispatched_at = %(now)s
                       from first f
                      where t.agent = f.agent and t.session = f.session and t.turn_id = f.turn_id
-                    returning t.agent, t.session, t.turn_id, t.position, t.status, t.payload, t.cancel_reason,
-                              t.attempts, t.result, t.generation, t.created_at, t.finished_at
+                    returning t.agent, t.session, {turn_columns("t.")}
                 )
                 select * from marked
                 """,
@@ -435,10 +421,10 @@ class SessionQueue:
             row = conn.execute(
                 """
                 update june_turns set delivery_attempts = delivery_attempts + 1, dispatched_at = %(now)s
-                 where agent = %(a)s and session = %(s)s and turn_id = %(t)s and deliver_due
+                 where agent = %(agent)s and session = %(session)s and turn_id = %(t)s and deliver_due
                 returning delivery_attempts
                 """,
-                {"a": ref.agent, "s": ref.session, "t": turn_id, "now": time.time()},
+                {"agent": ref.agent, "session": ref.session, "t": turn_id, "now": time.time()},
             ).fetchone()
         return None if row is None else int(row[0])
 
@@ -468,7 +454,7 @@ class SessionQueue:
                 update june_turns t set dispatched_at = %(now)s
                   from due
                  where t.agent = due.agent and t.session = due.session and t.turn_id = due.turn_id
-                returning t.agent, t.session, {", ".join("t." + c.strip() for c in TURN_COLUMNS.split(","))}
+                returning t.agent, t.session, {turn_columns("t.")}
                 """,
                 {"now": now, "cutoff": now - grace_s, "limit": limit},
             ).fetchall()
