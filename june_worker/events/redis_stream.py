@@ -238,21 +238,16 @@ class RedisStreamSink:
             return
         if self._quiet():
             return
-        trim = self.session_trim
-        stream = self.keys.session_stream(ref)
-        fields: dict[Any, Any] = {"type": event.type, "data": encode_event(ref, event)}
+        fields = {"type": event.type, "data": encode_event(ref, event)}
+        commands = _xadd(self.keys.session_stream(ref), fields, self.session_trim)
         if self.pipelined:
-            self.flush(keep=self._send(_xadd(stream, fields, trim), None))
+            self.flush(keep=self._send(commands, None))
             return
         try:
-            minid = trim.minid()
-            if minid is None or trim.maxlen is None:
-                self.client.xadd(stream, fields, maxlen=trim.maxlen, minid=minid, approximate=not trim.exact)
-            else:
-                pipe = self.client.pipeline(transaction=False)
-                pipe.xadd(stream, fields, maxlen=trim.maxlen, approximate=not trim.exact)
-                pipe.xtrim(stream, minid=minid, approximate=not trim.exact)
-                pipe.execute()
+            pipe = self.client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+            pipe.execute()
         except Exception as exc:
             self._failed(exc, f"delta of {ref}")
 
