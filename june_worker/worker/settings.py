@@ -15,6 +15,8 @@ JUNE_ALIVE_S                a worker process counts as dead after    3
                             this long without a heartbeat; its
                             leases are then taken over at once
 JUNE_SWEEP_S                sweeper period (beat)                    10
+JUNE_DELIVERY_ATTEMPTS      tries of a target's deliver hook before  5
+                            the worker gives the delivery up
 JUNE_KEY_PREFIX             prefix of every Redis key                june
 JUNE_STREAM_MAXLEN          approximate cap of a session stream      10000
 JUNE_STREAM_MAX_AGE_S       drop stream entries older than this      0 (keep)
