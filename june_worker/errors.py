@@ -14,8 +14,13 @@
     │   ├── ModelStreamError          the model stream broke its contract (no final reply)
     │   └── ModelProviderError        the provider refused or broke a call (``retryable`` says which)
     ├── FatalToolError                a tool says the turn cannot go on; fails the turn
+    ├── TransientError                an infrastructure fault that may pass: the step runs again (retryable)
+    │   └── StoreUnavailableError     the store's connection was lost, or it refused a statement for now
+    │                                 (serialization failure, deadlock, shutdown); also a StoreError
     ├── StoreError                    the store refused an operation
     │   ├── LeaseLostError            a commit was fenced off: another worker holds the session
+    │   ├── TurnEndedError            a commit would change the status of a turn that has ended
+    │   ├── CancelRequestedError      the opening commit found a stored cancel request
     │   └── ResetNotSupportedError    the store has no reset operation
     ├── ResumeError                   a resume was not applied
     │   ├── ResumeAuthorizationError  ``by`` may not answer this request (HTTP 403)
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 __all__ = [
     "AgentDefinitionError",
+    "CancelRequestedError",
     "ConfigError",
     "FatalToolError",
     "InputTimeoutError",
@@ -46,12 +52,16 @@ __all__ = [
     "ModelStepError",
     "ModelStreamError",
     "PayloadError",
+    "PoisonTurnError",
     "ResetNotSupportedError",
     "ResumeAuthorizationError",
     "ResumeConflictError",
     "ResumeError",
     "StoreError",
+    "StoreUnavailableError",
+    "TransientError",
     "TurnCancelledError",
+    "TurnEndedError",
     "TurnError",
     "TurnFailedError",
     "TurnRejectedError",
@@ -123,18 +133,52 @@ class ModelProviderError(TurnError):
         return self.message
 
 
+class PoisonTurnError(TurnError):
+    """The same turn failed or killed its process ``max_attempts`` times; it ends ``failed`` and the session moves on."""
+
+
 class FatalToolError(JuneError):
     """Raised by a tool for a mistake the model cannot fix; the turn fails instead of continuing."""
+
+
+class TransientError(JuneError):
+    """An infrastructure fault that may pass (a lost connection, a deadlock): the same step runs again."""
+
+    retryable = True
 
 
 class StoreError(JuneError):
     """The store refused an operation."""
 
 
+class StoreUnavailableError(StoreError, TransientError):
+    """The store could not be reached or refused a statement for now; whatever committed stays committed.
+
+    The outcome of a commit that raised this is unknown: the caller re-reads the session and
+    goes on from what the store holds, never re-sends the commit blindly.
+    """
+
+    retryable = True
+
+
 class LeaseLostError(StoreError):
     """A commit carried a fencing token that is no longer current; another worker owns the session."""
 
-    retryable = True
+
+class TurnEndedError(StoreError):
+    """A commit would change the status of a turn that already ended; nothing was written."""
+
+
+class CancelRequestedError(StoreError):
+    """The commit that opens a turn found a stored cancel request; nothing was written."""
+
+    def __init__(self, reason: str, message: str | None = None) -> None:
+        super().__init__(reason, message)
+        self.reason = reason
+        self.message = message or f"the turn was cancelled before it opened ({reason})"
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class ResetNotSupportedError(StoreError):

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from ..errors import ConfigError, FatalToolError
 from .model import ToolSpec
+from .storable import storable_text
 from .store import SessionRef, StoreHandle
 from .types import Answerers, InboundEvent, JsonValue, PolicyAnswerer, Principal, ToolCall, UserAnswerer
 
@@ -91,7 +92,10 @@ def format_tool_error(exc: BaseException) -> str:
 
     Never a traceback; cut to :data:`ERROR_MAX_CHARS` characters.
     """
-    message = str(exc)
+    try:
+        message = storable_text(str(exc))
+    except Exception:  # an exception whose __str__ raises is named by its class
+        message = ""
     name = type(exc).__name__
     if type(exc) is not Exception:
         message = f"{name}: {message}" if message else name
