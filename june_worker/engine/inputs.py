@@ -61,6 +61,7 @@ class InputBroker:
                 schema=schema,
                 answerers=answerers,
                 call_id=ctx.call.id,
+                timeout_s=timeout_s,
                 expires_at=expires_at,
             )
         )

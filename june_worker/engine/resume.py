@@ -8,7 +8,6 @@ race for one park exactly one is applied; the other gets a conflict.
 from __future__ import annotations
 
 import inspect
-import time
 from dataclasses import dataclass
 
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
@@ -121,12 +120,17 @@ def resume_commit(
     return _answer_commit(parked, {"answer": value, "by": by})
 
 
-def timeout_commit(parked: SuspendedCheckpoint, now: float | None = None) -> Commit | None:
-    """The commit that answers an expired park with a timeout, or None while it has not expired."""
-    expires_at = parked.request.expires_at
-    if expires_at is None or (now if now is not None else time.time()) < expires_at:
+def timeout_commit(parked: SuspendedCheckpoint) -> Commit | None:
+    """The commit that answers a park with a timeout once it expired, or None for a park without a timeout.
+
+    Whether it expired is the store's to say, by its own clock, when the commit applies
+    (``Commit.expect_expired``): a process's clock is never compared with another's.
+    """
+    if parked.request.timeout_s is None and parked.request.expires_at is None:
         return None
-    return _answer_commit(parked, {"timeout": True})
+    commit = _answer_commit(parked, {"timeout": True})
+    commit.expect_expired = True
+    return commit
 
 
 def _answer_commit(parked: SuspendedCheckpoint, data: dict[str, JsonValue]) -> Commit:

@@ -28,6 +28,7 @@ __all__ = [
     "UNFINISHED_TURN_STATUSES",
     "Commit",
     "CommitBuilder",
+    "ENDED_TURN_STATUSES",
     "ResetResult",
     "SessionRef",
     "SessionSnapshot",
@@ -46,6 +47,7 @@ __all__ = [
 SessionStatus = Literal["new", "running", "suspended", "done"]
 TurnStatus = Literal["queued", "running", "suspended", "completed", "failed", "cancelled", "rejected"]
 UNFINISHED_TURN_STATUSES: frozenset[str] = frozenset({"queued", "running"})
+ENDED_TURN_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled", "rejected"})
 INITIATOR_STEP = "session:initiator"
 """Reserved step key holding the session's first resolved principal."""
 
@@ -109,6 +111,8 @@ class TurnRecord(_Record):
     generation: int = 0
     created_at: float = 0.0
     finished_at: float | None = None
+    last_error: str | None = None
+    """Why the turn's last attempt ended without a result (a transient fault it could not outlast)."""
 
 
 class StepRecord(_Record):
@@ -129,6 +133,12 @@ class SuspendedCheckpoint(_Record):
     policy: SurfacePolicy | None = None
     event: InboundEvent | None = None
     principal: Principal | None = None
+
+    def with_expiry(self, expires_at: float | None) -> SuspendedCheckpoint:
+        """This checkpoint as a store reports it: the request's expiry is the store's own stamp."""
+        if expires_at is None:
+            return self
+        return self.model_copy(update={"request": self.request.model_copy(update={"expires_at": expires_at})})
 
 
 class SessionSnapshot(_Record):
@@ -171,6 +181,21 @@ class Commit:
     expect_suspended: tuple[str, str] | None = None
     """(turn_id, input_id): apply only if the session is parked on exactly that, else
     :class:`~june_worker.errors.ResumeConflictError`. Makes racing resumes apply once."""
+    expect_not_cancelled: bool = False
+    """Apply only if no cancel was requested for ``turn_id``, else
+    :class:`~june_worker.errors.CancelRequestedError`: the commit that opens a turn never opens a
+    cancelled one, however late the cancel's signal arrives."""
+    turn_error: str | None = None
+    """Recorded as the turn's ``last_error`` (why an attempt ended without a result)."""
+    expect_expired: bool = False
+    """With ``expect_suspended``: apply only if the park's stored expiry has passed by the store's clock,
+    else :class:`~june_worker.errors.ResumeConflictError` (not expired yet)."""
+
+    # A commit that sets ``suspended`` makes the store stamp the park's expiry (``request.timeout_s``
+    # from now, by the store's clock); ``pending`` and ``load`` report that stamp as ``request.expires_at``.
+
+    # Every commit that sets ``turn_status`` applies only while the turn has not ended
+    # (completed, failed, cancelled, rejected): else :class:`~june_worker.errors.TurnEndedError`.
 
 
 class StoreHandle(Protocol):
@@ -231,6 +256,25 @@ class SessionStore(Protocol):
         """Turns ``queued`` or ``running``, in arrival order."""
         ...
 
+    def reject_turn(
+        self,
+        ref: SessionRef,
+        turn_id: str,
+        payload: TurnPayload,
+        reason: str,
+        *,
+        fence: int | None = None,
+        new_only: bool = False,
+    ) -> tuple[TurnRecord, list[TurnEvent]]:
+        """Record the turn as ``rejected`` with its ``turn.failed`` (phase intake) event, in one transaction.
+
+        A turn not recorded yet is inserted as rejected (never queued first, so nothing can run
+        it); one still queued or running becomes rejected, unless ``new_only`` (a refused copy of a
+        message must not end the turn its first copy recorded); one that ended is left as it is.
+        Returns the stored record and the events written (none when nothing changed).
+        """
+        ...
+
     def request_cancel(self, ref: SessionRef, reason: str, *, turn_ids: Sequence[str] | None = None) -> list[str]:
         """Durably mark unfinished turns (all of them when ``turn_ids`` is None) as cancel-requested.
 
@@ -242,10 +286,11 @@ class SessionStore(Protocol):
         """Committed structural events, in ``seq`` order."""
         ...
 
-    def reset(self, ref: SessionRef) -> ResetResult:
+    def reset(self, ref: SessionRef, *, fence: int | None = None) -> ResetResult:
         """Archive messages and steps under the current generation, clear them, bump the generation.
 
-        Turns still queued or running are the caller's to cancel first.
+        Turns still queued or running are the caller's to cancel first. ``fence``: as for
+        :meth:`commit`, the reset applies only under that lease.
         """
         ...
 

@@ -244,8 +244,12 @@ class InputRequest(_Model):
     json_schema: dict[str, JsonValue] | None = Field(default=None, alias="schema")
     answerers: Answerers | None = None
     call_id: str | None = None
+    timeout_s: float | None = None
+    """How long the request waits for an answer once the turn parks (``request_input(timeout_s=...)``)."""
     expires_at: float | None = None
-    """Unix time after which the sweeper answers the request with a timeout."""
+    """Unix time after which the request is answered with a timeout. The store stamps it when the turn
+    parks, by its own clock (the database's, for Postgres); what a running tool or an event shows is
+    the parking process's estimate of the same moment."""
 
 
 # --- errors and results -----------------------------------------------------------------------------

@@ -60,7 +60,10 @@ class _Shape(NamedTuple):
     suspended: str  # "keep" | "set" | "clear"
     fenced: bool
     expect: bool
+    expired: bool
     turn: bool
+    not_cancelled: bool
+    turn_error: bool
     release: bool
     deliver: bool
 
@@ -83,7 +86,10 @@ def commit_statement(
         suspended="set" if commit.suspended is not None else "clear" if commit.clear_suspended else "keep",
         fenced=fence is not None,
         expect=commit.expect_suspended is not None,
+        expired=commit.expect_expired,
         turn=turn,
+        not_cancelled=commit.expect_not_cancelled and commit.turn_id is not None,
+        turn_error=commit.turn_error is not None and commit.turn_id is not None,
         release=release,
         deliver=deliver_due,
     )
@@ -94,6 +100,7 @@ def commit_statement(
         p["status"] = commit.status
     if commit.suspended is not None:
         p["suspended"] = commit.suspended.model_dump_json(by_alias=True)
+        p["park_timeout"] = commit.suspended.request.timeout_s
     if commit.expect_suspended is not None:
         p["exp_turn"], p["exp_input"] = commit.expect_suspended
     _rows(
@@ -111,9 +118,13 @@ def commit_statement(
         [(e.turn_id, e.type) for e in events],
         [e.model_dump_json(by_alias=True, exclude={"seq"})[1:] for e in events],
     )
+    if commit.turn_id is not None:
+        p["t_id"] = commit.turn_id
     if turn:
-        p["t_id"], p["t_status"] = commit.turn_id, commit.turn_status
+        p["t_status"] = commit.turn_status
         p["t_result"] = commit.turn_result.model_dump_json(by_alias=True) if commit.turn_result is not None else None
+    if shape.turn_error:
+        p["t_error"] = commit.turn_error
     return _sql(shape), p
 
 
@@ -174,8 +185,9 @@ def _sql(shape: _Shape) -> str:
         sets.append("status = %(status)s::text")
     if shape.suspended == "set":
         sets.append("suspended = %(suspended)s::json")
+        sets.append("park_expires_at = extract(epoch from now()) + %(park_timeout)s::float8")
     elif shape.suspended == "clear":
-        sets.append("suspended = null")
+        sets.append("suspended = null, park_expires_at = null")
     if shape.release:
         free = (
             "not exists (select 1 from june_turns t where t.agent = s.agent and t.session = s.session"
@@ -189,6 +201,18 @@ def _sql(shape: _Shape) -> str:
     if shape.expect:
         where.append("s.suspended->>'turn_id' = %(exp_turn)s::text")
         where.append("s.suspended->'request'->>'id' = %(exp_input)s::text")
+    if shape.expired:
+        where.append("s.park_expires_at <= extract(epoch from now())")
+    refused = []  # the turn's own state that refuses the commit: it ended, or (opening) a cancel is stored
+    if shape.turn:
+        refused.append("g.status in ('completed', 'failed', 'cancelled', 'rejected')")
+    if shape.not_cancelled:
+        refused.append("g.cancel_reason is not null")
+    if refused:
+        where.append(
+            "not exists (select 1 from june_turns g where g.agent = %(agent)s::text and g.session = %(session)s::text"
+            f" and g.turn_id = %(t_id)s::text and ({' or '.join(refused)}))"
+        )
     returning = "s.event_seq, s.lease_owner is null as released" if shape.release else "s.event_seq"
     parts = [
         f"upd as (\n    update june_sessions s set {', '.join(sets)}\n    where {' and '.join(where)}\n"
@@ -217,14 +241,24 @@ def _sql(shape: _Shape) -> str:
             f"        ('{{\"seq\":' || {seq} || ',' || v.rest)::json\n"
             f"    from upd, {source}\n)"
         )
-    if shape.turn:
+    if shape.turn or shape.turn_error:
+        sets_t = []
+        if shape.turn:
+            sets_t += [
+                "status = %(t_status)s::text",
+                "result = %(t_result)s::json",
+                # a start counts an attempt; a resume (queued again) starts the count over
+                "attempts = case %(t_status)s::text when 'running' then t.attempts + 1 when 'queued' then 0"
+                " else t.attempts end",
+                "finished_at = case when %(t_status)s::text in ('queued', 'running') then null"
+                " else extract(epoch from now()) end",
+            ]
+        if shape.turn_error:
+            sets_t.append("last_error = %(t_error)s::text")
+        if shape.deliver:
+            sets_t.append("deliver_due = true, delivery_attempts = 0")
         parts.append(
-            "turn as (\n    update june_turns t set status = %(t_status)s::text, result = %(t_result)s::json,\n"
-            "        attempts = t.attempts + case when %(t_status)s::text = 'running' then 1 else 0 end,\n"
-            "        finished_at = case when %(t_status)s::text in ('queued', 'running') then null\n"
-            "            else extract(epoch from now()) end"
-            + (", deliver_due = true, delivery_attempts = 0" if shape.deliver else "")
-            + "\n    from upd\n"
+            f"turn as (\n    update june_turns t set {', '.join(sets_t)}\n    from upd\n"
             "    where t.agent = %(agent)s::text and t.session = %(session)s::text and t.turn_id = %(t_id)s::text\n)"
         )
     return "with " + ", ".join(parts) + f"\nselect {'event_seq, released' if shape.release else 'event_seq'} from upd"

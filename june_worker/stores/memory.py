@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.events import TurnEvent
+from ..engine.endings import rejection_event
+from ..engine.events import Rejected, TurnEvent
 from ..engine.store import (
+    ENDED_TURN_STATUSES,
     UNFINISHED_TURN_STATUSES,
     Commit,
     CommitBuilder,
@@ -31,7 +33,7 @@ from ..engine.store import (
 )
 from ..engine.tools import NoTransactionHandle
 from ..engine.types import Message
-from ..errors import LeaseLostError, ResumeConflictError, StoreError
+from ..errors import CancelRequestedError, LeaseLostError, ResumeConflictError, StoreError, TurnEndedError
 
 __all__ = ["MemoryStore"]
 
@@ -47,6 +49,7 @@ class _Session:
     turns: dict[str, TurnRecord] = field(default_factory=dict)
     next_position: int = 1
     fence: int = 0
+    park_expires_at: float | None = None
 
 
 class MemoryStore:
@@ -100,28 +103,38 @@ class MemoryStore:
             if commit.status is not None:
                 s.status = commit.status
             if commit.clear_suspended:
-                s.suspended = None
+                s.suspended, s.park_expires_at = None, None
             if commit.suspended is not None:
-                s.suspended = commit.suspended
-            if commit.turn_id is not None and commit.turn_status is not None:
-                rec = s.turns.get(commit.turn_id)
-                if rec is not None:
-                    finished = commit.turn_status not in ("queued", "running")
-                    s.turns[commit.turn_id] = rec.model_copy(
-                        update={
-                            "status": commit.turn_status,
-                            "result": commit.turn_result,
-                            "attempts": rec.attempts + (commit.turn_status == "running"),
-                            "finished_at": time.time() if finished else None,
-                        }
-                    )
+                timeout_s = commit.suspended.request.timeout_s
+                s.park_expires_at = time.time() + timeout_s if timeout_s is not None else None
+                s.suspended = commit.suspended.with_expiry(s.park_expires_at)
+            rec = s.turns.get(commit.turn_id) if commit.turn_id is not None else None
+            if rec is not None and commit.turn_status is not None:
+                finished = commit.turn_status not in UNFINISHED_TURN_STATUSES
+                rec = s.turns[rec.turn_id] = rec.model_copy(
+                    update={
+                        "status": commit.turn_status,
+                        "result": commit.turn_result,
+                        "attempts": _attempts(rec.attempts, commit.turn_status),
+                        "finished_at": time.time() if finished else None,
+                    }
+                )
+            if rec is not None and commit.turn_error is not None:
+                s.turns[rec.turn_id] = rec.model_copy(update={"last_error": commit.turn_error})
             return out
 
     def _check(self, ref: SessionRef, s: _Session, commit: Commit) -> None:
+        rec = s.turns.get(commit.turn_id) if commit.turn_id is not None else None
+        if rec is not None and commit.turn_status is not None and rec.status in ENDED_TURN_STATUSES:
+            raise TurnEndedError(f"session {ref}: turn {rec.turn_id} has ended ({rec.status}); its status stays")
+        if rec is not None and commit.expect_not_cancelled and rec.cancel_reason is not None:
+            raise CancelRequestedError(rec.cancel_reason)
         if commit.expect_suspended is not None:
             turn_id, input_id = commit.expect_suspended
             if s.suspended is None or s.suspended.turn_id != turn_id or s.suspended.request.id != input_id:
                 raise ResumeConflictError(f"session {ref} is not parked on turn {turn_id} input {input_id!r}")
+            if commit.expect_expired and (s.park_expires_at is None or s.park_expires_at > time.time()):
+                raise ResumeConflictError(f"session {ref}: input {input_id!r} has not expired")
         expected = len(s.messages)
         for index, _ in commit.messages:
             if index != expected:
@@ -148,6 +161,45 @@ class MemoryStore:
             s.next_position += 1
             s.turns[turn_id] = rec
             return rec, True
+
+    def reject_turn(
+        self,
+        ref: SessionRef,
+        turn_id: str,
+        payload: TurnPayload,
+        reason: str,
+        *,
+        fence: int | None = None,
+        new_only: bool = False,
+    ) -> tuple[TurnRecord, list[TurnEvent]]:
+        with self._lock:
+            s = self._get(ref)
+            if fence is not None and fence != s.fence:
+                raise LeaseLostError(f"session {ref} is leased under fence {s.fence}, not {fence}")
+            rec = s.turns.get(turn_id)
+            if rec is not None and (new_only or rec.status not in UNFINISHED_TURN_STATUSES):
+                return rec, []
+            if rec is None:
+                rec = TurnRecord(
+                    turn_id=turn_id,
+                    agent=ref.agent,
+                    session=ref.session,
+                    position=s.next_position,
+                    payload=payload,
+                    generation=s.generation,
+                    created_at=time.time(),
+                )
+                s.next_position += 1
+            event = rejection_event(turn_id, reason).model_copy(update={"seq": len(s.events) + 1})
+            s.events.append(event)
+            rec = s.turns[turn_id] = rec.model_copy(
+                update={
+                    "status": "rejected",
+                    "result": Rejected(turn_id=turn_id, reason=reason),
+                    "finished_at": time.time(),
+                }
+            )
+            return rec, [event]
 
     def get_turn(self, ref: SessionRef, turn_id: str) -> TurnRecord | None:
         with self._lock:
@@ -182,9 +234,11 @@ class MemoryStore:
                 if (e.seq or 0) > after_seq and (turn_id is None or e.turn_id == turn_id)
             ]
 
-    def reset(self, ref: SessionRef) -> ResetResult:
+    def reset(self, ref: SessionRef, *, fence: int | None = None) -> ResetResult:
         with self._lock:
             s = self._get(ref)
+            if fence is not None and fence != s.fence:
+                raise LeaseLostError(f"session {ref} is leased under fence {s.fence}, not {fence}")
             generation = s.generation
             self.archives.append(
                 {
@@ -196,7 +250,7 @@ class MemoryStore:
             )
             s.messages = []
             s.steps = {}
-            s.suspended = None
+            s.suspended, s.park_expires_at = None, None
             s.status = "new"
             s.generation = generation + 1
             return ResetResult(previous_session=f"{ref.session}#g{generation}", generation=generation)
@@ -211,3 +265,10 @@ class MemoryStore:
 
     def close(self) -> None:
         return None
+
+
+def _attempts(attempts: int, status: str) -> int:
+    """A turn's attempt count after a commit sets ``status``: a start counts one, a resume (queued again) starts over."""
+    if status == "running":
+        return attempts + 1
+    return 0 if status == "queued" else attempts

@@ -50,8 +50,10 @@ from psycopg.types.numeric import Int8
 from psycopg_pool import ConnectionPool
 from pydantic import TypeAdapter
 
-from ..engine.events import TurnEvent, TurnResultAdapter
+from ..engine.endings import rejection_event
+from ..engine.events import Rejected, TurnEvent, TurnResultAdapter
 from ..engine.store import (
+    ENDED_TURN_STATUSES,
     Commit,
     CommitBuilder,
     ResetResult,
@@ -63,7 +65,14 @@ from ..engine.store import (
     TurnRecord,
 )
 from ..engine.types import Message
-from ..errors import LeaseLostError, ResumeConflictError, StoreError
+from ..errors import (
+    CancelRequestedError,
+    LeaseLostError,
+    ResumeConflictError,
+    StoreError,
+    StoreUnavailableError,
+    TurnEndedError,
+)
 from ._pg_commit import commit_statement
 from ._sql import qmark_to_format
 
@@ -71,7 +80,9 @@ __all__ = [
     "MESSAGES_JSON",
     "STEPS_JSON",
     "TURN_COLUMNS",
+    "TURN_WIDTH",
     "PostgresStore",
+    "pooled",
     "session_snapshot",
     "turn_columns",
     "turn_from_row",
@@ -187,11 +198,24 @@ _MIGRATIONS: list[str] = [
         add column delivery_attempts integer not null default 0;
     create index june_turns_deliver_due on june_turns (finished_at) where deliver_due;
     """,
+    # 4: the failure policy: why a turn's last attempt ended; a park's expiry stamped by the database's
+    # clock; the sessions whose stream may be behind their outbox, found by an index however old they are
+    """
+    alter table june_turns add column last_error text;
+    alter table june_sessions add column park_expires_at double precision;
+    update june_sessions set park_expires_at = (suspended -> 'request' ->> 'expires_at')::double precision
+     where suspended is not null;
+    create index june_sessions_park_expiry on june_sessions (park_expires_at) where park_expires_at is not null;
+    create index june_sessions_unrelayed on june_sessions (agent, session) where event_seq > relayed_seq;
+    """,
 ]
 
 _WHY_NOT = """
-select fence, suspended->>'turn_id', suspended->'request'->>'id' from june_sessions
-where agent = %(agent)s and session = %(session)s
+select s.fence, s.suspended->>'turn_id', s.suspended->'request'->>'id',
+       coalesce(s.park_expires_at <= extract(epoch from now()), false), t.status, t.cancel_reason
+  from june_sessions s
+  left join june_turns t on t.agent = s.agent and t.session = s.session and t.turn_id = %(t_id)s::text
+ where s.agent = %(agent)s and s.session = %(session)s
 """
 
 _ENSURE_SESSION = "insert into june_sessions (agent, session) values (%(agent)s, %(session)s) on conflict do nothing"
@@ -205,7 +229,8 @@ STEPS_JSON = """(select coalesce(json_agg(json_build_array(st.step_id, st.turn_i
 """The session's steps as one JSON text (a scalar subquery), as :func:`session_snapshot` reads it."""
 
 _LOAD = f"""
-select s.generation, s.status, s.suspended::text, s.event_seq, s.reset_pending, {MESSAGES_JSON}, {STEPS_JSON}
+select s.generation, s.status, s.suspended::text, s.event_seq, s.reset_pending, {MESSAGES_JSON}, {STEPS_JSON},
+       s.park_expires_at
 from (select 1) as one
 left join june_sessions s on s.agent = %(agent)s and s.session = %(session)s
 """
@@ -216,12 +241,15 @@ def turn_columns(alias: str = "") -> str:
     (``"t."``), JSON as text."""
     names = (
         "turn_id position status payload::text cancel_reason attempts result::text generation created_at finished_at"
+        " last_error"
     )
     return ", ".join(alias + name for name in names.split())
 
 
 TURN_COLUMNS = turn_columns()
 """A turn row's columns in the order :func:`turn_from_row` reads them."""
+TURN_WIDTH = len(TURN_COLUMNS.split(","))
+"""How many columns :data:`TURN_COLUMNS` selects."""
 
 _ENQUEUE = f"""
 with existing as (
@@ -266,10 +294,36 @@ where agent = %(agent)s and session = %(session)s and seq > %(after)s::bigint
   and (%(turn_id)s::text is null or turn_id = %(turn_id)s::text)
 """
 
-_RESET_LOCK = """
+_LOCK_SESSION = """
 insert into june_sessions as s (agent, session) values (%(agent)s, %(session)s)
 on conflict (agent, session) do update set generation = s.generation
-returning s.generation
+returning s.fence, s.event_seq, s.generation
+"""
+
+# A rejection in the transaction that locked the session row: the turn inserted as rejected when it is new
+# (never queued, so no drain can run it), else set rejected (the caller checked it has not ended); its
+# turn.failed event in the outbox; the session's counters moved.
+_REJECT = f"""
+with sess as (
+    update june_sessions set event_seq = %(seq)s,
+           next_position = next_position + case when %(new)s then 1 else 0 end
+     where agent = %(agent)s and session = %(session)s
+    returning next_position - 1 as position, generation
+), ev as (
+    insert into june_events (agent, session, seq, turn_id, type, body)
+    values (%(agent)s, %(session)s, %(seq)s, %(turn_id)s, 'turn.failed', %(body)s::json)
+), ins as (
+    insert into june_turns (agent, session, turn_id, position, status, payload, result, generation, finished_at)
+    select %(agent)s, %(session)s, %(turn_id)s, sess.position, 'rejected', %(payload)s::json, %(result)s::json,
+           sess.generation, extract(epoch from now())
+      from sess where %(new)s
+    returning {TURN_COLUMNS}
+), upd as (
+    update june_turns set status = 'rejected', result = %(result)s::json, finished_at = extract(epoch from now())
+     where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s and not %(new)s
+    returning {TURN_COLUMNS}
+)
+select * from ins union all select * from upd
 """
 
 _RESET = """
@@ -303,27 +357,87 @@ def _format(sql: str) -> str:
 
 
 class _Handle:
-    """A sync tool's view of the step's transaction. ``BEGIN`` goes out with the first use."""
+    """A sync tool's view of the step's transaction. ``BEGIN`` goes out with the first use.
+
+    Each statement runs under its own savepoint, in the same round trip (client-side binding,
+    one simple query): a statement that fails rolls back alone, so a tool that catches the error
+    leaves the step's transaction usable. A statement that finds the connection lost is the
+    store's failure, not the tool's: :attr:`lost` keeps it, and the step is not committed whatever
+    the tool does with the error.
+    """
 
     def __init__(self, conn: Conn) -> None:
         self._conn = conn
         self.begun = False
+        self.lost: BaseException | None = None
+        self._cursor: psycopg.ClientCursor[TupleRow] | None = None
 
     def begin(self) -> Conn:
         if not self.begun:
-            self._conn.execute("begin", prepare=False)
+            self._conn.execute("begin; savepoint june_step", prepare=False)
             self.begun = True
         return self._conn
 
+    def _run(self, sql: str, params: tuple[Any, ...]) -> psycopg.ClientCursor[TupleRow]:
+        conn = self.begin()
+        if self._cursor is None:
+            self._cursor = psycopg.ClientCursor(conn)
+        cur = self._cursor
+        try:
+            cur.execute(f"savepoint june_stmt; {_format(sql)}; release savepoint june_stmt", params, prepare=False)
+        except psycopg.Error as exc:
+            if conn.broken or _is_unavailable(exc):
+                self.lost = exc
+                raise StoreUnavailableError(f"the step's transaction was lost: {type(exc).__name__}: {exc}") from exc
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("rollback to savepoint june_stmt", prepare=False)
+            raise
+        cur.nextset()  # the statement's own result, after the savepoint's
+        return cur
+
     def execute(self, sql: str, *params: Any) -> int:
-        return self.begin().execute(_format(sql), params, prepare=False).rowcount
+        return self._run(sql, params).rowcount
 
     def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
-        return self.begin().execute(_format(sql), params, prepare=False).fetchall()
+        cur = self._run(sql, params)
+        return cur.fetchall() if cur.description else []
 
     def unwrap(self) -> Conn:
-        """The psycopg connection, inside the step's transaction: use it, never commit or roll it back."""
+        """The psycopg connection, inside the step's transaction: use it, never commit or roll it back.
+
+        Statements run here have no savepoint of their own: a tool that catches a failed one must
+        use one itself (``with conn.transaction():`` makes one), or the step fails.
+        """
         return self.begin()
+
+
+def _is_unavailable(exc: BaseException) -> bool:
+    """A fault of the connection or the server (lost, shut down, a deadlock or serialization failure to retry),
+    not of the statement: psycopg's ``OperationalError`` family, and ``InterfaceError``."""
+    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+
+
+@contextlib.contextmanager
+def pooled(pool: ConnectionPool[Conn]) -> Iterator[Conn]:
+    """A connection of ``pool`` in autocommit; a fault of the connection or the server (lost, shut down, no
+    connection to be had, a deadlock) becomes :class:`StoreUnavailableError`, the failure policy's transient
+    class. Statement errors propagate as psycopg raised them."""
+    # getconn/putconn, not pool.connection(): every statement here runs in autocommit or
+    # in a transaction its caller ends itself, and the plain pair costs half as much.
+    try:
+        conn = pool.getconn()
+    except psycopg.Error as exc:  # PoolTimeout: no connection could be made or freed in time
+        raise StoreUnavailableError(f"no database connection: {type(exc).__name__}: {exc}") from exc
+    try:
+        if not conn.autocommit:  # a pool handed in by the caller
+            conn.autocommit = True
+        yield conn
+    except psycopg.Error as exc:
+        if not (conn.broken or _is_unavailable(exc)):
+            raise
+        raise StoreUnavailableError(f"the database is unavailable: {type(exc).__name__}: {exc}") from exc
+    finally:
+        pool.putconn(conn)
 
 
 def _readable(conn: Conn) -> bool:
@@ -408,17 +522,8 @@ class PostgresStore:
 
     # --- plumbing ------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _connection(self) -> Iterator[Conn]:
-        # getconn/putconn, not pool.connection(): every statement here runs in autocommit or
-        # in a transaction this module ends itself, and the plain pair costs half as much.
-        conn = self._pool.getconn()
-        try:
-            if not conn.autocommit:  # a pool handed in by the caller
-                conn.autocommit = True
-            yield conn
-        finally:
-            self._pool.putconn(conn)
+    def _connection(self) -> contextlib.AbstractContextManager[Conn]:
+        return pooled(self._pool)
 
     def _read(self, fn: Callable[[Conn], T]) -> T:
         """Run an idempotent read; once more on a fresh connection if the first one turned out dead."""
@@ -427,7 +532,7 @@ class PostgresStore:
             with self._connection() as conn:
                 used = conn
                 return fn(conn)
-        except psycopg.OperationalError:
+        except StoreUnavailableError:
             if used is None or not used.broken:
                 raise
         with self._connection() as conn:
@@ -463,10 +568,14 @@ class PostgresStore:
         key = {"agent": ref.agent, "session": ref.session}
         row = self._read(
             lambda c: c.execute(
-                "select suspended::text from june_sessions where agent = %(agent)s and session = %(session)s", key
+                "select suspended::text, park_expires_at from june_sessions"
+                " where agent = %(agent)s and session = %(session)s",
+                key,
             ).fetchone()
         )
-        return SuspendedCheckpoint.model_validate_json(row[0]) if row and row[0] else None
+        if not row or not row[0]:
+            return None
+        return SuspendedCheckpoint.model_validate_json(row[0]).with_expiry(row[1])
 
     def session_exists(self, ref: SessionRef) -> bool:
         """Whether anything was ever recorded for the session (a turn, a lease, a reset)."""
@@ -498,7 +607,21 @@ class PostgresStore:
                 return self._apply(conn, ref, commit, fence)[0]
             handle = _Handle(conn)
             try:
-                built = commit(handle)
+                try:
+                    built = commit(handle)
+                finally:
+                    if handle.lost is not None or conn.broken:  # whatever the tool made of it, the transaction is gone
+                        raise StoreUnavailableError(
+                            f"session {ref}: the step's transaction was lost under the tool: "
+                            f"{handle.lost or 'the connection broke'}"
+                        ) from handle.lost
+                if handle.begun and conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+                    raise StoreError(
+                        f"session {ref}: a statement the tool ran on the raw connection (unwrap()) failed and was "
+                        "caught without a savepoint of its own, so the step's transaction is aborted; nothing of the "
+                        "step was written. Use ctx.store.execute / query, or wrap such statements in "
+                        "conn.transaction()"
+                    )
                 events = self._apply(conn, ref, built, fence)[0]
             except BaseException:
                 if handle.begun:
@@ -557,14 +680,24 @@ class PostgresStore:
                 events = [e.model_copy(update={"seq": base + i}) for i, e in enumerate(commit.events, start=1)]
                 return events, release and bool(row[1])
             # Nothing was written. Ask why: off the happy path, so a second round trip is fine.
-            found = conn.execute(_WHY_NOT, params).fetchone()
-            current_fence, parked_turn, parked_input = found if found is not None else (0, None, None)
+            found = conn.execute(_WHY_NOT, {"t_id": None, **params}).fetchone()
+            current_fence, parked_turn, parked_input, expired, turn_status, cancel_reason = (
+                found if found is not None else (0, None, None, False, None, None)
+            )
             if fence is not None and fence != current_fence:
                 raise LeaseLostError(f"session {ref} is leased under fence {current_fence}, not {fence}")
             if commit.expect_suspended is not None:
                 turn_id, input_id = commit.expect_suspended
                 if parked_turn != turn_id or parked_input != input_id:
                     raise ResumeConflictError(f"session {ref} is not parked on turn {turn_id} input {input_id!r}")
+                if commit.expect_expired and not expired:
+                    raise ResumeConflictError(f"session {ref}: input {input_id!r} has not expired")
+            if commit.turn_status is not None and turn_status in ENDED_TURN_STATUSES:
+                raise TurnEndedError(
+                    f"session {ref}: turn {commit.turn_id} has ended ({turn_status}); its status stays"
+                )
+            if commit.expect_not_cancelled and cancel_reason is not None:
+                raise CancelRequestedError(cancel_reason)
             if found is None:  # the session's first write: create its row, then write
                 conn.execute(_ENSURE_SESSION, params)
             # else the row changed between the statement and this look at it: run it again.
@@ -596,12 +729,49 @@ class PostgresStore:
         with self._connection() as conn:
             return [r[0] for r in conn.execute(_CANCEL, params).fetchall()]
 
-    def reset(self, ref: SessionRef) -> ResetResult:
+    def reject_turn(
+        self,
+        ref: SessionRef,
+        turn_id: str,
+        payload: TurnPayload,
+        reason: str,
+        *,
+        fence: int | None = None,
+        new_only: bool = False,
+    ) -> tuple[TurnRecord, list[TurnEvent]]:
+        key: dict[str, Any] = {"agent": ref.agent, "session": ref.session, "turn_id": turn_id}
+        event = rejection_event(turn_id, reason)
+        with self._connection() as conn, conn.transaction():
+            row = conn.execute(_LOCK_SESSION, key).fetchone()  # creates and locks the session row
+            assert row is not None
+            current_fence, event_seq = int(row[0]), int(row[1])
+            if fence is not None and fence != current_fence:
+                raise LeaseLostError(f"session {ref} is leased under fence {current_fence}, not {fence}")
+            found = conn.execute(_GET_TURN + " for update", key).fetchone()
+            existing = turn_from_row(ref, found) if found else None
+            if existing is not None and (new_only or existing.status in ENDED_TURN_STATUSES):
+                return existing, []
+            seq = event_seq + 1
+            params = {
+                **key,
+                "payload": payload.model_dump_json(),
+                "result": Rejected(turn_id=turn_id, reason=reason).model_dump_json(),
+                "seq": Int8(seq),
+                "body": event.model_copy(update={"seq": seq}).model_dump_json(by_alias=True),
+                "new": existing is None,
+            }
+            stored = conn.execute(_REJECT, params).fetchone()
+            assert stored is not None
+        return turn_from_row(ref, stored), [event.model_copy(update={"seq": seq})]
+
+    def reset(self, ref: SessionRef, *, fence: int | None = None) -> ResetResult:
         key: dict[str, Any] = {"agent": ref.agent, "session": ref.session}
         with self._connection() as conn, conn.transaction():
-            row = conn.execute(_RESET_LOCK, key).fetchone()  # creates and locks the session row
+            row = conn.execute(_LOCK_SESSION, key).fetchone()  # creates and locks the session row
             assert row is not None
-            generation = int(row[0])
+            if fence is not None and fence != int(row[0]):
+                raise LeaseLostError(f"session {ref} is leased under fence {row[0]}, not {fence}")
+            generation = int(row[2])
             conn.execute(_RESET, {**key, "generation": generation})
         return ResetResult(previous_session=f"{ref.session}#g{generation}", generation=generation)
 
@@ -626,6 +796,7 @@ def session_snapshot(
     reset_pending: bool | None,
     messages: str,
     steps: str,
+    park_expires_at: float | None = None,
 ) -> SessionSnapshot:
     """A session from its row's columns (None: no row yet) and :data:`MESSAGES_JSON`, :data:`STEPS_JSON`."""
     return SessionSnapshot(
@@ -633,7 +804,9 @@ def session_snapshot(
         ref_session=ref.session,
         generation=generation or 0,
         status=status or "new",
-        suspended=SuspendedCheckpoint.model_validate_json(suspended) if suspended else None,
+        suspended=SuspendedCheckpoint.model_validate_json(suspended).with_expiry(park_expires_at)
+        if suspended
+        else None,
         reset_pending=bool(reset_pending),
         messages=_MessagesAdapter.validate_json(messages),
         steps={
@@ -645,7 +818,7 @@ def session_snapshot(
 
 
 def turn_from_row(ref: SessionRef, row: Sequence[Any]) -> TurnRecord:
-    """A turn from its columns in schema order (``turn_id`` ... ``finished_at``), JSON as text or as psycopg decoded it."""
+    """A turn from its columns in :data:`TURN_COLUMNS` order, JSON as text or as psycopg decoded it."""
     turn_id, position, status, payload, cancel_reason, attempts, result, generation, created_at, finished_at = row[:10]
     return TurnRecord(
         turn_id=turn_id,
@@ -666,4 +839,5 @@ def turn_from_row(ref: SessionRef, row: Sequence[Any]) -> TurnRecord:
         generation=generation,
         created_at=float(created_at),
         finished_at=float(finished_at) if finished_at is not None else None,
+        last_error=row[10],
     )

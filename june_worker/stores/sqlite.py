@@ -17,8 +17,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..engine.events import TurnEvent, TurnEventAdapter, TurnResultAdapter
+from ..engine.endings import rejection_event
+from ..engine.events import Rejected, TurnEvent, TurnEventAdapter, TurnResultAdapter
 from ..engine.store import (
+    ENDED_TURN_STATUSES,
     Commit,
     CommitBuilder,
     ResetResult,
@@ -30,7 +32,7 @@ from ..engine.store import (
     TurnRecord,
 )
 from ..engine.types import MessageAdapter
-from ..errors import LeaseLostError, ResumeConflictError, StoreError
+from ..errors import CancelRequestedError, LeaseLostError, ResumeConflictError, StoreError, TurnEndedError
 from ._sql import dumps, event_rows
 
 __all__ = ["SQLiteStore"]
@@ -117,6 +119,11 @@ _MIGRATIONS: list[str] = [
         primary key (agent, session, generation, step_id)
     );
     """,
+    # 2: why a turn's last attempt ended, and the park's expiry stamped by the store
+    """
+    alter table june_turns add column last_error text;
+    alter table june_sessions add column park_expires_at real;
+    """,
 ]
 
 
@@ -201,7 +208,7 @@ class SQLiteStore:
         with self._lock:
             conn = self._conn
             row = conn.execute(
-                "select generation, status, suspended, event_seq, reset_pending from june_sessions "
+                "select generation, status, suspended, event_seq, reset_pending, park_expires_at from june_sessions "
                 "where agent = ? and session = ?",
                 (ref.agent, ref.session),
             ).fetchone()
@@ -221,13 +228,13 @@ class SQLiteStore:
             }
         if row is None:
             return SessionSnapshot(ref_agent=ref.agent, ref_session=ref.session, messages=messages, steps=steps)
-        generation, status, suspended, event_seq, reset_pending = row
+        generation, status, suspended, event_seq, reset_pending, expires_at = row
         return SessionSnapshot(
             ref_agent=ref.agent,
             ref_session=ref.session,
             generation=generation,
             status=status,
-            suspended=SuspendedCheckpoint.model_validate_json(suspended) if suspended else None,
+            suspended=_parked(suspended, expires_at),
             reset_pending=bool(reset_pending),
             messages=messages,
             steps=steps,
@@ -237,9 +244,10 @@ class SQLiteStore:
     def pending(self, ref: SessionRef) -> SuspendedCheckpoint | None:
         with self._lock:
             row = self._conn.execute(
-                "select suspended from june_sessions where agent = ? and session = ?", (ref.agent, ref.session)
+                "select suspended, park_expires_at from june_sessions where agent = ? and session = ?",
+                (ref.agent, ref.session),
             ).fetchone()
-        return SuspendedCheckpoint.model_validate_json(row[0]) if row and row[0] else None
+        return _parked(row[0], row[1]) if row else None
 
     def get_turn(self, ref: SessionRef, turn_id: str) -> TurnRecord | None:
         with self._lock:
@@ -277,16 +285,31 @@ class SQLiteStore:
             self._ensure_session(conn, ref)
             key = (ref.agent, ref.session)
             row = conn.execute(
-                "select fence, suspended, event_seq from june_sessions where agent = ? and session = ?", key
+                "select fence, suspended, event_seq, park_expires_at from june_sessions where agent = ? and session = ?",
+                key,
             ).fetchone()
-            current_fence, suspended, event_seq = row
+            current_fence, suspended, event_seq, park_expires_at = row
             if fence is not None and fence != current_fence:
                 raise LeaseLostError(f"session {ref} is leased under fence {current_fence}, not {fence}")
+            now = time.time()
             if commit.expect_suspended is not None:
                 parked = SuspendedCheckpoint.model_validate_json(suspended) if suspended else None
                 turn_id, input_id = commit.expect_suspended
                 if parked is None or parked.turn_id != turn_id or parked.request.id != input_id:
                     raise ResumeConflictError(f"session {ref} is not parked on turn {turn_id} input {input_id!r}")
+                if commit.expect_expired and (park_expires_at is None or park_expires_at > now):
+                    raise ResumeConflictError(f"session {ref}: input {input_id!r} has not expired")
+            if commit.turn_id is not None and (commit.turn_status is not None or commit.expect_not_cancelled):
+                turn = conn.execute(
+                    "select status, cancel_reason from june_turns where agent = ? and session = ? and turn_id = ?",
+                    (*key, commit.turn_id),
+                ).fetchone()
+                if turn is not None and commit.turn_status is not None and turn[0] in ENDED_TURN_STATUSES:
+                    raise TurnEndedError(
+                        f"session {ref}: turn {commit.turn_id} has ended ({turn[0]}); its status stays"
+                    )
+                if turn is not None and commit.expect_not_cancelled and turn[1] is not None:
+                    raise CancelRequestedError(turn[1])
             try:
                 conn.executemany(
                     "insert into june_messages (agent, session, idx, turn_id, role, body) values (?, ?, ?, ?, ?, ?)",
@@ -300,7 +323,6 @@ class SQLiteStore:
             )
             stamped, rows = event_rows(commit.events, event_seq)
             if rows:
-                now = time.time()
                 conn.executemany(
                     "insert into june_events (agent, session, seq, turn_id, type, body, created_at) "
                     "values (?, ?, ?, ?, ?, ?, ?)",
@@ -311,26 +333,97 @@ class SQLiteStore:
                 sets.append("status = ?")
                 params.append(commit.status)
             if commit.suspended is not None:
-                sets.append("suspended = ?")
-                params.append(commit.suspended.model_dump_json(by_alias=True))
+                timeout_s = commit.suspended.request.timeout_s
+                sets += ["suspended = ?", "park_expires_at = ?"]
+                params += [
+                    commit.suspended.model_dump_json(by_alias=True),
+                    now + timeout_s if timeout_s is not None else None,
+                ]
             elif commit.clear_suspended:
-                sets.append("suspended = null")
+                sets.append("suspended = null, park_expires_at = null")
             conn.execute(f"update june_sessions set {', '.join(sets)} where agent = ? and session = ?", (*params, *key))
             if commit.turn_id is not None and commit.turn_status is not None:
                 finished = commit.turn_status not in ("queued", "running")
                 conn.execute(
-                    "update june_turns set status = ?, result = ?, attempts = attempts + ?, finished_at = ? "
+                    "update june_turns set status = ?, result = ?, finished_at = ?, attempts = case ? "
+                    "when 'running' then attempts + 1 when 'queued' then 0 else attempts end "
                     "where agent = ? and session = ? and turn_id = ?",
                     (
                         commit.turn_status,
                         commit.turn_result.model_dump_json(by_alias=True) if commit.turn_result else None,
-                        1 if commit.turn_status == "running" else 0,
-                        time.time() if finished else None,
+                        now if finished else None,
+                        commit.turn_status,
                         *key,
                         commit.turn_id,
                     ),
                 )
+            if commit.turn_id is not None and commit.turn_error is not None:
+                conn.execute(
+                    "update june_turns set last_error = ? where agent = ? and session = ? and turn_id = ?",
+                    (commit.turn_error, *key, commit.turn_id),
+                )
             return stamped
+
+    def reject_turn(
+        self,
+        ref: SessionRef,
+        turn_id: str,
+        payload: TurnPayload,
+        reason: str,
+        *,
+        fence: int | None = None,
+        new_only: bool = False,
+    ) -> tuple[TurnRecord, list[TurnEvent]]:
+        with self._tx() as conn:
+            self._ensure_session(conn, ref)
+            key = (ref.agent, ref.session)
+            current_fence, event_seq = conn.execute(
+                "select fence, event_seq from june_sessions where agent = ? and session = ?", key
+            ).fetchone()
+            if fence is not None and fence != current_fence:
+                raise LeaseLostError(f"session {ref} is leased under fence {current_fence}, not {fence}")
+            existing = self._turn_row(conn, ref, turn_id)
+            if existing is not None and (new_only or existing.status not in ("queued", "running")):
+                return existing, []
+            now = time.time()
+            result = Rejected(turn_id=turn_id, reason=reason).model_dump_json()
+            if existing is None:
+                (position,) = conn.execute(
+                    "update june_sessions set next_position = next_position + 1 where agent = ? and session = ? "
+                    "returning next_position - 1",
+                    key,
+                ).fetchone()
+                conn.execute(
+                    "insert into june_turns (agent, session, turn_id, position, status, payload, result, generation, "
+                    "created_at, finished_at) select ?, ?, ?, ?, 'rejected', ?, ?, generation, ?, ? "
+                    "from june_sessions where agent = ? and session = ?",
+                    (*key, turn_id, position, payload.model_dump_json(), result, now, now, *key),
+                )
+            else:
+                conn.execute(
+                    "update june_turns set status = 'rejected', result = ?, finished_at = ? "
+                    "where agent = ? and session = ? and turn_id = ?",
+                    (result, now, *key, turn_id),
+                )
+            stamped, rows = event_rows([rejection_event(turn_id, reason)], event_seq)
+            conn.executemany(
+                "insert into june_events (agent, session, seq, turn_id, type, body, created_at) "
+                "values (?, ?, ?, ?, ?, ?, ?)",
+                [(*key, *r, now) for r in rows],
+            )
+            conn.execute(
+                "update june_sessions set event_seq = ? where agent = ? and session = ?", (event_seq + 1, *key)
+            )
+            rec = self._turn_row(conn, ref, turn_id)
+            assert rec is not None
+            return rec, stamped
+
+    def _turn_row(self, conn: sqlite3.Connection, ref: SessionRef, turn_id: str) -> TurnRecord | None:
+        row = conn.execute(
+            f"select {_TURN_COLUMNS} from june_turns where agent = ? and session = ? and turn_id = ?",
+            (ref.agent, ref.session, turn_id),
+        ).fetchone()
+        return _turn(ref, row) if row else None
 
     def enqueue_turn(self, ref: SessionRef, turn_id: str, payload: TurnPayload) -> tuple[TurnRecord, bool]:
         with self._tx() as conn:
@@ -378,13 +471,15 @@ class SQLiteStore:
         with self._tx() as conn:
             return [r[0] for r in conn.execute(sql + " returning turn_id", params).fetchall()]
 
-    def reset(self, ref: SessionRef) -> ResetResult:
+    def reset(self, ref: SessionRef, *, fence: int | None = None) -> ResetResult:
         with self._tx() as conn:
             self._ensure_session(conn, ref)
             key = (ref.agent, ref.session)
-            (generation,) = conn.execute(
-                "select generation from june_sessions where agent = ? and session = ?", key
+            generation, current_fence = conn.execute(
+                "select generation, fence from june_sessions where agent = ? and session = ?", key
             ).fetchone()
+            if fence is not None and fence != current_fence:
+                raise LeaseLostError(f"session {ref} is leased under fence {current_fence}, not {fence}")
             conn.execute(
                 "insert into june_archived_messages select agent, session, ?, idx, turn_id, role, body "
                 "from june_messages where agent = ? and session = ?",
@@ -399,7 +494,7 @@ class SQLiteStore:
             conn.execute("delete from june_steps where agent = ? and session = ?", key)
             conn.execute(
                 "update june_sessions set generation = generation + 1, status = 'new', suspended = null, "
-                "reset_pending = 0 where agent = ? and session = ?",
+                "park_expires_at = null, reset_pending = 0 where agent = ? and session = ?",
                 key,
             )
         return ResetResult(previous_session=f"{ref.session}#g{generation}", generation=generation)
@@ -420,12 +515,20 @@ class SQLiteStore:
 
 
 _TURN_COLUMNS = (
-    "turn_id, position, status, payload, cancel_reason, attempts, result, generation, created_at, finished_at"
+    "turn_id, position, status, payload, cancel_reason, attempts, result, generation, created_at, finished_at, "
+    "last_error"
 )
 
 
+def _parked(suspended: str | None, expires_at: float | None) -> SuspendedCheckpoint | None:
+    """The stored checkpoint, its request's expiry being the store's own stamp."""
+    if not suspended:
+        return None
+    return SuspendedCheckpoint.model_validate_json(suspended).with_expiry(expires_at)
+
+
 def _turn(ref: SessionRef, row: Sequence[Any]) -> TurnRecord:
-    turn_id, position, status, payload, cancel_reason, attempts, result, generation, created_at, finished_at = row
+    turn_id, position, status, payload, cancel_reason, attempts, result, generation, created_at, finished_at = row[:10]
     return TurnRecord(
         turn_id=turn_id,
         agent=ref.agent,
@@ -439,4 +542,5 @@ def _turn(ref: SessionRef, row: Sequence[Any]) -> TurnRecord:
         generation=generation,
         created_at=created_at,
         finished_at=finished_at,
+        last_error=row[10],
     )

@@ -50,7 +50,7 @@ from june_worker.engine.types import (
     ToolMessage,
     UserMessage,
 )
-from june_worker.errors import FatalToolError, LeaseLostError, ResumeConflictError, StoreError
+from june_worker.errors import FatalToolError, LeaseLostError, ResumeConflictError, StoreError, StoreUnavailableError
 from june_worker.stores import MemoryStore, PostgresStore, SQLiteStore
 from june_worker.stores._sql import qmark_to_format
 
@@ -921,7 +921,9 @@ def test_a_commit_whose_connection_dies_raises_and_writes_nothing(pg_url: str, r
             )
             admin.execute("select pg_terminate_backend(%s, 5000)", store_pid)
             writer.join(30)
-        assert len(outcome) == 1 and isinstance(outcome[0], psycopg.OperationalError)
+        # the store's failure class, not the driver's: a transient fault the engine retries from a fresh read
+        assert len(outcome) == 1 and isinstance(outcome[0], StoreUnavailableError)
+        assert isinstance(outcome[0].__cause__, psycopg.OperationalError)
         assert store.load(ref).messages == [] and [e.seq for e in store.events(ref)] == [1]
         assert [e.seq for e in store.commit(ref, Commit(events=[said("t1", "y")]))] == [2]  # a fresh connection
     finally:
@@ -939,7 +941,7 @@ def test_a_tool_whose_connection_dies_mid_transaction_leaves_nothing(pg_url: str
         return Commit(events=[started("t1")])
 
     try:
-        with pytest.raises(psycopg.OperationalError):
+        with pytest.raises(StoreUnavailableError):
             kit.store.commit(ref, dying)
         assert kit.orders(ref) == [] and kit.store.events(ref) == []
         assert [e.seq for e in kit.store.commit(ref, Commit(events=[started("t1")]))] == [1]

@@ -26,8 +26,24 @@ def test_every_commit_shape_of_an_ordinary_step_is_short_enough_for_psycopgs_que
     release: bool, deliver: bool
 ) -> None:
     # up to two messages, two steps and three events: what a turn's open, model, tool and last steps commit
-    for messages, steps, events, suspended in itertools.product(range(3), range(3), range(4), ["keep", "set", "clear"]):
-        shape = _Shape(messages, steps, events, True, suspended, True, suspended == "clear", True, release, deliver)
+    for messages, steps, events, suspended, opening in itertools.product(
+        range(3), range(3), range(4), ["keep", "set", "clear"], [False, True]
+    ):
+        shape = _Shape(
+            messages,
+            steps,
+            events,
+            status=True,
+            suspended=suspended,
+            fenced=True,
+            expect=suspended == "clear",
+            expired=suspended == "clear",
+            turn=True,
+            not_cancelled=opening,
+            turn_error=False,
+            release=release,
+            deliver=deliver,
+        )
         assert len(_sql(shape).encode()) <= PSYCOPG_CACHED_QUERY_MAX, shape
 
 
