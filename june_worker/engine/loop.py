@@ -22,7 +22,15 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..errors import FatalToolError, LeaseLostError, ModelStepError, ModelStreamError
+from ..errors import (
+    CancelRequestedError,
+    FatalToolError,
+    LeaseLostError,
+    ModelStepError,
+    ModelStreamError,
+    PoisonTurnError,
+    TurnEndedError,
+)
 from .agent import Agent
 from .cancel import NO_CANCEL, CancelProbe
 from .crash import CrashHook
@@ -37,7 +45,6 @@ from .events import (
     MessageCompleted,
     MessageDelta,
     ReasoningDelta,
-    Rejected,
     Suspended,
     TurnCancelled,
     TurnCompleted,
@@ -46,11 +53,14 @@ from .events import (
     TurnResult,
     TurnStarted,
 )
+from .failures import DEFAULT_MAX_ATTEMPTS, STEP_RETRIES, Failure, backoff_s, classify
 from .inputs import InputBroker
 from .model import Done, ModelRequest, ReasoningChunk, TextChunk
 from .signals import CrashInjected, ParkSignal, SyncParkError
 from .sink import EventSink
+from .storable import storable_json, storable_text
 from .store import (
+    ENDED_TURN_STATUSES,
     INITIATOR_STEP,
     Commit,
     CommitBuilder,
@@ -77,6 +87,7 @@ from .types import (
     InputRequest,
     JsonValue,
     Message,
+    ModelReply,
     Principal,
     ProactiveTrigger,
     ToolCall,
@@ -117,11 +128,19 @@ class _ToolRaised(BaseException):
 
 
 def _to_json(value: Any) -> JsonValue:
-    """A tool result as plain JSON; pydantic models are dumped, anything else must already be JSON."""
+    """A tool result as plain, storable JSON; pydantic models are dumped, anything else must already be JSON."""
     if isinstance(value, BaseModel):
-        return value.model_dump(mode="json")
-    json.dumps(value, allow_nan=False)
-    return value
+        value = value.model_dump(mode="json")
+    else:
+        json.dumps(value, allow_nan=False)
+    return storable_json(value)
+
+
+def _storable_reply(reply: ModelReply) -> ModelReply:
+    """The model's reply with every string storable (text, tool calls, reasoning); usually the reply itself."""
+    data = reply.model_dump(by_alias=True)
+    clean = storable_json(data)
+    return reply if clean is data else ModelReply.model_validate(clean)
 
 
 @dataclass
@@ -140,6 +159,12 @@ class TurnRunner:
 
     ``snapshot``: the session as the host read it once it held the session (the worker reads it
     with the lease, in the same statement); without one the runner loads it from the store.
+
+    Failures follow :mod:`.failures`: a transient fault re-runs the step from a fresh read of
+    the store (up to ``step_retries`` times, then :meth:`run` raises it and the host starts
+    another attempt later); a turn started ``max_attempts`` times ends ``failed`` as poison;
+    anything else that escapes a step ends the turn ``failed``. :meth:`run` raises only for a
+    transient fault it could not outlast, a lost lease, and an injected crash.
     """
 
     def __init__(
@@ -155,6 +180,8 @@ class TurnRunner:
         crash: CrashHook | None = None,
         runtime: Any = None,
         snapshot: SessionSnapshot | None = None,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        step_retries: int = STEP_RETRIES,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -167,6 +194,8 @@ class TurnRunner:
         self._crash = crash
         self.runtime = runtime
         self._snapshot = snapshot
+        self.max_attempts = max_attempts
+        self.step_retries = step_retries
         self.messages: list[Message] = []
         self.steps: dict[str, StepRecord] = {}
         self.usage = Usage()
@@ -175,24 +204,63 @@ class TurnRunner:
         self.initiator: Principal | None = None
         self.tools: dict[str, Tool] = {}
         self._broker = InputBroker(self.steps)
+        self._counted = False
+        self._at: tuple[str | None, str] = (None, "turn:open")
+        """The phase and step in flight, for a failure that escapes it."""
 
     # --- entry point -----------------------------------------------------------------------------
 
     async def run(self) -> TurnResult:
         rec = self.record
-        if rec.status in ("completed", "failed", "cancelled", "rejected", "suspended") and rec.result is not None:
+        if rec.status in ENDED_TURN_STATUSES and rec.result is not None:
             return rec.result  # a redelivered turn that already ended reports its own result
+        retry = 0
+        while True:
+            try:
+                return await self._attempt()
+            except (LeaseLostError, CrashInjected):
+                raise
+            except TurnEndedError:
+                # Ended meanwhile by someone else (a reset, the sweeper giving it up): report that ending.
+                ended = self.store.get_turn(self.ref, self.turn_id)
+                if ended is None or ended.result is None:
+                    raise
+                return ended.result
+            except Exception as exc:
+                if classify(exc, phase="store") is not Failure.TRANSIENT:
+                    return self._failed_outside_step(exc)
+                if retry >= self.step_retries:
+                    self._note_error(exc)
+                    raise
+                delay = backoff_s(retry)
+                retry += 1
+                log.warning(
+                    "turn %s of %s: transient fault at %s (%s: %s); running it again from the store in %.2fs",
+                    self.turn_id,
+                    self.ref,
+                    self._at[1],
+                    type(exc).__name__,
+                    error_info(exc).message,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                self._snapshot = None  # a commit whose outcome is unknown may have landed: read it back
+
+    async def _attempt(self) -> TurnResult:
         snap = self._snapshot if self._snapshot is not None else self.store.load(self.ref)
+        self._snapshot = None
         self.messages = list(snap.messages)
+        self.steps.clear()
         self.steps.update(snap.steps)  # in place: the input broker reads this same mapping
-        payload = rec.payload
+        self.usage = Usage()
+        self._at = (None, "turn:open")
+        payload = self.record.payload
         event = payload.event
         self.policy = self.agent.policy_for(event)
         self.principal = event.principal if event else None
         if snap.suspended is not None and snap.suspended.turn_id == self.turn_id:
             # A parked turn delivered again: it stays parked and announces nothing new.
-            result = Suspended(turn_id=self.turn_id, request=snap.suspended.request)
-            return result
+            return Suspended(turn_id=self.turn_id, request=snap.suspended.request)
         initiator_step = self.steps.get(INITIATOR_STEP)
         self.initiator = Principal.model_validate(initiator_step.data) if initiator_step else None
         opening = self._opening_index()
@@ -205,12 +273,64 @@ class TurnRunner:
                 self._open()
             else:
                 self._restore_turn_state()
+                poisoned = self._count_attempt()
+                if poisoned is not None:
+                    return poisoned
             self.tools = self.agent.tools_for(self.policy, self.principal)
             return await self._loop()
         except _Cancel as c:
             return self._cancelled(c.reason)
         except _StepFailure as f:
             return self._failed(f.exc, f.phase, f.step)
+
+    # --- attempts and poison -----------------------------------------------------------------------
+
+    def _count_attempt(self) -> Failed | None:
+        """A replay is another attempt at the turn: count it, or give the turn up when it had ``max_attempts``.
+
+        The opening commit counts a turn's first attempt; a resume starts the count again.
+        """
+        if self._counted:
+            return None  # a transient retry within this attempt
+        self._counted = True
+        attempts = self.record.attempts
+        if attempts >= self.max_attempts:
+            return self._poisoned(attempts)
+        self._commit(Commit(turn_id=self.turn_id, turn_status="running"))
+        return None
+
+    def _poisoned(self, attempts: int) -> Failed:
+        phase, step = self._next_step()
+        last = self.record.last_error
+        why = (
+            f"the last one ended with: {last}"
+            if last
+            else "each ended without a result (the process running it died, or lost the session)"
+        )
+        exc = PoisonTurnError(f"turn {self.turn_id} was given up after {attempts} attempts at {step}; {why}")
+        return self._failed(exc, phase, step)
+
+    def _next_step(self) -> tuple[str, str]:
+        """The phase and step this turn would run next, read off the transcript."""
+        owed = self._owed_calls()
+        if owed is not None:
+            n, calls = owed
+            return "tool", f"tool:{n}:{calls[0].id}"
+        return "model", f"model:{len(self.messages)}"
+
+    def _note_error(self, exc: BaseException) -> None:
+        """Record why this attempt ends without a result; best effort (the store may be the reason)."""
+        info = error_info(exc)
+        try:
+            note = Commit(turn_id=self.turn_id, turn_error=f"{info.type}: {info.message}"[:2000])
+            self.store.commit(self.ref, note, fence=self.fence)
+        except Exception:
+            log.debug("could not record the last error of turn %s", self.turn_id, exc_info=True)
+
+    def _failed_outside_step(self, exc: Exception) -> Failed:
+        """A fault no step handled (a commit the store refused, a bug): the turn fails, the session goes on."""
+        phase, step = self._at
+        return self._failed(exc, phase, step)
 
     # --- opening ---------------------------------------------------------------------------------
 
@@ -255,8 +375,13 @@ class TurnRunner:
             status="running",
             turn_id=self.turn_id,
             turn_status="running",
+            expect_not_cancelled=True,
         )
-        self._commit(commit, "turn:open")
+        try:
+            self._commit(commit, "turn:open")
+        except CancelRequestedError as exc:  # the cancel was stored before its signal reached us
+            raise _Cancel(exc.reason) from None
+        self._counted = True
 
     def _restore_turn_state(self) -> None:
         """A replay: sum the usage of the model steps already done, keep the policy saved at park."""
@@ -269,8 +394,10 @@ class TurnRunner:
             elif step.step_id.startswith(answers) and step.data.get("policy"):
                 self.policy = SurfacePolicy.model_validate(step.data["policy"])
 
-    def _reject(self, reason: str) -> Rejected:
-        return reject_turn(self.store, self.sink, self.ref, self.turn_id, reason, fence=self.fence)
+    def _reject(self, reason: str) -> TurnResult:
+        result = reject_turn(self.store, self.sink, self.ref, self.turn_id, reason, fence=self.fence)
+        assert result is not None  # an unfinished turn is always rejected here
+        return result
 
     # --- the loop ----------------------------------------------------------------------------------
 
@@ -321,6 +448,7 @@ class TurnRunner:
     async def _model_step(self) -> TurnResult | None:
         n = len(self.messages)
         step = f"model:{n}"
+        self._at = ("model", step)
         self._check_cancel()
         request = ModelRequest(
             system=self.agent.system_prompt(self.policy),
@@ -332,7 +460,7 @@ class TurnRunner:
         done = await self._stream(request, step)
         # A cancel can land while the stream closes (its cleanup runs in aclose): recheck.
         self._check_cancel()
-        reply, finish = done.reply, done.finish
+        reply, finish = _storable_reply(done.reply), done.finish
         if finish is not None and finish.abnormal and reply.empty:
             provider = f" (provider: {finish.raw})" if finish.raw and finish.raw != finish.reason else ""
             raise _StepFailure(ModelStepError(f"model stopped abnormally — {finish.reason}{provider}"), "model", step)
@@ -395,21 +523,19 @@ class TurnRunner:
         try:
             stream = self.agent.model.stream(request)
         except Exception as exc:
-            raise _StepFailure(exc, "model", step) from exc
+            raise self._model_failure(exc, step) from exc
         done: Done | None = None
         try:
             async for delta in stream:
                 self._check_cancel()
                 if isinstance(delta, TextChunk):
                     if delta.text:
-                        self.sink.publish_delta(
-                            self.ref, MessageDelta(turn_id=self.turn_id, step=step, text=delta.text)
-                        )
+                        text = storable_text(delta.text)
+                        self.sink.publish_delta(self.ref, MessageDelta(turn_id=self.turn_id, step=step, text=text))
                 elif isinstance(delta, ReasoningChunk):
                     if delta.text:
-                        self.sink.publish_delta(
-                            self.ref, ReasoningDelta(turn_id=self.turn_id, step=step, text=delta.text)
-                        )
+                        text = storable_text(delta.text)
+                        self.sink.publish_delta(self.ref, ReasoningDelta(turn_id=self.turn_id, step=step, text=text))
                 elif isinstance(delta, Done):
                     done = delta
                     break
@@ -418,7 +544,7 @@ class TurnRunner:
         except (_Cancel, asyncio.CancelledError):
             raise
         except Exception as exc:
-            raise _StepFailure(exc, "model", step) from exc
+            raise self._model_failure(exc, step) from exc
         finally:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
@@ -429,10 +555,18 @@ class TurnRunner:
             raise _StepFailure(ModelStreamError("model stream ended without a final reply"), "model", step)
         return done
 
+    @staticmethod
+    def _model_failure(exc: Exception, step: str) -> Exception:
+        """What a model error becomes: itself when transient (the step runs again), else the step's failure."""
+        if classify(exc, phase="model") is Failure.TRANSIENT:
+            return exc
+        return _StepFailure(exc, "model", step)
+
     # --- tool step ---------------------------------------------------------------------------------
 
     async def _tool_step(self, n: int, call: ToolCall) -> _Park | None:
         step = f"tool:{n}:{call.id}"
+        self._at = ("tool", step)
         tool = self.tools.get(call.name)
         if tool is None:
             self._commit_tool_result(
@@ -490,7 +624,10 @@ class TurnRunner:
         try:
             self._commit(build, step)
         except _ToolRaised as raised:
-            # The store rolled back whatever the tool wrote; the error becomes the call's result.
+            # The store rolled back whatever the tool wrote; the error becomes the call's result,
+            # unless it is the store's own (the step's transaction lost its connection): run it again.
+            if classify(raised.exc, phase="tool") is Failure.TRANSIENT:
+                raise raised.exc from None
             message = format_tool_error(raised.exc)
             self._commit_tool_result(step, call, {"error": message}, error=message)
             return
@@ -514,6 +651,8 @@ class TurnRunner:
         except SyncParkError as exc:
             raise _StepFailure(exc, "tool", step) from exc
         except Exception as exc:
+            if classify(exc, phase="tool") is Failure.TRANSIENT:
+                raise
             message = format_tool_error(exc)
             self._commit_tool_result(step, call, {"error": message}, error=message)
             return None
@@ -540,7 +679,7 @@ class TurnRunner:
     # --- endings -----------------------------------------------------------------------------------
 
     def _park(self, park: _Park) -> Suspended:
-        request = park.request
+        request = InputRequest.model_validate(storable_json(park.request.model_dump(by_alias=True)))
         event = self.record.payload.event
         checkpoint = SuspendedCheckpoint(
             turn_id=self.turn_id,
@@ -602,7 +741,7 @@ class TurnRunner:
         )
         return result
 
-    def _failed(self, exc: BaseException, phase: str, step: str) -> Failed:
+    def _failed(self, exc: BaseException, phase: str | None, step: str) -> Failed:
         if isinstance(exc, (LeaseLostError, CrashInjected)):
             raise exc
         info = error_info(exc)

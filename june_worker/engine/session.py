@@ -16,7 +16,6 @@ Call it from asyncio::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -25,8 +24,10 @@ from typing import Any
 from ..errors import (
     AgentDefinitionError,
     ConfigError,
+    PayloadError,
     ResetNotSupportedError,
     ResumeConflictError,
+    TransientError,
     TurnCancelledError,
     TurnError,
     TurnFailedError,
@@ -35,11 +36,13 @@ from ..errors import (
 )
 from .agent import Agent, deliver_result
 from .events import Cancelled, Completed, Failed, Rejected, Suspended, TurnResult
+from .failures import DEFAULT_MAX_ATTEMPTS, backoff_s
 from .fanout import FanoutSink, Observer
 from .ids import new_turn_id, validate_session_id
 from .loop import CrashHook, TurnRunner, reject_turn
 from .resume import Grant, check_parked, grant_answer, reset_park_commit, resume_commit, timeout_commit
 from .sink import EventSink
+from .storable import unstorable_reason
 from .store import (
     UNFINISHED_TURN_STATUSES,
     Commit,
@@ -94,11 +97,15 @@ class Runtime:
         *,
         sink: EventSink | None = None,
         crash: CrashHook | None = None,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     ) -> None:
+        """``max_attempts``: starts of one turn (each after a crash or a transient fault it could not outlast)
+        before it is given up and ends ``failed`` (the failure policy, :mod:`~june_worker.engine.failures`)."""
         self.agents = {a.name: a for a in agents}
         self.store = store
         self.fanout = FanoutSink(sink)
         self.crash = crash
+        self.max_attempts = max_attempts
         self._sessions: dict[SessionRef, AgentSession] = {}
 
     def agent(self, name: str) -> Agent:
@@ -166,6 +173,17 @@ class AgentSession:
         turn_id = turn_id or new_turn_id()
         if target is not None and self.agent.deliver is None:
             raise AgentDefinitionError(f"agent {self.agent.name} has no deliver hook, so a target cannot be rendered")
+        unstorable = unstorable_reason(
+            {
+                "turn_id": turn_id,
+                "text": text,
+                "event": event.model_dump(mode="python") if isinstance(event, InboundEvent) else event,
+                "trigger": trigger.model_dump(mode="python") if isinstance(trigger, ProactiveTrigger) else trigger,
+                "target": target,
+            }
+        )
+        if unstorable is not None:
+            raise PayloadError(f"turn {turn_id} cannot be stored: {unstorable}")
         parsed_event = InboundEvent.model_validate(event) if isinstance(event, dict) else event
         parsed_trigger = ProactiveTrigger.model_validate(trigger) if isinstance(trigger, dict) else trigger
         payload = TurnPayload(
@@ -179,8 +197,7 @@ class AgentSession:
             parked = self.store.pending(self.ref)
             if parked is not None:
                 reason = parked_reason(self.ref, parked)
-                self.store.enqueue_turn(self.ref, turn_id, payload)
-                reject_turn(self.store, self.runtime.fanout, self.ref, turn_id, reason)
+                reject_turn(self.store, self.runtime.fanout, self.ref, turn_id, reason, payload=payload, new_only=True)
                 raise TurnRejectedError(reason)
             if replace:
                 self.cancel_all("replaced")
@@ -318,6 +335,7 @@ class AgentSession:
 
     async def _drain(self) -> None:
         last: tuple[str, str] | None = None
+        transient = 0
         while True:
             try:
                 turns = self.store.unfinished_turns(self.ref)
@@ -329,7 +347,7 @@ class AgentSession:
             rec = turns[0]
             if self._reset_pending and rec.cancel_reason is None:
                 return  # queued after the reset was asked for: runs on the new generation
-            if last == (rec.turn_id, rec.status) and rec.status == "queued":
+            if last == (rec.turn_id, rec.status) and rec.status == "queued" and not transient:
                 log.error("turn %s of %s did not advance; drain stopped", rec.turn_id, self.ref)
                 return
             last = (rec.turn_id, rec.status)
@@ -343,23 +361,37 @@ class AgentSession:
                 cancel=probe,
                 crash=self.runtime.crash,
                 runtime=self.runtime,
+                max_attempts=self.runtime.max_attempts,
             )
             try:
                 result = await runner.run()
-            except BaseException as exc:  # an injected crash, a store outage: this host stops here
-                for waiters in self._waiters.values():
-                    for fut in waiters:
-                        if not fut.done():
-                            fut.set_exception(exc)
-                self._waiters.clear()
+            except TransientError as exc:
+                # The store (or the model) failed for longer than one attempt's retries: start another attempt
+                # later (it is counted, so a fault that never passes ends the turn as poison), unless even
+                # counting fails as long.
+                transient += 1
+                if transient <= self.runtime.max_attempts:
+                    log.warning(
+                        "turn %s of %s: attempt ended on a transient fault (%s); trying again",
+                        rec.turn_id,
+                        self.ref,
+                        exc,
+                    )
+                    await asyncio.sleep(backoff_s(transient, base_s=0.2, cap_s=5.0))
+                    continue
+                self._fail_waiters(rec.turn_id, exc)
+                log.error("turn %s of %s: the store stayed unavailable; drain stopped", rec.turn_id, self.ref)
+                return
+            except BaseException as exc:  # an injected crash, a bug: this host stops here, the store keeps the turn
+                self._fail_waiters(rec.turn_id, exc)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
-                if not isinstance(exc, Exception):
-                    return
-                log.exception("turn %s of %s stopped without a result", rec.turn_id, self.ref)
+                if isinstance(exc, Exception):
+                    log.exception("turn %s of %s stopped without a result", rec.turn_id, self.ref)
                 return
             finally:
                 self._cancels.pop(rec.turn_id, None)
+            transient = 0
             if rec.payload.target is not None and not isinstance(result, Rejected):
                 try:
                     events = self.store.events(self.ref, turn_id=rec.turn_id)
@@ -370,21 +402,27 @@ class AgentSession:
                     log.exception("delivering turn %s of %s failed", rec.turn_id, self.ref)
             self._resolve(rec.turn_id, result)
             if isinstance(result, Suspended):
-                self._arm(result)
+                self._arm(result.turn_id)
+
+    def _fail_waiters(self, turn_id: str, exc: BaseException) -> None:
+        """Hand an exception that ended a turn's run to that turn's own waiters, and no one else's."""
+        for fut in self._waiters.pop(turn_id, []):
+            if not fut.done():
+                fut.set_exception(exc)
 
     def _resolve(self, turn_id: str, result: TurnResult) -> None:
         for fut in self._waiters.pop(turn_id, []):
             if not fut.done():
                 fut.set_result(result)
 
-    def _arm(self, result: Suspended) -> None:
-        """Answer the park with a timeout when it expires (``request_input(timeout_s=...)``)."""
-        expires_at = result.request.expires_at
-        if expires_at is None:
+    def _arm(self, turn_id: str) -> None:
+        """Answer the park with a timeout when it expires (``request_input(timeout_s=...)``), by the store's stamp."""
+        parked = self.store.pending(self.ref)
+        if parked is None or parked.turn_id != turn_id or parked.request.expires_at is None:
             return
-        delay = max(0.0, expires_at - time.time())
+        delay = max(0.01, parked.request.expires_at - time.time())
         loop = asyncio.get_running_loop()
-        self._timers[result.turn_id] = loop.call_later(delay, lambda: loop.create_task(self._expire()))
+        self._timers[turn_id] = loop.call_later(delay, lambda: loop.create_task(self._expire()))
 
     def _disarm(self, turn_id: str) -> None:
         timer = self._timers.pop(turn_id, None)
@@ -398,7 +436,10 @@ class AgentSession:
         commit = timeout_commit(parked)
         if commit is None:
             return
-        with contextlib.suppress(ResumeConflictError):  # answered just before the timer fired
+        self._timers.pop(parked.turn_id, None)
+        try:
             self._apply(commit)
-            self._timers.pop(parked.turn_id, None)
-            self._kick()
+        except ResumeConflictError:  # answered just before the timer fired, or not expired by the store's stamp
+            self._arm(parked.turn_id)
+            return
+        self._kick()

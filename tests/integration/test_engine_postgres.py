@@ -6,6 +6,7 @@ turn ids of the scenarios never collide.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -14,8 +15,16 @@ import psycopg
 import pytest
 
 from june_worker import ToolContext, store_write, tool
+from june_worker.engine.events import Failed
 from june_worker.models import Reply, ScriptedModel
 from tests.unit import kit
+from tests.unit.test_failure_policy import (  # noqa: F401 - collected here, on Postgres
+    test_a_rejected_turn_is_recorded_rejected_in_one_write_with_its_event,
+    test_a_turn_that_ended_keeps_its_status_whatever_commits_later,
+    test_a_turn_whose_process_dies_every_time_ends_failed_after_max_attempts,
+    test_the_opening_commit_refuses_a_turn_whose_cancel_is_stored,
+    test_unstorable_tool_values_are_made_storable_and_the_session_goes_on,
+)
 from tests.unit.test_replay import (  # noqa: F401 - collected here, on Postgres
     test_a_cached_model_step_emits_no_delta_on_replay,
     test_a_crash_mid_batch_resumes_only_the_calls_still_owed,
@@ -72,3 +81,108 @@ async def test_a_throwing_sync_tool_has_its_writes_rolled_back_on_postgres() -> 
     assert kit.count_orders(store) == 0
     events = store.events(rt.session("ops", "s1").ref)
     assert [e.error for e in events if e.type == "action.completed"] == ["ValueError: warehouse closed"]
+
+
+# --- the failure policy on Postgres: a tool's failed statement, a lost connection, one clock (issue 10) ---
+
+
+async def test_a_sync_tool_that_catches_a_failed_statement_keeps_the_steps_transaction_usable() -> None:
+    runs = kit.Counter()
+
+    @tool
+    def lookup(ctx: ToolContext, item: str) -> dict[str, Any]:
+        """Writes, tries a table that does not exist, carries on, writes again."""
+        runs.runs += 1
+        store_write(ctx, "create table if not exists orders (item text)")
+        store_write(ctx, "insert into orders (item) values (?)", item)
+        try:
+            ctx.store.query("select price from missing_table where item = ?", item)
+            found = "yes"
+        except Exception as exc:  # the tool's own decision: carry on without a price
+            found = type(exc).__name__
+        store_write(ctx, "insert into orders (item) values (?)", item + "-2")
+        return {"item": item, "price": found}
+
+    store = kit.make_store("postgres")
+    script = [Reply("", calls=[{"id": "c1", "name": "lookup", "input": {"item": "w"}}]), Reply("after"), Reply("next")]
+    s = kit.runtime_with(store, ScriptedModel(script), [lookup]).session("ops", "s1")
+    assert await asyncio.wait_for(s.turn("go"), 20) == "after"
+    assert await asyncio.wait_for(s.turn("again"), 20) == "next"  # the session serves its next turn
+    assert runs.runs == 1 and kit.count_orders(store) == 2  # both writes, once: only the failed statement rolled back
+    results = [e.result for e in store.events(s.ref) if e.type == "action.completed"]
+    assert results == [{"item": "w", "price": "UndefinedTable"}]
+
+
+async def test_a_tool_that_swallows_a_failed_statement_on_the_raw_connection_fails_its_turn_not_the_session() -> None:
+    @tool
+    def careless(ctx: ToolContext) -> dict[str, Any]:
+        """Runs a bad statement on the raw connection and swallows the error without a savepoint."""
+        conn = ctx.store.unwrap()
+        try:
+            conn.execute("select * from missing_table")
+        except Exception:
+            pass
+        return {"ok": True}
+
+    store = kit.make_store("postgres")
+    script = [Reply("", calls=[{"id": "c1", "name": "careless", "input": {}}]), Reply("next")]
+    s = kit.runtime_with(store, ScriptedModel(script), [careless]).session("ops", "s1")
+    result = await asyncio.wait_for(s.result(await s.start("go", turn_id="t1")), 20)
+    assert isinstance(result, Failed) and result.phase == "tool" and result.step == "tool:1:c1"
+    assert "aborted" in result.error.message and "conn.transaction()" in result.error.message
+    assert await asyncio.wait_for(s.turn("again"), 20) == "next"
+
+
+async def test_a_connection_lost_inside_a_sync_tool_runs_the_step_again_never_as_the_tools_result() -> None:
+    runs = kit.Counter()
+
+    @tool
+    def order(ctx: ToolContext, item: str) -> dict[str, Any]:
+        """Writes a row; on its first run the database connection is killed under it, and it swallows that."""
+        runs.runs += 1
+        store_write(ctx, "create table if not exists orders (item text)")
+        store_write(ctx, "insert into orders (item) values (?)", item)
+        if runs.runs == 1:
+            try:
+                ctx.store.query("select pg_terminate_backend(pg_backend_pid())")
+            except Exception as exc:  # a tool that reports whatever went wrong as its own result
+                return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"ordered": item}
+
+    store = kit.make_store("postgres")
+    script = [Reply("", calls=[{"id": "c1", "name": "order", "input": {"item": "w"}}]), Reply("placed")]
+    s = kit.runtime_with(store, ScriptedModel(script), [order]).session("ops", "s1")
+    assert await asyncio.wait_for(s.turn("go"), 20) == "placed"
+    assert runs.runs == 2  # the step ran again...
+    assert kit.count_orders(store) == 1  # ...and its write committed exactly once
+    assert [e.result for e in store.events(s.ref) if e.type == "action.completed"] == [{"ordered": "w"}]
+
+
+def test_the_sweeper_finds_stranded_turns_and_expired_parks_by_the_databases_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker whose clock is a minute off neither re-sends a brand-new turn nor expires a park early."""
+    import time as real_time
+
+    from june_worker.engine.store import Commit, SessionRef, SuspendedCheckpoint, TurnPayload
+    from june_worker.engine.types import InputRequest
+    from june_worker.worker.queue import SessionQueue
+
+    store = kit.make_store("postgres")
+    queue = SessionQueue(store.pool, lease_s=30)  # type: ignore[attr-defined]
+    fresh, parked = SessionRef("ops", "fresh"), SessionRef("ops", "parked")
+    store.enqueue_turn(fresh, "t1", TurnPayload(text="on its way"))
+    store.enqueue_turn(parked, "t2", TurnPayload(text="ask"))
+    wall = real_time.time
+    # The parking worker's clock is a minute slow: its own idea of the expiry is already past.
+    monkeypatch.setattr(real_time, "time", lambda: wall() - 60)
+    request = InputRequest(id="q", prompt="?", timeout_s=30, expires_at=real_time.time() + 30)
+    checkpoint = SuspendedCheckpoint(turn_id="t2", request=request, call_id="c1", opening_text="ask")
+    store.commit(parked, Commit(suspended=checkpoint, status="suspended", turn_id="t2", turn_status="suspended"))
+    # The sweeping worker's clock is a minute fast.
+    monkeypatch.setattr(real_time, "time", lambda: wall() + 60)
+    assert queue.stranded(grace_s=10, limit=10) == []  # recorded a moment ago by the database's clock
+    assert queue.expired_parks(limit=10) == []  # 30 s from now by the database's clock
+    pending = store.pending(parked)
+    assert pending is not None and pending.request.expires_at is not None
+    assert abs(pending.request.expires_at - (wall() + 30)) < 5  # the store's stamp, not the parking worker's
