@@ -272,12 +272,19 @@ class RedisStreamSink:
 
     def relayed_seq(self, ref: SessionRef) -> int:
         """The highest seq appended everywhere this sink writes (session stream and firehose)."""
+        return self.relayed_seqs([ref])[0]
+
+    def relayed_seqs(self, refs: Sequence[SessionRef]) -> list[int]:
+        """:meth:`relayed_seq` of each session, in one round trip."""
         self.flush()
         pipe = self.client.pipeline(transaction=False)
-        pipe.get(self.keys.session_marker(ref))
-        if self.firehose:
-            pipe.hget(self.keys.firehose_marker(self.keys.partition(ref)), ref.key)
-        return min(int(v or 0) for v in pipe.execute())
+        for ref in refs:
+            pipe.get(self.keys.session_marker(ref))
+            if self.firehose:
+                pipe.hget(self.keys.firehose_marker(self.keys.partition(ref)), ref.key)
+        values = [int(v or 0) for v in pipe.execute()]
+        width = 2 if self.firehose else 1
+        return [min(values[i : i + width]) for i in range(0, len(values), width)]
 
     # --- internals -------------------------------------------------------------------------------
 

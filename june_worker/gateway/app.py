@@ -28,6 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from producers import BrokerUnavailable, ResultTimeout, ResultUnavailable, TaskFailed, UnexpectedResult
 
 from .. import __version__
+from ..errors import StoreUnavailableError
 from .backend import GatewayBackend
 from .routes import router as turn_router
 from .routes_control import router as control_router
@@ -98,7 +99,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ResultTimeout, timeout)
     for upstream_error in (ResultUnavailable, TaskFailed, UnexpectedResult):
         app.add_exception_handler(upstream_error, upstream)
-    for database_error in (psycopg.OperationalError, psycopg_pool.PoolTimeout):
+    for database_error in (StoreUnavailableError, psycopg.OperationalError, psycopg_pool.PoolTimeout):
         app.add_exception_handler(database_error, database)
     app.add_exception_handler(redis.RedisError, event_store)
 

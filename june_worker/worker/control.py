@@ -72,8 +72,7 @@ def turn_message(rec: TurnRecord) -> dict[str, Any]:
 
 
 def _reject(host: WorkerHost, ref: SessionRef, turn_id: str, payload: TurnPayload, reason: str) -> dict[str, Any]:
-    host.store.enqueue_turn(ref, turn_id, payload)
-    result = reject_turn(host.store, host.sink, ref, turn_id, reason)
+    result = reject_turn(host.store, host.sink, ref, turn_id, reason, payload=payload, new_only=True)
     log.warning("rejected turn %s of %s: %s", turn_id, ref, reason)
     return summary(ref, turn_id, result)
 
@@ -94,10 +93,9 @@ def intake(host: WorkerHost, msg: TurnMessage | ProactiveMessage, *, turn_id: st
     agent = host.agent(ref.agent)
     if agent is not None and not replace and (payload.target is None or agent.deliver is not None):
         # The common case: record the turn and take the session's lease in one statement.
-        got = host.queue.intake(ref, turn_id, payload, host.owner)
+        got, ran = host.intake(ref, turn_id, payload)
         if got.recorded or (got.existing is not None and got.existing.status in UNFINISHED_TURN_STATUSES):
-            # A turn to run: ours if the lease was free, else its holder's (nothing to do here).
-            ran = host.drain(ref, lease=got.lease) if got.lease is not None else {}
+            # A turn to run: ours if the lease was free (it ran), else its holder's (nothing to do here).
             return _after_drain(host, ref, turn_id, ran)
         existing, parked = got.existing, got.parked  # a finished turn, a park, or a copy recorded concurrently
     else:
@@ -205,7 +203,7 @@ def reset(host: WorkerHost, msg: ResetMessage, dispatch: Dispatch, *, wait_s: fl
         parked = host.store.pending(ref)
         if parked is not None:
             host.sink.publish(ref, host.store.commit(ref, reset_park_commit(parked), fence=fence))
-        result = host.store.reset(ref)
+        result = host.store.reset(ref, fence=fence)
         host.queue.set_reset_pending(ref, False)
     finally:
         if not host.queue.release(ref, fence):

@@ -22,29 +22,35 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
 import redis
 
 from ..engine.agent import Agent, deliver_result
 from ..engine.crash import CrashAt
 from ..engine.events import TurnEvent, TurnResult
+from ..engine.failures import backoff_s
 from ..engine.loop import TurnRunner, reject_turn
-from ..engine.store import UNFINISHED_TURN_STATUSES, Commit, CommitBuilder, SessionRef, SessionSnapshot, TurnRecord
-from ..errors import ConfigError, LeaseLostError
+from ..engine.store import (
+    UNFINISHED_TURN_STATUSES,
+    Commit,
+    CommitBuilder,
+    SessionRef,
+    SessionSnapshot,
+    TurnPayload,
+    TurnRecord,
+)
+from ..errors import ConfigError, LeaseLostError, TransientError
 from ..events.keys import EventKeys
 from ..events.redis_stream import RedisStreamSink, Trim
 from ..stores.postgres import PostgresStore
-from .queue import Lease, SessionQueue
+from .queue import Intake, Lease, SessionQueue
 from .settings import WorkerSettings
 
 __all__ = ["WorkerHost", "get_host", "load_agents"]
 
 log = logging.getLogger("june_worker.worker")
-
-TRANSIENT = (psycopg.OperationalError, psycopg.InterfaceError)
 
 
 def load_agents(paths: Iterable[str]) -> dict[str, Agent]:
@@ -135,10 +141,14 @@ class _Ending:
 
 @dataclass
 class _Running:
+    """The session this process works on. Set before the lease is taken, so that a cancel signal that
+    arrives while the next turn is being picked is kept (``signalled``) and seen when that turn starts."""
+
     ref: SessionRef
-    fence: int
+    fence: int | None = None
     turn_id: str | None = None
     cancel: _Cancel | None = None
+    signalled: dict[str, str] = field(default_factory=dict)
 
 
 class WorkerHost:
@@ -180,29 +190,63 @@ class WorkerHost:
     # --- the drain loop -------------------------------------------------------------------------------
 
     def drain(self, ref: SessionRef, *, lease: Lease | None = None) -> dict[str, TurnResult]:
-        """Run the session's unfinished turns if we can take its lease (or hold ``lease``); return what ran."""
+        """Run the session's unfinished turns if we can take its lease (or hold ``lease``); return what ran.
+
+        A transient fault that outlasts a step's retries ends the attempt: the lease is taken again
+        after a backoff and the turn replayed (each start counts one of its ``max_attempts``; see
+        :mod:`~june_worker.engine.failures`). When the store stays unavailable the fault propagates
+        (the task retries later; the sweeper re-sends what stayed unfinished).
+        """
         ran: dict[str, TurnResult] = {}
-        for attempt in range(5):
+        tries = self.settings.max_attempts + 1
+        for attempt in range(tries):
             try:
                 self._drain(ref, ran, lease)
                 return ran
-            except TRANSIENT as exc:
-                # A dropped connection: whatever committed stays committed; replay from a fresh read.
-                log.warning("database connection lost while draining %s (%s); retrying", ref, type(exc).__name__)
-                time.sleep(min(0.05 * 2**attempt, 1.0))
+            except TransientError as exc:
+                if attempt == tries - 1:
+                    raise
+                # Whatever committed stays committed; replay from a fresh read under a fresh lease.
+                log.warning("draining %s hit a transient fault (%s); trying again", ref, exc)
+                time.sleep(backoff_s(attempt, base_s=0.1, cap_s=2.0))
                 lease = None
-        self._drain(ref, ran, None)
         return ran
 
-    def _drain(self, ref: SessionRef, ran: dict[str, TurnResult], lease: Lease | None) -> None:
-        if lease is None:
-            lease = self.queue.take(ref, self.owner)  # the lease and the first turn, one round trip
-        if lease is None:
-            return  # another worker holds the session; its drain loop will run what we recorded
-        fence = lease.fence
-        with self._lock:
-            self._running = _Running(ref=ref, fence=fence)
+    def intake(self, ref: SessionRef, turn_id: str, payload: TurnPayload) -> tuple[Intake, dict[str, TurnResult]]:
+        """Record a turn and take the session's lease in one statement (:meth:`SessionQueue.intake`); if the
+        lease came with it, drain the session. Returns what the intake found and what ran."""
+        self._listen_to(ref)
         try:
+            got = self.queue.intake(ref, turn_id, payload, self.owner)
+        except BaseException:
+            self._stop_listening()
+            raise
+        if got.lease is None:
+            self._stop_listening()
+            return got, {}
+        return got, self.drain(ref, lease=got.lease)
+
+    def _listen_to(self, ref: SessionRef) -> None:
+        """Keep cancel signals for ``ref`` from now on: set before its lease and next turn are read."""
+        with self._lock:
+            if self._running is None or self._running.ref != ref:
+                self._running = _Running(ref=ref)
+
+    def _stop_listening(self) -> None:
+        with self._lock:
+            self._running = None
+
+    def _drain(self, ref: SessionRef, ran: dict[str, TurnResult], lease: Lease | None) -> None:
+        self._listen_to(ref)
+        try:
+            if lease is None:
+                lease = self.queue.take(ref, self.owner)  # the lease and the first turn, one round trip
+            if lease is None:
+                return  # another worker holds the session; its drain loop will run what we recorded
+            fence = lease.fence
+            with self._lock:
+                assert self._running is not None
+                self._running.fence = fence
             # Events a previous holder committed but did not publish. A new session has none, and
             # a stream whose markers already reach the committed count needs no read of the outbox.
             if lease.event_seq > 0 and self.sink.relayed_seq(ref) < lease.event_seq:
@@ -226,8 +270,7 @@ class WorkerHost:
         except LeaseLostError:
             log.warning("lease on %s was taken over; this worker stops working on it", ref)
         finally:
-            with self._lock:
-                self._running = None
+            self._stop_listening()
 
     def run_turn(self, ref: SessionRef, rec: TurnRecord, fence: int) -> TurnResult:
         """Run one turn under the lease fenced by ``fence`` (the caller holds it), then deliver it if it has a target."""
@@ -248,9 +291,11 @@ class WorkerHost:
         agent = self.agent(ref.agent)
         if agent is None:
             rejected = reject_turn(self.store, self.sink, ref, rec.turn_id, f"unknown agent {ref.agent!r}", fence=fence)
+            assert rejected is not None  # an unfinished turn is always rejected here
             return rejected, False
-        cancel = _Cancel(self.loop, rec.cancel_reason)
         with self._lock:
+            signalled = self._running.signalled.get(rec.turn_id) if self._running is not None else None
+            cancel = _Cancel(self.loop, rec.cancel_reason or signalled)
             if self._running is not None:
                 self._running.turn_id = rec.turn_id
                 self._running.cancel = cancel
@@ -258,7 +303,16 @@ class WorkerHost:
         # A turn with a target keeps the lease while it is delivered; its ending marks the delivery due.
         ending = _Ending(self.store, rec.turn_id, release=release and target is None, deliver_due=target is not None)
         runner = TurnRunner(
-            agent, ending, self._turn_sink, ref, rec, fence=fence, cancel=cancel, crash=self.crash, snapshot=snapshot
+            agent,
+            ending,
+            self._turn_sink,
+            ref,
+            rec,
+            fence=fence,
+            cancel=cancel,
+            crash=self.crash,
+            snapshot=snapshot,
+            max_attempts=self.settings.max_attempts,
         )
         result = self.loop.run_until_complete(runner.run())
         self._turn_sink.flush()  # the turn's events are in Redis (or relayed) before anyone hears it ended
@@ -326,7 +380,7 @@ class WorkerHost:
             next_lease = time.monotonic() + lease_every
             with self._lock:
                 running = self._running
-            if running is None:
+            if running is None or running.fence is None:
                 continue
             try:
                 if not self.queue.renew(running.ref, running.fence) and running.cancel is not None:
@@ -361,18 +415,21 @@ class WorkerHost:
             signal = json.loads(data)
         except ValueError:
             return
+        if not isinstance(signal, dict) or not isinstance(signal.get("turn_ids"), list):
+            return
+        reason = str(signal.get("reason", "requested"))
         with self._lock:
             running = self._running
-        if running is None or running.cancel is None:
-            return
-        if (
-            isinstance(signal, dict)
-            and signal.get("agent") == running.ref.agent
-            and signal.get("session") == running.ref.session
-            and signal.get("turn_ids") is not None
-            and running.turn_id in signal["turn_ids"]
-        ):
-            running.cancel.set(str(signal.get("reason", "requested")))
+            if running is None or (signal.get("agent"), signal.get("session")) != (
+                running.ref.agent,
+                running.ref.session,
+            ):
+                return
+            for turn_id in signal["turn_ids"]:
+                running.signalled.setdefault(str(turn_id), reason)  # a turn not started yet sees it when it starts
+            cancel = running.cancel if running.turn_id in signal["turn_ids"] else None
+        if cancel is not None:
+            cancel.set(reason)
 
     def signal_cancel(self, ref: SessionRef, turn_ids: list[str], reason: str) -> None:
         """Tell whichever worker runs the session to stop at its next checkpoint boundary."""

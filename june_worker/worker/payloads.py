@@ -11,6 +11,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from ..engine.storable import unstorable_reason
 from ..engine.types import InboundEvent, JsonValue, Principal
 from ..errors import PayloadError
 
@@ -107,6 +108,9 @@ def parse_payload(model: type[M], args: tuple[Any, ...], kwargs: dict[str, Any])
     (raw,) = args
     if not isinstance(raw, dict):
         raise PayloadError(f"expected a JSON object, got {type(raw).__name__}")
+    unstorable = unstorable_reason(raw)
+    if unstorable is not None:  # Postgres and JSON cannot hold it: refuse it whole rather than alter it
+        raise PayloadError(f"invalid {model.__name__} payload: {unstorable}")
     try:
         return model.model_validate(raw)
     except ValidationError as exc:

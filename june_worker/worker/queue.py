@@ -15,7 +15,6 @@ moved), so the holder loops back and runs it. Nothing is left behind between "qu
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,16 @@ from psycopg_pool import ConnectionPool
 from ..engine.store import SessionRef, SessionSnapshot, SuspendedCheckpoint, TurnPayload, TurnRecord
 from ..stores._pg_commit import NOTHING_NEW
 from ..stores._sql import one_line
-from ..stores.postgres import MESSAGES_JSON, STEPS_JSON, TURN_COLUMNS, session_snapshot, turn_columns, turn_from_row
+from ..stores.postgres import (
+    MESSAGES_JSON,
+    STEPS_JSON,
+    TURN_COLUMNS,
+    TURN_WIDTH,
+    pooled,
+    session_snapshot,
+    turn_columns,
+    turn_from_row,
+)
 
 __all__ = ["Intake", "Lease", "SessionQueue", "Stranded"]
 
@@ -156,7 +164,7 @@ class SessionQueue:
 
     def acquire(self, ref: SessionRef, owner: str) -> int | None:
         """Take the session's lease if it is free, expired or already ours; return the new fence."""
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             row = conn.execute(
                 f"{_ACQUIRE} returning fence",
                 {"agent": ref.agent, "session": ref.session, "o": owner, "l": self.lease_s},
@@ -165,7 +173,7 @@ class SessionQueue:
 
     def take(self, ref: SessionRef, owner: str) -> Lease | None:
         """:meth:`acquire` and :meth:`next_turn` in one round trip; None when another worker holds the session."""
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             row = conn.execute(
                 f"""
                 with acquired as ({_ACQUIRE} returning fence, event_seq, reset_pending)
@@ -199,11 +207,12 @@ class SessionQueue:
         }
         recorded = False
         for _ in range(_INTAKE_ATTEMPTS):
-            with self.pool.connection() as conn:
+            with pooled(self.pool) as conn:
                 row = conn.execute(_INTAKE, params).fetchone()
             assert row is not None
             inserted, took, retry, fence, generation, status, suspended, event_seq, reset_pending = row[:9]
-            messages, steps, existing, first = row[9], row[10], row[11:21], row[21:31]
+            messages, steps = row[9], row[10]
+            existing, first = row[11 : 11 + TURN_WIDTH], row[11 + TURN_WIDTH : 11 + 2 * TURN_WIDTH]
             recorded = recorded or bool(inserted)
             if not retry:
                 break
@@ -230,7 +239,7 @@ class SessionQueue:
 
     def beat(self, owner: str, alive_s: float) -> None:
         """This worker process is alive for ``alive_s`` more seconds; after that its leases may be taken over."""
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             conn.execute(
                 f"insert into june_workers (owner, alive_until) values (%s, {_NOW} + %s) "
                 "on conflict (owner) do update set alive_until = excluded.alive_until",
@@ -238,12 +247,12 @@ class SessionQueue:
             )
 
     def forget_dead_workers(self, *, older_than_s: float) -> int:
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             cur = conn.execute(f"delete from june_workers where alive_until < {_NOW} - %s", (older_than_s,))
             return int(cur.rowcount)
 
     def renew(self, ref: SessionRef, fence: int) -> bool:
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             cur = conn.execute(
                 "update june_sessions set lease_expires = extract(epoch from clock_timestamp()) + %s "
                 "where agent = %s and session = %s and fence = %s and lease_owner is not null",
@@ -256,7 +265,7 @@ class SessionQueue:
 
         ``force`` releases regardless: the holder stops because a reset waits for the session.
         """
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             cur = conn.execute(
                 f"""
                 update june_sessions s set lease_owner = null, lease_expires = null
@@ -272,7 +281,7 @@ class SessionQueue:
 
     def intake_view(self, ref: SessionRef, turn_id: str) -> tuple[TurnRecord | None, SuspendedCheckpoint | None]:
         """The turn's row if it was recorded, and the session's parked checkpoint, in one round trip."""
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             row = conn.execute(
                 f"""
                 select (select suspended::text from june_sessions where agent = %(agent)s and session = %(session)s),
@@ -295,7 +304,7 @@ class SessionQueue:
         the release fails exactly when that snapshot holds an unfinished turn, which is returned.
         ``("next", None, _)`` means the row changed under the statement: ask again.
         """
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             row = conn.execute(
                 f"""
                 with released as (
@@ -325,11 +334,10 @@ class SessionQueue:
 
     def next_turn(self, ref: SessionRef) -> tuple[TurnRecord | None, bool]:
         """The oldest unfinished turn and whether a reset is waiting, in one round trip."""
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             rows = conn.execute(
-                """
-                select s.reset_pending, t.turn_id, t.position, t.status, t.payload, t.cancel_reason, t.attempts,
-                       t.result, t.generation, t.created_at, t.finished_at
+                f"""
+                select s.reset_pending, {turn_columns("t.")}
                   from june_sessions s
                   left join lateral (
                         select * from june_turns t
@@ -345,7 +353,7 @@ class SessionQueue:
         return (turn_from_row(ref, turn) if turn[0] is not None else None), bool(reset_pending)
 
     def set_reset_pending(self, ref: SessionRef, pending: bool) -> None:
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             conn.execute(
                 "insert into june_sessions (agent, session, reset_pending) values (%s, %s, %s) "
                 "on conflict (agent, session) do update set reset_pending = excluded.reset_pending",
@@ -353,14 +361,14 @@ class SessionQueue:
             )
 
     def reset_pending(self, ref: SessionRef) -> bool:
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             row = conn.execute(
                 "select reset_pending from june_sessions where agent = %s and session = %s", (ref.agent, ref.session)
             ).fetchone()
         return bool(row and row[0])
 
     def cancel_reason(self, ref: SessionRef, turn_id: str) -> str | None:
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             row = conn.execute(
                 "select cancel_reason from june_turns where agent = %s and session = %s and turn_id = %s",
                 (ref.agent, ref.session, turn_id),
@@ -374,11 +382,11 @@ class SessionQueue:
 
         A turn whose session nobody held yet is left alone for ``grace_s`` after it was recorded
         (its own message is normally on its way); one whose holder died is re-sent at once.
+        Every time here is the database's.
 
         Marks what it returns as dispatched now, so two sweepers do not both re-send it.
         """
-        now = time.time()
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             rows = conn.execute(
                 f"""
                 with first as (
@@ -387,21 +395,21 @@ class SessionQueue:
                       join june_sessions s on s.agent = t.agent and s.session = t.session
                      where t.status in ('queued', 'running')
                        and {_LEASE_IS_FREE.format(s="s")}
-                       and coalesce(t.dispatched_at, 0) < %(cutoff)s
+                       and coalesce(t.dispatched_at, 0) < {_NOW} - %(grace)s
                        -- a dead holder's turn goes at once; a turn nobody held yet gets the grace
                        -- period in which its own message normally arrives
-                       and (s.lease_owner is not null or t.created_at < %(cutoff)s)
+                       and (s.lease_owner is not null or t.created_at < {_NOW} - %(grace)s)
                      order by t.agent, t.session, t.position
                      limit %(limit)s
                 ), marked as (
-                    update june_turns t set dispatched_at = %(now)s
+                    update june_turns t set dispatched_at = {_NOW}
                       from first f
                      where t.agent = f.agent and t.session = f.session and t.turn_id = f.turn_id
                     returning t.agent, t.session, {turn_columns("t.")}
                 )
                 select * from marked
                 """,
-                {"now": now, "cutoff": now - grace_s, "limit": limit},
+                {"grace": grace_s, "limit": limit},
             ).fetchall()
         out = []
         for agent, session, *turn in rows:
@@ -417,20 +425,20 @@ class SessionQueue:
         The claim also stamps ``dispatched_at``, so the sweeper leaves the turn alone for a sweep
         period while this attempt runs.
         """
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             row = conn.execute(
-                """
-                update june_turns set delivery_attempts = delivery_attempts + 1, dispatched_at = %(now)s
+                f"""
+                update june_turns set delivery_attempts = delivery_attempts + 1, dispatched_at = {_NOW}
                  where agent = %(agent)s and session = %(session)s and turn_id = %(t)s and deliver_due
                 returning delivery_attempts
                 """,
-                {"agent": ref.agent, "session": ref.session, "t": turn_id, "now": time.time()},
+                {"agent": ref.agent, "session": ref.session, "t": turn_id},
             ).fetchone()
         return None if row is None else int(row[0])
 
     def delivery_done(self, ref: SessionRef, turn_id: str) -> None:
         """The turn's delivery is no longer due: its hook ran, or its attempts ran out."""
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             conn.execute(
                 "update june_turns set deliver_due = false where agent = %s and session = %s and turn_id = %s",
                 (ref.agent, ref.session, turn_id),
@@ -441,50 +449,64 @@ class SessionQueue:
 
         Marks what it returns as dispatched now, so two sweepers do not both re-send it.
         """
-        now = time.time()
-        with self.pool.connection() as conn:
+        with pooled(self.pool) as conn:
             rows = conn.execute(
                 f"""
                 with due as (
                     select agent, session, turn_id from june_turns
-                     where deliver_due and finished_at < %(cutoff)s and coalesce(dispatched_at, 0) < %(cutoff)s
+                     where deliver_due and finished_at < {_NOW} - %(grace)s
+                       and coalesce(dispatched_at, 0) < {_NOW} - %(grace)s
                      limit %(limit)s
                     for update skip locked
                 )
-                update june_turns t set dispatched_at = %(now)s
+                update june_turns t set dispatched_at = {_NOW}
                   from due
                  where t.agent = due.agent and t.session = due.session and t.turn_id = due.turn_id
                 returning t.agent, t.session, {turn_columns("t.")}
                 """,
-                {"now": now, "cutoff": now - grace_s, "limit": limit},
+                {"grace": grace_s, "limit": limit},
             ).fetchall()
         return [turn_from_row(SessionRef(a, s), turn) for a, s, *turn in rows]
 
     def expired_parks(self, *, limit: int) -> list[SessionRef]:
-        """Sessions parked on a request whose ``timeout_s`` has passed."""
-        with self.pool.connection() as conn:
+        """Sessions parked on a request whose expiry (stamped by the database when the turn parked) has passed."""
+        with pooled(self.pool) as conn:
             rows = conn.execute(
-                """
-                select agent, session from june_sessions
-                 where suspended is not null
-                   and (suspended -> 'request' ->> 'expires_at')::double precision < %s
-                 limit %s
-                """,
-                (time.time(), limit),
+                f"select agent, session from june_sessions where park_expires_at < {_NOW} limit %s", (limit,)
             ).fetchall()
         return [SessionRef(a, s) for a, s in rows]
 
-    def recently_active(self, *, since_s: float, limit: int) -> list[tuple[SessionRef, int]]:
-        """Sessions with events committed lately and no live lease: candidates for an outbox relay."""
-        now = time.time()
-        with self.pool.connection() as conn:
+    # --- the relay -----------------------------------------------------------------------------------
+
+    def unrelayed(self, *, limit: int) -> list[tuple[SessionRef, int]]:
+        """Sessions nobody holds whose outbox may be ahead of their stream (``event_seq > relayed_seq``, an
+        index), however long ago they were active; with their committed event count."""
+        with pooled(self.pool) as conn:
             rows = conn.execute(
                 f"""
                 select s.agent, s.session, s.event_seq from june_sessions s
-                 where s.event_seq > 0 and s.updated_at > %(since)s
-                   and {_LEASE_IS_FREE.format(s="s")}
+                 where s.event_seq > s.relayed_seq and {_LEASE_IS_FREE.format(s="s")}
                  limit %(limit)s
                 """,
-                {"since": now - since_s, "limit": limit},
+                {"limit": limit},
             ).fetchall()
         return [(SessionRef(a, s), int(seq)) for a, s, seq in rows]
+
+    def mark_relayed(self, marks: list[tuple[SessionRef, int]]) -> None:
+        """Record that each session's stream holds its events up to the given seq (never moves a mark back)."""
+        if not marks:
+            return
+        with pooled(self.pool) as conn:
+            conn.execute(
+                """
+                update june_sessions s set relayed_seq = greatest(s.relayed_seq, m.seq)
+                  from (select * from unnest(%(agents)s::text[], %(sessions)s::text[], %(seqs)s::bigint[])
+                        as m(agent, session, seq)) m
+                 where s.agent = m.agent and s.session = m.session
+                """,
+                {
+                    "agents": [r.agent for r, _ in marks],
+                    "sessions": [r.session for r, _ in marks],
+                    "seqs": [seq for _, seq in marks],
+                },
+            )

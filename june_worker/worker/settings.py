@@ -17,6 +17,10 @@ JUNE_ALIVE_S                a worker process counts as dead after    3
 JUNE_SWEEP_S                sweeper period (beat)                    10
 JUNE_DELIVERY_ATTEMPTS      tries of a target's deliver hook before  5
                             the worker gives the delivery up
+JUNE_MAX_ATTEMPTS           starts of one turn (a killed process, a  5
+                            transient fault that outlasts a step's
+                            retries) before it ends ``failed`` as
+                            poison and the session moves on
 JUNE_KEY_PREFIX             prefix of every Redis key                june
 JUNE_STREAM_MAXLEN          approximate cap of a session stream      10000
 JUNE_STREAM_MAX_AGE_S       drop stream entries older than this      0 (keep)
@@ -65,6 +69,7 @@ class WorkerSettings:
     alive_s: float = 3.0
     sweep_s: float = 10.0
     delivery_attempts: int = 5
+    max_attempts: int = 5
     key_prefix: str = "june"
     stream_maxlen: int = 10_000
     stream_max_age_s: float = 0.0
@@ -94,6 +99,7 @@ class WorkerSettings:
             alive_s=max(_float(env, "JUNE_ALIVE_S", cls.alive_s), 0.5),
             sweep_s=_float(env, "JUNE_SWEEP_S", cls.sweep_s),
             delivery_attempts=max(int(_float(env, "JUNE_DELIVERY_ATTEMPTS", cls.delivery_attempts)), 1),
+            max_attempts=max(int(_float(env, "JUNE_MAX_ATTEMPTS", cls.max_attempts)), 1),
             key_prefix=env.get("JUNE_KEY_PREFIX", cls.key_prefix),
             stream_maxlen=int(_float(env, "JUNE_STREAM_MAXLEN", cls.stream_maxlen)),
             stream_max_age_s=_float(env, "JUNE_STREAM_MAX_AGE_S", cls.stream_max_age_s),

@@ -7,8 +7,9 @@ It finds, in Postgres:
   (Redis restarted). It re-sends ``june.turn`` for the session's first unfinished turn;
   intake is idempotent, so a duplicate is harmless;
 * parks whose ``timeout_s`` passed: it answers them with a timeout and re-sends the turn;
-* sessions whose stream may miss events (a worker died between commit and publish):
-  it relays them from the outbox. Only sessions nobody holds, so it never races a holder.
+* sessions whose stream may miss events (a worker died between commit and publish, Redis was
+  unreachable when they were published), however long ago: it relays them from the outbox.
+  Only sessions nobody holds, so it never races a holder.
 
 Recovery time is therefore bounded by the liveness window (3 s by default; never more than
 the lease length) plus one sweep period.
@@ -43,6 +44,9 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
         except ResumeConflictError:
             continue  # answered meanwhile
         expired += 1
+        rec = host.store.get_turn(ref, parked.turn_id)
+        if rec is not None:
+            dispatch(rec)
     redispatched = 0
     # A turn just recorded is given one sweep period to be picked up normally before we step in.
     for stranded in host.queue.stranded(grace_s=max(period, 1.0), limit=limit):
@@ -53,13 +57,37 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
     for turn in host.queue.undelivered(grace_s=max(period, 1.0), limit=limit):
         dispatch(turn)
         redispatched += 1
-    relayed = 0
-    for ref, _ in host.queue.recently_active(since_s=max(3 * period, 30.0), limit=limit):
-        try:
-            relayed += host.sink.relay(host.store, ref)
-        except Exception:
-            log.warning("relay of %s failed; the next sweep tries again", ref, exc_info=True)
+    relayed = _relay(host, limit=limit)
     host.queue.forget_dead_workers(older_than_s=24 * 3600)
     if redispatched or expired or relayed:
         log.info("sweep: %d turns re-sent, %d parks expired, %d events relayed", redispatched, expired, relayed)
     return {"status": "swept", "redispatched": redispatched, "expired_parks": expired, "relayed": relayed}
+
+
+def _relay(host: WorkerHost, *, limit: int) -> int:
+    """Bring every stream nobody is publishing to up to its outbox, however long ago its session was active.
+
+    The candidates are the sessions whose ``relayed_seq`` mark is behind their ``event_seq`` (an
+    index); a stream found complete, or made so, moves the mark. While Redis is unreachable the
+    marks stay behind, and a later sweep finishes the work.
+    """
+    candidates = host.queue.unrelayed(limit=limit)
+    if not candidates:
+        return 0
+    try:
+        reached = host.sink.relayed_seqs([ref for ref, _ in candidates])
+    except Exception:
+        log.warning("cannot read the stream markers; the next sweep relays", exc_info=True)
+        return 0
+    relayed, marks = 0, []
+    for (ref, committed), seen in zip(candidates, reached, strict=True):
+        if seen < committed:
+            try:
+                relayed += host.sink.relay(host.store, ref)
+                seen = host.sink.relayed_seq(ref)
+            except Exception:
+                log.warning("relay of %s failed; the next sweep tries again", ref, exc_info=True)
+                continue
+        marks.append((ref, min(seen, committed)))
+    host.queue.mark_relayed(marks)
+    return relayed

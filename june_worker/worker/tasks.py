@@ -2,7 +2,8 @@
 
 A payload that cannot be used is rejected once: the reason is in the task result, in the
 log, and, when the message names a turn, in the turn's row and stream (``turn.failed``).
-Nothing is retried for bad input; only a lost database connection is retried, with backoff.
+Nothing is retried for bad input; only the database being unavailable (the failure policy's
+transient class) is retried, with backoff.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import psycopg
 from celery import Task
 
 from ..engine.loop import reject_turn
+from ..engine.storable import storable_text
 from ..engine.store import SessionRef, TurnPayload
-from ..errors import PayloadError
+from ..errors import PayloadError, StoreUnavailableError
 from . import control
 from .app import app
 from .host import get_host
@@ -35,7 +36,7 @@ __all__ = ["cancel_task", "proactive_task", "reset_task", "resume_task", "sweep_
 log = logging.getLogger("june_worker.worker")
 
 _RETRY = {
-    "autoretry_for": (psycopg.OperationalError,),
+    "autoretry_for": (StoreUnavailableError,),
     "retry_backoff": True,
     "retry_backoff_max": 30,
     "max_retries": 8,
@@ -71,12 +72,17 @@ def _rejected(task: str, args: tuple[Any, ...], exc: PayloadError, task_id: str 
     if not all(isinstance(v, str) and 0 < len(v) <= 256 for v in (turn_id, agent, session)):
         return out  # nothing we could address a turn by
     assert isinstance(turn_id, str) and isinstance(agent, str) and isinstance(session, str)
+    if any(storable_text(v) != v for v in (turn_id, agent, session)):
+        return out  # an address the store cannot hold: nothing to record it under
+    ref = SessionRef(agent, session)
+    host = get_host()
+    text = raw.get("text")
+    payload = TurnPayload(text=storable_text(text[:1000]) if isinstance(text, str) else "")
     try:
-        ref = SessionRef(agent, session)
-        host = get_host()
-        if host.store.get_turn(ref, turn_id) is None:
-            host.store.enqueue_turn(ref, turn_id, TurnPayload(text=str(raw.get("text", ""))[:1000]))
-            reject_turn(host.store, host.sink, ref, turn_id, reason)
+        # one write: recorded as rejected, never queued; a copy of a turn recorded already leaves it alone
+        reject_turn(host.store, host.sink, ref, turn_id, reason, payload=payload, new_only=True)
+    except StoreUnavailableError:
+        raise  # the task is retried: the rejection must reach the turn's row and stream
     except Exception:
         log.exception("could not record the rejection of turn %s", turn_id)
     return out
