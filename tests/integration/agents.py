@@ -7,13 +7,16 @@ worker gets the same replies.
   writes a row through the step's transaction (exactly-once); "slow <key>" calls the async
   ``hold`` tool, which blocks on its first attempt until the worker is killed; "refund"
   asks for approval; anything else gets "ok".
+  "die <key>" calls the sync ``die`` tool, which SIGKILLs its own process every time.
 * ``dribble``: the model streams many deltas slowly, so a cancel can land mid-stream.
+* ``faulty`` (:mod:`.faulty`): stops at a chosen step so a test can inject a fault there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,6 +28,8 @@ from june_worker.engine.agent import AnswerRequest
 from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
 from june_worker.engine.types import ModelReply, ToolMessage, TriggerMessage, UserMessage
 from june_worker.models import Reply, ScriptedModel
+
+from .faulty import faulty_agent
 
 
 @tool
@@ -57,6 +62,14 @@ async def hold(ctx: ToolContext, key: str) -> dict[str, Any]:
 
 
 @tool
+def die(ctx: ToolContext, key: str) -> dict[str, Any]:
+    """Take the worker process down every time (out of memory, a segfault): poison for the failure policy."""
+    _redis().incr(f"it:die:{key}")
+    os.kill(os.getpid(), signal.SIGKILL)
+    return {"unreachable": True}
+
+
+@tool
 async def approve(ctx: ToolContext, amount: float = 10.0) -> dict[str, Any]:
     """Ask an operator to approve a refund."""
     ok = await ctx.request_input(
@@ -79,6 +92,8 @@ def _ops_script(request: ModelRequest) -> Reply:
         return Reply("Holding.", calls=[{"id": "c1", "name": "hold", "input": {"key": words[1]}}])
     if words[:1] == ["quick"]:
         return Reply("Asking briefly.", calls=[{"id": "c1", "name": "approve_soon", "input": {}}])
+    if words[:1] == ["die"]:
+        return Reply("Trying.", calls=[{"id": "c1", "name": "die", "input": {"key": words[1]}}])
     if words[:1] == ["refund"]:
         return Reply("Asking.", calls=[{"id": "c1", "name": "approve", "input": {"amount": 5}}])
     return Reply(f"ok: {text}")
@@ -104,11 +119,12 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
         Agent(
             name="ops",
             model=ScriptedModel(_ops_script),
-            tools=[create_order, hold, approve, approve_soon],
+            tools=[create_order, hold, approve, approve_soon, die],
             authorize_answer=_authorize,
             deliver=_deliver,
         ),
         Agent(name="dribble", model=DribblingModel()),
+        faulty_agent(),
     ]
 
 

@@ -44,9 +44,8 @@ def _admin_url(url: str, dbname: str) -> str:
     return psycopg.conninfo.make_conninfo(**info)
 
 
-@pytest.fixture(scope="module")
-def fresh_db(database_url: str) -> Iterator[str]:
-    """A database of this module's own on the test server, dropped afterwards."""
+def _database(database_url: str) -> Iterator[str]:
+    """A new database on the test server for as long as the generator runs, dropped afterwards."""
     name = f"june_it_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(f'create database "{name}"')
@@ -55,6 +54,12 @@ def fresh_db(database_url: str) -> Iterator[str]:
     finally:
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(f'drop database if exists "{name}" with (force)')
+
+
+@pytest.fixture(scope="module")
+def fresh_db(database_url: str) -> Iterator[str]:
+    """A database of this module's own on the test server, dropped afterwards."""
+    yield from _database(database_url)
 
 
 class Proc:

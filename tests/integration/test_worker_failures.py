@@ -1,0 +1,228 @@
+"""The failure policy on real workers (issue 10): poison, guarded rejections, the relay, payloads, late cancels.
+
+Each test names the rule it checks; every one of them failed on the worker before the failure
+policy (5ac2ffb).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from june_worker.stores.postgres import PostgresStore
+from tests._services import RedisServer
+
+from .conftest import Stack, _database, wait_for
+
+pytestmark = pytest.mark.integration
+
+MAX_ATTEMPTS = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def workers(stack: Stack) -> None:
+    stack.worker("failures", pool="prefork", env={"JUNE_MAX_ATTEMPTS": str(MAX_ATTEMPTS)})
+    stack.beat()
+
+
+def _structural_types(stack: Stack, agent: str, session: str, turn_id: str) -> list[str]:
+    return [e["type"] for e in stack.structural(agent, session) if e["turn_id"] == turn_id]
+
+
+# --- item 4: a tool that kills its process every time ---------------------------------------------
+
+
+def test_a_tool_that_kills_its_process_every_time_ends_its_turn_failed_after_max_attempts(
+    stack: Stack, session_id: str
+) -> None:
+    key = uuid.uuid4().hex
+    turn_id = stack.turn("ops", session_id, f"die {key}")
+    failed = stack.wait_terminal("ops", session_id, turn_id, timeout_s=90)
+    assert failed["type"] == "turn.failed"
+    assert (failed["error"]["type"], failed["phase"], failed["step"]) == ("PoisonTurnError", "tool", "tool:1:c1")
+    assert f"given up after {MAX_ATTEMPTS} attempts" in failed["error"]["message"]
+    row = stack.turn_row("ops", session_id, turn_id)
+    assert row is not None and row["status"] == "failed" and row["attempts"] == MAX_ATTEMPTS
+    assert int(stack.redis.get(f"it:die:{key}") or 0) == MAX_ATTEMPTS  # never redelivered past the limit
+    # ... and the session serves its next turn.
+    after = stack.turn("ops", session_id, "order 2 nut")
+    assert stack.wait_terminal("ops", session_id, after)["type"] == "turn.completed"
+
+
+# --- item 6: a rejected turn is never queued, so nothing can run it --------------------------------
+
+
+@pytest.fixture
+def status_log(stack: Stack) -> Iterator[None]:
+    """Every status a june_turns row ever takes, in order (a trigger), for this module's database."""
+    PostgresStore(stack.db_url).close()  # the schema, if no worker made it yet
+    stack.sql("create table if not exists it_status_log (n bigserial, turn_id text, status text)")
+    stack.sql(
+        """
+        create or replace function it_log_status() returns trigger language plpgsql as $$
+        begin
+            if tg_op = 'INSERT' or new.status is distinct from old.status then
+                insert into it_status_log (turn_id, status) values (new.turn_id, new.status);
+            end if;
+            return new;
+        end $$;
+        drop trigger if exists it_log_status on june_turns;
+        create trigger it_log_status after insert or update on june_turns for each row execute function it_log_status();
+        """
+    )
+    yield
+    stack.sql("drop trigger if exists it_log_status on june_turns")
+
+
+def test_a_turn_refused_at_intake_is_recorded_rejected_and_never_queued(
+    stack: Stack, session_id: str, status_log: None
+) -> None:
+    parked = stack.turn("ops", session_id, "refund", event={"source": "slack", "user": {"id": "U1", "attested": True}})
+    assert stack.wait_terminal("ops", session_id, parked)["type"] == "input.requested"
+    refused = stack.turn("ops", session_id, "order 1 widget")
+    assert stack.wait_terminal("ops", session_id, refused)["type"] == "turn.failed"
+    statuses = [s for (s,) in stack.sql("select status from it_status_log where turn_id = %s order by n", refused)]
+    assert statuses == ["rejected"]
+    assert _structural_types(stack, "ops", session_id, refused) == ["turn.failed"]
+    assert stack.sql("select count(*) from it_orders where turn_id = %s", refused) == [(0,)]
+
+
+# --- item 10: payload strings the store cannot hold ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("text", {"text": "caf\udce9 au lait"}),
+        ("event.source", {"text": "hi", "event": {"source": "sl\udcffck"}}),
+        ("trigger.by", {"text": "hi", "trigger": {"kind": "proactive", "by": "cron\x00daily"}}),
+    ],
+    ids=["text", "event-source", "trigger-by"],
+)
+def test_a_turn_whose_payload_cannot_be_stored_is_rejected_recorded_and_ends_its_stream(
+    stack: Stack, session_id: str, field: str, value: dict[str, Any]
+) -> None:
+    turn_id = f"t_{uuid.uuid4().hex}"
+    out = stack.send("june.turn", {"turn_id": turn_id, "agent": "ops", "session": session_id, **value}).get(timeout=30)
+    assert out["status"] == "rejected" and "cannot be stored" in out["reason"] and field in out["reason"]
+    row = stack.turn_row("ops", session_id, turn_id)
+    assert row is not None and row["status"] == "rejected"
+    ended = stack.wait_terminal("ops", session_id, turn_id)
+    assert ended["type"] == "turn.failed" and ended["phase"] == "intake" and field in ended["error"]["message"]
+    after = stack.turn("ops", session_id, "hello")
+    assert stack.wait_terminal("ops", session_id, after)["type"] == "turn.completed"
+
+
+# --- item 9: events committed while Redis was down reach the stream however old -------------------
+
+
+@pytest.fixture
+def own_db(database_url: str) -> Iterator[str]:
+    """A database of this test's own: no other test's sweeper relays or re-sends its sessions."""
+    yield from _database(database_url)
+
+
+@pytest.fixture
+def split(
+    own_db: str, redis_url: str, private_redis: RedisServer, tmp_path: Path
+) -> Iterator[tuple[Stack, RedisServer]]:
+    """Workers whose event Redis is a private one (stopped by the test); the broker stays on the shared Redis."""
+    PostgresStore(own_db).close()  # the schema, before a worker makes it: the test reads the tables at once
+    s = Stack(own_db, private_redis.url, tmp_path)
+    s.sql("create table it_orders (turn_id text not null, call_id text not null, item text, qty integer)")
+    s.env.update({"CELERY_BROKER_URL": redis_url, "CELERY_RESULT_BACKEND": redis_url})
+    s.client = Celery("june-it-split", broker=redis_url, backend=redis_url)
+    s.client.conf.update(
+        task_serializer="json", accept_content=["json"], result_accept_content=["json"], task_default_queue=s.queue
+    )
+    s.client.conf.task_routes = {"june.sweep": {"queue": s.control_queue}}
+    try:
+        yield s, private_redis
+    finally:
+        s.stop()
+
+
+def test_events_committed_while_redis_was_down_are_relayed_however_old_the_session(
+    split: tuple[Stack, RedisServer],
+) -> None:
+    stack, events_redis = split
+    session = f"dark-{uuid.uuid4().hex[:6]}"
+    stack.worker("split", pool="solo")
+    events_redis.stop()
+    turn_id = stack.turn("ops", session, "order 3 bolt")
+
+    def committed() -> bool:
+        return (stack.turn_row("ops", session, turn_id) or {}).get("status") == "completed"
+
+    wait_for(committed, timeout_s=30, what="the turn to complete in Postgres while Redis is down")
+    # Long ago, by any recent-activity window: only an index of what is behind finds it now.
+    stack.sql("update june_sessions set updated_at = updated_at - 86400 where session = %s", session)
+    events_redis.start()
+    stack.beat()
+    wait_for(
+        lambda: "turn.completed" in [e["type"] for e in stack.structural("ops", session)],
+        timeout_s=30,
+        what="the sweeper to relay the turn's events",
+    )
+    events = stack.structural("ops", session)
+    assert [e["seq"] for e in events] == list(range(1, 7))  # started, message, action x2, message, completed
+    assert stack.sql("select relayed_seq = event_seq from june_sessions where session = %s", session) == [(True,)]
+
+
+# --- item 7: a cancel signal that arrives while the next turn is being picked -------------------------
+
+
+def test_a_cancel_signalled_while_the_worker_picks_the_turn_is_not_missed(
+    own_db: str, redis_url: str, session_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from june_worker.engine.events import TurnStarted
+    from june_worker.engine.store import Commit, SessionRef, TurnPayload
+    from june_worker.engine.types import ProactiveTrigger, UserMessage
+    from june_worker.worker.host import WorkerHost
+    from june_worker.worker.settings import WorkerSettings
+
+    from .agents import ALL
+
+    prefix = f"june-it-{uuid.uuid4().hex[:8]}"
+    # A long lease: its heartbeat, which also re-reads the cancel, stays out of the picture.
+    settings = WorkerSettings(database_url=own_db, redis_url=redis_url, key_prefix=prefix, lease_s=60, alive_s=2)
+    monkeypatch.setenv("JUNE_IT_DELTAS", "1")  # the model answers at once: only the signal can stop the turn
+    host = WorkerHost(settings, {a.name: a for a in ALL()})
+    try:
+        ref = SessionRef("dribble", session_id)
+        # A turn opened by an earlier attempt (its worker died): the next holder replays it.
+        host.store.enqueue_turn(ref, "t1", TurnPayload(text="talk"))
+        host.store.commit(
+            ref,
+            Commit(
+                messages=[(0, UserMessage(turn_id="t1", text="talk"))],
+                events=[TurnStarted(turn_id="t1", trigger=ProactiveTrigger())],
+                status="running",
+                turn_id="t1",
+                turn_status="running",
+            ),
+        )
+        take = host.queue.take
+
+        def take_then_get_signalled(r: SessionRef, owner: str) -> Any:
+            lease = take(r, owner)  # the turn is read without a cancel...
+            host.store.request_cancel(r, "requested", turn_ids=["t1"])  # ...which lands right after, signalled
+            host.signal_cancel(r, ["t1"], "requested")
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline and not getattr(host._running, "signalled", None):
+                time.sleep(0.01)  # let the control listener hear it (the window the test opens)
+            return lease
+
+        monkeypatch.setattr(host.queue, "take", take_then_get_signalled)
+        ran = host.drain(ref)
+        assert ran["t1"].status == "cancelled"
+        types = [e.type for e in host.store.events(ref, turn_id="t1")]
+        assert types == ["turn.started", "turn.cancelled"]  # no model reply, no deltas' message
+    finally:
+        host.close()
