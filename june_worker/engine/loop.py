@@ -375,12 +375,8 @@ class TurnRunner:
             status="running",
             turn_id=self.turn_id,
             turn_status="running",
-            expect_not_cancelled=True,
         )
-        try:
-            self._commit(commit, "turn:open")
-        except CancelRequestedError as exc:  # the cancel was stored before its signal reached us
-            raise _Cancel(exc.reason) from None
+        self._commit(commit, "turn:open", cancellable=True)  # a turn cancelled before it opened never opens
         self._counted = True
 
     def _restore_turn_state(self) -> None:
@@ -488,7 +484,7 @@ class TurnRunner:
                 result,
             )
         self._hit("before-model-commit", step)
-        self._commit(commit, step)
+        self._commit(commit, step, cancellable=True)
         self._hit("after-model-commit", step)
         return result
 
@@ -701,6 +697,7 @@ class TurnRunner:
                 turn_result=result,
             ),
             "turn:end",
+            cancellable=True,
         )
         return result
 
@@ -791,21 +788,37 @@ class TurnRunner:
 
     # --- plumbing ------------------------------------------------------------------------------------
 
-    def _commit(self, commit: Commit | CommitBuilder, step: str | None = None) -> None:
-        """Write one checkpoint, mirror it in memory, then publish its events (never before)."""
+    def _commit(self, commit: Commit | CommitBuilder, step: str | None = None, *, cancellable: bool = False) -> None:
+        """Write one checkpoint, mirror it in memory, then publish its events (never before).
+
+        ``cancellable`` (the opening, a model reply, a park): the commit applies only if no cancel is
+        stored for the turn, else the turn is cancelled here. The store is the record of a cancel;
+        its signal only makes a waiting step stop sooner, so a lost signal never lets a cancelled
+        turn open, take another model reply or park. A tool's result is not guarded: a tool that
+        ran keeps its result (what committed stays committed; the cancel takes effect between calls).
+        """
         built: Commit | None = None
-        if isinstance(commit, Commit):
-            built = commit
-            events = self.store.commit(self.ref, commit, fence=self.fence)
-        else:
-            builder = commit
 
-            def capture(handle: StoreHandle) -> Commit:
-                nonlocal built
-                built = builder(handle)
-                return built
+        def guarded(c: Commit) -> Commit:
+            if cancellable:
+                c.turn_id, c.expect_not_cancelled = self.turn_id, True
+            return c
 
-            events = self.store.commit(self.ref, capture, fence=self.fence)
+        try:
+            if isinstance(commit, Commit):
+                built = guarded(commit)
+                events = self.store.commit(self.ref, built, fence=self.fence)
+            else:
+                builder = commit
+
+                def capture(handle: StoreHandle) -> Commit:
+                    nonlocal built
+                    built = guarded(builder(handle))
+                    return built
+
+                events = self.store.commit(self.ref, capture, fence=self.fence)
+        except CancelRequestedError as exc:
+            raise _Cancel(exc.reason) from None
         assert built is not None
         self.messages.extend(m for _, m in built.messages)
         for s in built.steps:

@@ -212,6 +212,25 @@ async def test_the_opening_commit_refuses_a_turn_whose_cancel_is_stored(store_ki
     assert store.load(ref).messages == []
 
 
+async def test_a_cancel_stored_whose_signal_was_lost_stops_the_turn_at_its_next_model_reply(store_kind: str) -> None:
+    store = kit.make_store(store_kind)
+    ref = SessionRef("ops", "s1")
+
+    @tool
+    def slow(ctx: ToolContext) -> dict[str, Any]:
+        """Runs while another process cancels the turn; the signal never arrives."""
+        store.request_cancel(ref, "requested", turn_ids=[ctx.turn_id])
+        return {"ok": 1}
+
+    model = ScriptedModel([Reply("", calls=[{"id": "c1", "name": "slow", "input": {}}]), Reply("too late")])
+    rt = kit.runtime_with(store, model, [slow])
+    s = rt.session("ops", "s1")
+    assert await s.result(await s.start("go", turn_id="t1")) == Cancelled(turn_id="t1", reason="requested")
+    tools = [(m.call_id, m.result) for m in kit.transcript(store) if m.role == "tool"]
+    assert tools == [("c1", {"ok": 1})]  # the tool ran: its result stays
+    assert [m.role for m in kit.transcript(store)] == ["user", "assistant", "tool"]  # no reply after the cancel
+
+
 # --- one turn's failure reaches its own waiters only (item 8) ----------------------------------
 
 
