@@ -5,6 +5,7 @@ from __future__ import annotations
 import traceback
 
 from .events import Rejected, TurnFailed
+from .secrets import scrubbed
 from .sink import EventSink
 from .store import Commit, SessionRef, SessionStore
 from .types import ErrorInfo
@@ -24,7 +25,8 @@ def error_info(exc: BaseException) -> ErrorInfo:
         chain.append(str(cur) or type(cur).__name__)
         cur = cur.__cause__ or cur.__context__
     stack = "".join(traceback.format_exception(exc))[-STACK_MAX_CHARS:]
-    return ErrorInfo(message=str(exc) or type(exc).__name__, type=type(exc).__name__, cause_chain=chain, stack=stack)
+    info = ErrorInfo(message=str(exc) or type(exc).__name__, type=type(exc).__name__, cause_chain=chain, stack=stack)
+    return scrubbed(info)  # stored and published: no secret may reach either
 
 
 def reject_turn(

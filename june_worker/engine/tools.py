@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from ..errors import ConfigError, FatalToolError
 from .model import ToolSpec
+from .secrets import scrub
 from .store import SessionRef, StoreHandle
 from .types import Answerers, InboundEvent, JsonValue, PolicyAnswerer, Principal, ToolCall, UserAnswerer
 
@@ -89,9 +90,9 @@ def is_async_callable(fn: object) -> bool:
 def format_tool_error(exc: BaseException) -> str:
     """What the model reads for a tool that raised: the message, class-prefixed unless plain.
 
-    Never a traceback; cut to :data:`ERROR_MAX_CHARS` characters.
+    Never a traceback, never a secret (:mod:`.secrets`); cut to :data:`ERROR_MAX_CHARS` characters.
     """
-    message = str(exc)
+    message = scrub(str(exc))
     name = type(exc).__name__
     if type(exc) is not Exception:
         message = f"{name}: {message}" if message else name

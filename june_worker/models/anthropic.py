@@ -32,6 +32,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ..engine.model import Done, ModelDelta, ModelRequest, ReasoningChunk, TextChunk
+from ..engine.secrets import register_secret, scrub
 from ..errors import ConfigError, ModelProviderError, ModelStreamError
 from ._anthropic_mapping import (
     DEFAULT_TRIGGER_NOTE,
@@ -158,9 +159,9 @@ class AnthropicModel:
         self._client = client
         self._api_key = api_key
         self._base_url = base_url
-        client_key = getattr(client, "api_key", None)
         # the key to keep out of every message we raise or log, whichever side holds it
-        self._secret: str | None = api_key or (client_key if isinstance(client_key, str) else None)
+        register_secret(api_key)
+        register_secret(getattr(client, "api_key", None))
         self._owned: tuple[asyncio.AbstractEventLoop, AsyncAnthropic] | None = None
 
     @classmethod
@@ -232,6 +233,7 @@ class AnthropicModel:
             if self.max_retries is not None:
                 options["max_retries"] = self.max_retries
             self._owned = (loop, sdk.AsyncAnthropic(**options))
+            register_secret(getattr(self._owned[1], "api_key", None))  # the SDK may have read the environment
         return self._owned[1]
 
     async def aclose(self) -> None:
@@ -259,7 +261,8 @@ class AnthropicModel:
                 if forwarded or restarts >= self.stream_retries or not self._restartable(exc):
                     if error is exc:
                         raise
-                    raise error from (None if self._leaks_key(exc) else exc)
+                    # a cause whose text held a secret is not chained: a traceback would print it
+                    raise error from (None if scrub(str(exc)) != str(exc) else exc)
                 restarts += 1
                 delay = min(self.stream_retry_delay_s * 2 ** (restarts - 1), _MAX_STREAM_RETRY_DELAY_S)
                 log.warning(
@@ -286,12 +289,6 @@ class AnthropicModel:
             return exc.status_code < 400 and getattr(exc, "type", None) in RETRYABLE_STREAM_ERRORS
         return isinstance(exc, _transport_errors())
 
-    def _leaks_key(self, exc: BaseException) -> bool:
-        return self._secret is not None and self._secret != "" and self._secret in str(exc)
-
-    def _scrub(self, text: str) -> str:
-        return text.replace(self._secret, "<redacted>") if self._secret else text
-
     def _translate(self, exc: Exception) -> Exception:
         """The error the engine sees: the provider's message, never the key; unknown errors pass through."""
         sdk = sys.modules.get("anthropic")
@@ -304,7 +301,7 @@ class AnthropicModel:
             request = f" (request {exc.request_id})" if getattr(exc, "request_id", None) else ""
             retryable = error_type in RETRYABLE_STREAM_ERRORS if in_stream else exc.status_code in (408, 409, 429)
             return ModelProviderError(
-                self._scrub(f"Anthropic {where}{kind}: {detail}{request}"),
+                scrub(f"Anthropic {where}{kind}: {detail}{request}"),
                 None if in_stream else exc.status_code,
                 error_type,
                 getattr(exc, "request_id", None),
@@ -312,11 +309,11 @@ class AnthropicModel:
             )
         if (sdk is not None and isinstance(exc, sdk.APIConnectionError)) or isinstance(exc, _transport_errors()):
             return ModelProviderError(
-                self._scrub(f"Anthropic connection failed: {exc or type(exc).__name__}"), retryable=True
+                scrub(f"Anthropic connection failed: {exc or type(exc).__name__}"), retryable=True
             )
         if sdk is not None and isinstance(exc, sdk.AnthropicError):
-            return ModelProviderError(self._scrub(f"Anthropic client error: {exc}"))
+            return ModelProviderError(scrub(f"Anthropic client error: {exc}"))
         if isinstance(exc, (ValueError, RuntimeError, AssertionError, LookupError, TypeError)):
             # raised by the SDK while decoding or assembling the stream
-            return ModelStreamError(self._scrub(f"malformed Anthropic stream: {type(exc).__name__}: {exc}"))
+            return ModelStreamError(scrub(f"malformed Anthropic stream: {type(exc).__name__}: {exc}"))
         return exc
