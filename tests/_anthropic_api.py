@@ -22,6 +22,7 @@ from typing import Any
 __all__ = [
     "FIXTURES",
     "HANG_UP",
+    "KEY",
     "AnthropicAPI",
     "Recorded",
     "SeenRequest",
@@ -32,6 +33,8 @@ __all__ = [
 ]
 
 FIXTURES = Path(__file__).parent / "fixtures" / "anthropic"
+KEY = "sk-ant-test-0123456789abcdef"
+"""The key test clients are made with (key-shaped, so it is scrubbed wherever it appears)."""
 SSE_HEADERS = {"content-type": "text/event-stream", "request-id": "req_test"}
 
 

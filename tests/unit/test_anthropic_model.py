@@ -13,7 +13,7 @@ import logging
 import pickle
 import re
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,32 +39,9 @@ from june_worker.errors import ConfigError, ModelStreamError
 from june_worker.models.anthropic import INSTALL_HINT, AnthropicModel, ModelProviderError
 from june_worker.stores import SQLiteStore
 
-from .._anthropic_api import HANG_UP, SSE_HEADERS, AnthropicAPI, Recorded, api_error, closed_port, recorded, sse
+from .._anthropic_api import HANG_UP, KEY, SSE_HEADERS, AnthropicAPI, Recorded, api_error, closed_port, recorded, sse
 
 anthropic = pytest.importorskip("anthropic")
-
-KEY = "sk-ant-test-0123456789abcdef"
-
-
-@pytest.fixture
-def api() -> Iterator[AnthropicAPI]:
-    with AnthropicAPI() as server:
-        yield server
-
-
-@pytest.fixture
-async def make_model(api: AnthropicAPI) -> AsyncIterator[Callable[..., AnthropicModel]]:
-    clients: list[Any] = []
-
-    def make(**kwargs: Any) -> AnthropicModel:
-        client = anthropic.AsyncAnthropic(api_key=KEY, base_url=api.url)
-        clients.append(client)
-        kwargs.setdefault("stream_retry_delay_s", 0.0)
-        return AnthropicModel("claude-sonnet-4-6", client=client, **kwargs)
-
-    yield make
-    for client in clients:
-        await client.close()
 
 
 def ask(*messages: Message, system: str = "", tools: list[ToolSpec] | None = None) -> ModelRequest:
