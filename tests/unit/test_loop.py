@@ -232,6 +232,29 @@ async def test_an_empty_abnormal_stop_names_the_provider_value() -> None:
         await rt.session("ops", "s1").turn("t")
 
 
+@pytest.mark.parametrize("reason", ["max_tokens", "malformed_tool_call"])
+async def test_tool_calls_of_a_reply_cut_off_are_never_run_and_the_model_step_fails(reason: str) -> None:
+    # Given a reply that stopped on max_tokens while writing a call (its input parsed, but short)
+    orders: list[dict[str, Any]] = []
+    calls = [{"id": "c1", "name": "create_order", "input": {"item": "widget", "qty": 1}}]
+    cut = Reply("Ordering twelve.", calls=calls, finish=Finish(reason=reason, raw=reason))  # type: ignore[arg-type]
+    model = ScriptedModel([cut, Reply("Ordered.")])
+    store = MemoryStore()
+    rt = runtime_with(store, model, [list_order_tool(orders)])
+    rec = Recorder()
+    s = rt.session("ops", "s1")
+    s.observe(rec)
+    # When the turn runs, Then it fails in the model step, the call never ran and nothing of the reply committed
+    with pytest.raises(
+        TurnFailedError, match=f"stopped abnormally — {reason} while writing a tool call \\(create_order\\)"
+    ):
+        await s.turn("order 12 widgets", turn_id="t1")
+    assert orders == []
+    failed = rec.events[-1]
+    assert failed.type == "turn.failed" and (failed.phase, failed.step) == ("model", "model:1")
+    assert not any(isinstance(m, AssistantMessage) for m in transcript(store))
+
+
 async def test_deltas_are_emitted_live_and_never_stored() -> None:
     store = SQLiteStore(":memory:")
     rt = runtime_with(store, ScriptedModel(["three word answer"], delay_s=0.0001))
