@@ -5,6 +5,9 @@ every byte goes through its HTTP stack, its SSE decoder and its retry logic, as 
 API. Streams are sent the way the API sends them: chunked, one SSE event per chunk. Responses
 are served in the order they were queued; every request is recorded (path, headers, JSON body).
 
+Like the real API, the server refuses (400) a request with an empty or whitespace-only text block,
+whatever is queued: a session that sent one once could never continue.
+
 The rule a reader must not break: **the server never reaches beyond loopback**; a request with
 nothing queued gets a 400 naming that, never a hang.
 """
@@ -134,8 +137,11 @@ class AnthropicAPI:
         return [r.json() for r in self.requests]
 
     def _take(self, request: SeenRequest) -> Recorded:
+        refused = _refusal(request)
         with self._lock:
             self.requests.append(request)
+            if refused is not None:
+                return refused
             if self._queue:
                 return self._queue.pop(0)
         nothing = {"type": "error", "error": {"type": "invalid_request_error", "message": "no recorded response left"}}
@@ -151,6 +157,31 @@ class AnthropicAPI:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _refusal(request: SeenRequest) -> Recorded | None:
+    """The 400 the real API answers a request with an empty or whitespace-only text block, else None.
+
+    Checked before any queued response is used, as the API checks before it generates.
+    """
+    try:
+        messages = request.json().get("messages", [])
+    except ValueError:
+        return None
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        blocks = content if isinstance(content, list) else []
+        for block in blocks:
+            if isinstance(block, dict) and block.get("type") == "text" and not str(block.get("text", "")).strip():
+                error = "text content blocks must contain non-whitespace text"
+                if not block.get("text"):
+                    error = "text content blocks must be non-empty"
+                body = {
+                    "type": "error",
+                    "error": {"type": "invalid_request_error", "message": f"messages.{i}: {error}"},
+                }
+                return api_error(400, body)
+    return None
 
 
 def _handler_for(api: AnthropicAPI) -> type[BaseHTTPRequestHandler]:

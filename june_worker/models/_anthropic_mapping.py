@@ -70,8 +70,9 @@ _UNCACHEABLE = frozenset({"thinking", "redacted_thinking"})
 
 
 def _text(text: str) -> list[Block]:
-    # The API rejects empty text blocks, so an empty text contributes no block at all.
-    return [{"type": "text", "text": text}] if text else []
+    # The API refuses empty and whitespace-only text blocks (a reply of "\n\n" before a tool call is
+    # ordinary model output), and would refuse every later request of the session: send no block.
+    return [{"type": "text", "text": text}] if text.strip() else []
 
 
 def reasoning_param(block: ReasoningBlock) -> Block | None:

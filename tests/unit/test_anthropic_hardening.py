@@ -54,3 +54,28 @@ async def test_a_tool_call_cut_off_by_max_tokens_never_runs_and_fails_the_model_
     assert not any(isinstance(m, AssistantMessage) for m in store.load(SessionRef("ops", "s1")).messages)
     assert [e.type for e in events if e.type.startswith("action.")] == []
     store.close()
+
+
+# --- whitespace-only text -------------------------------------------------------------------------------
+
+
+async def test_a_whitespace_only_text_block_is_never_sent_back_so_the_session_goes_on(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given a reply of "\n\n" then a tool call (ordinary model output), and an API that refuses
+    # whitespace-only text blocks, as the real one does
+    api.serve(sse("whitespace_then_tool_use.sse"), sse("final_answer.sse"), sse("text_only.sse"))
+    store = SQLiteStore(":memory:")
+    runs: list[dict[str, Any]] = []
+    session = Runtime([order_agent(make_model(), runs)], store).session("ops", "s1")
+    # When the turn runs, and a later turn of the session too
+    assert await session.turn("Order 3 widgets", turn_id="t1") == "Done — order placed."
+    assert await session.turn("Thanks", turn_id="t2") == "Hello there!"
+    # Then the tool ran once, the model's own "\n\n" is kept in the transcript, and no request carried it
+    assert runs == [{"item": "widget", "qty": 3}]
+    stored = store.load(SessionRef("ops", "s1")).messages[1]
+    assert isinstance(stored, AssistantMessage) and stored.text == "\n\n"
+    sent = [b for body in api.bodies for m in body["messages"] for b in m["content"] if b["type"] == "text"]
+    assert sent and all(b["text"].strip() for b in sent)
+    assert [b["type"] for b in api.bodies[1]["messages"][1]["content"]] == ["tool_use"]
+    store.close()

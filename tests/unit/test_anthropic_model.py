@@ -257,6 +257,18 @@ def test_s47_consecutive_tool_results_fold_into_one_user_message_of_json_text() 
     }
 
 
+def test_whitespace_only_text_is_sent_as_no_block_at_all() -> None:
+    out = mapped(
+        UserMessage(turn_id="t1", text="order"),
+        AssistantMessage(turn_id="t1", text="\n\n", tool_calls=[ToolCall(id="c1", name="a")]),
+        ToolMessage(turn_id="t1", call_id="c1", name="a", result=1),
+        AssistantMessage(turn_id="t1", text=" \t\n"),
+        UserMessage(turn_id="t2", text="  "),
+    )
+    assert out[1] == {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "a", "input": {}}]}
+    assert [m["role"] for m in out] == ["user", "assistant", "user"]
+
+
 def test_a_tool_error_result_is_sent_with_is_error_true() -> None:
     out = mapped(
         AssistantMessage(turn_id="t1", tool_calls=[ToolCall(id="c1", name="a")]),
