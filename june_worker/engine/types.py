@@ -175,7 +175,8 @@ class ModelReply(_Model):
 
     @property
     def empty(self) -> bool:
-        return not self.text and not self.tool_calls
+        """Nothing to say: no tool call and no text but whitespace (a refusal of ``"\\n\\n"`` is empty)."""
+        return not self.text.strip() and not self.tool_calls
 
 
 # --- messages -------------------------------------------------------------------------------------

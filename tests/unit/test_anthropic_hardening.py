@@ -79,3 +79,19 @@ async def test_a_whitespace_only_text_block_is_never_sent_back_so_the_session_go
     assert sent and all(b["text"].strip() for b in sent)
     assert [b["type"] for b in api.bodies[1]["messages"][1]["content"]] == ["tool_use"]
     store.close()
+
+
+# --- B39: an abnormal stop with only whitespace ---------------------------------------------------------
+
+
+async def test_b39_a_refusal_of_only_whitespace_fails_the_turn_instead_of_answering_it(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    api.serve(sse("refusal_whitespace.sse"))
+    store = SQLiteStore(":memory:")
+    session = Runtime([order_agent(make_model(), [])], store).session("ops", "s1")
+    result = await session.result(await session.start("Order 3 widgets", turn_id="t1"))
+    assert isinstance(result, Failed) and (result.phase, result.step) == ("model", "model:1")
+    assert "stopped abnormally — refusal" in result.error.message
+    assert not any(isinstance(m, AssistantMessage) for m in store.load(SessionRef("ops", "s1")).messages)
+    store.close()

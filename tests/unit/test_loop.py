@@ -226,6 +226,15 @@ async def test_s42_an_empty_abnormal_stop_fails_before_it_commits(reason: str) -
     assert not any(isinstance(m, AssistantMessage) for m in transcript(store))  # nothing committed
 
 
+@pytest.mark.parametrize("text", ["\n\n", " ", "\t \n"])
+async def test_b39_an_abnormal_stop_with_only_whitespace_counts_as_empty_and_fails(text: str) -> None:
+    store = MemoryStore()
+    rt = runtime_with(store, ScriptedModel([Reply(text, finish=Finish(reason="refusal", raw="refusal"))]))
+    with pytest.raises(TurnFailedError, match="stopped abnormally — refusal"):
+        await rt.session("ops", "s1").turn("t", turn_id="t1")
+    assert not any(isinstance(m, AssistantMessage) for m in transcript(store))
+
+
 async def test_an_empty_abnormal_stop_names_the_provider_value() -> None:
     rt = runtime_with(MemoryStore(), ScriptedModel([Reply("", finish=Finish(reason="other", raw="pause_turn"))]))
     with pytest.raises(TurnFailedError, match=r"stopped abnormally — other \(provider: pause_turn\)"):
