@@ -337,7 +337,7 @@ class TurnRunner:
             provider = f" (provider: {finish.raw})" if finish.raw and finish.raw != finish.reason else ""
             stopped = f"model stopped abnormally — {finish.reason}{provider}"
             if reply.empty:
-                raise _StepFailure(ModelStepError(stopped), "model", step)
+                raise _StepFailure(ModelStepError(f"{stopped} — and returned an empty reply"), "model", step)
             if reply.tool_calls and finish.reason in ("max_tokens", "malformed_tool_call"):
                 # The last call's input may be cut short yet parse (a qty of 1 for 12): never run it.
                 names = ", ".join(dict.fromkeys(c.name for c in reply.tool_calls))

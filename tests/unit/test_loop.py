@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from june_worker.engine.events import Completed
+from june_worker.engine.events import Completed, Failed
 from june_worker.engine.loop import TurnRunner
 from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
 from june_worker.engine.sink import NullSink
@@ -219,7 +219,7 @@ async def test_s42_an_empty_abnormal_stop_fails_before_it_commits(reason: str) -
     rec = Recorder()
     s = rt.session("ops", "s1")
     s.observe(rec)
-    with pytest.raises(TurnFailedError, match=f"stopped abnormally — {reason}$"):
+    with pytest.raises(TurnFailedError, match=f"stopped abnormally — {reason} — and returned an empty reply$"):
         await s.turn("t", turn_id="t1")
     failed = rec.events[-1]
     assert failed.type == "turn.failed" and failed.phase == "model" and failed.step == "model:1"
@@ -233,6 +233,23 @@ async def test_b39_an_abnormal_stop_with_only_whitespace_counts_as_empty_and_fai
     with pytest.raises(TurnFailedError, match="stopped abnormally — refusal"):
         await rt.session("ops", "s1").turn("t", turn_id="t1")
     assert not any(isinstance(m, AssistantMessage) for m in transcript(store))
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("max_tokens", "model stopped abnormally — max_tokens — and returned an empty reply"),
+        (
+            "model_context_window_exceeded",
+            "model stopped abnormally — max_tokens (provider: model_context_window_exceeded) — and returned an empty reply",
+        ),
+    ],
+)
+async def test_s36_an_empty_abnormal_stop_says_it_returned_an_empty_reply(raw: str, expected: str) -> None:
+    rt = runtime_with(MemoryStore(), ScriptedModel([Reply("", finish=Finish(reason="max_tokens", raw=raw))]))
+    s = rt.session("ops", "s1")
+    result = await s.result(await s.start("t", turn_id="t1"))
+    assert isinstance(result, Failed) and result.error.message == expected
 
 
 async def test_an_empty_abnormal_stop_names_the_provider_value() -> None:
