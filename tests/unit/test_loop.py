@@ -376,3 +376,11 @@ async def test_a_runner_given_the_sessions_snapshot_does_not_read_the_store() ->
     assert isinstance(result, Completed) and result.text == "Done — order placed."
     assert store.loads == loads
     assert [m.turn_id for m in transcript(store)] == ["t1"] * 4 + ["t2"] * 4
+
+
+def test_s39_a_done_made_without_a_finish_has_no_finish_key_when_dumped() -> None:
+    bare = Done(reply=ModelReply(text="hi"))
+    assert "finish" not in bare.model_dump() and '"finish"' not in bare.model_dump_json()
+    finished = Done(reply=ModelReply(text="hi"), finish=Finish(reason="stop", raw="end_turn"))
+    assert finished.model_dump()["finish"] == {"reason": "stop", "raw": "end_turn"}
+    assert Done.model_validate(bare.model_dump()) == bare and Done.model_validate(finished.model_dump()) == finished
