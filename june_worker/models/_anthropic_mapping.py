@@ -5,8 +5,9 @@ blocks; replies come back as a :class:`ModelReply`, a :class:`Finish` and a :cla
 
 The rule a reader must not break: **an assistant message is replayed as the API returned it**
 — its thinking blocks (signature intact, redacted ones included) first and in their original
-order, then its text, then its ``tool_use`` blocks — otherwise a tool-use turn under thinking
-is rejected on replay.
+order, then its text, then its ``tool_use`` blocks with whatever the API attached to each call
+(kept as the call's ``provider_state``) — otherwise a tool-use turn under thinking is rejected on
+replay.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ STOP_REASONS: dict[str, FinishReason] = {
 """Every documented ``stop_reason``; anything else maps to ``other`` (``raw`` keeps the value)."""
 
 _UNCACHEABLE = frozenset({"thinking", "redacted_thinking"})
+_TOOL_USE_KEYS = frozenset({"type", "id", "name", "input", "cache_control"})
+"""The fields of a ``tool_use`` block the mapping owns; any other is the call's provider state."""
 
 
 # --- request ---------------------------------------------------------------------------------------
@@ -92,8 +95,16 @@ def tool_result_content(result: Any) -> str:
 def _assistant_blocks(message: AssistantMessage) -> list[Block]:
     blocks = [p for p in (reasoning_param(r) for r in message.reasoning) if p is not None]
     blocks += _text(message.text)
-    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": dict(c.input)} for c in message.tool_calls]
+    blocks += [_tool_use(c) for c in message.tool_calls]
     return blocks
+
+
+def _tool_use(call: ToolCall) -> Block:
+    block: Block = {"type": "tool_use", "id": call.id, "name": call.name, "input": dict(call.input)}
+    if isinstance(call.provider_state, dict):
+        # what the API attached to the call (its caller, a toolset name...) goes back as it came
+        block.update({k: v for k, v in call.provider_state.items() if k not in _TOOL_USE_KEYS})
+    return block
 
 
 def _tool_result(message: ToolMessage) -> Block:
@@ -197,10 +208,27 @@ def reply_from(message: Any) -> ModelReply:
             reasoning.append(ReasoningBlock(redacted=block.data))
         elif kind == "tool_use":
             raw_input = block.input
-            calls.append(ToolCall(id=block.id, name=block.name, input=dict(raw_input) if raw_input else {}))
+            calls.append(
+                ToolCall(
+                    id=block.id,
+                    name=block.name,
+                    input=dict(raw_input) if raw_input else {},
+                    provider_state=_call_state(block),
+                )
+            )
         else:
             log.debug("anthropic reply: ignoring a %s block", kind)
     return ModelReply(text="".join(texts), tool_calls=calls, reasoning=reasoning)
+
+
+def _call_state(block: Any) -> dict[str, Any] | None:
+    """The fields of a ``tool_use`` block beyond id, name and input (``caller``...), kept for replay."""
+    to_dict = getattr(block, "to_dict", None)
+    if not callable(to_dict):
+        return None
+    fields = to_dict(mode="json", exclude_none=True)
+    extra = {k: v for k, v in fields.items() if k not in _TOOL_USE_KEYS}
+    return extra or None
 
 
 def usage_from(message: Any) -> Usage | None:

@@ -95,3 +95,31 @@ async def test_b39_a_refusal_of_only_whitespace_fails_the_turn_instead_of_answer
     assert "stopped abnormally — refusal" in result.error.message
     assert not any(isinstance(m, AssistantMessage) for m in store.load(SessionRef("ops", "s1")).messages)
     store.close()
+
+
+# --- S43: a tool call's provider state ------------------------------------------------------------------
+
+
+async def test_s43_what_the_api_attached_to_a_tool_call_is_stored_and_sent_back_with_it(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given a tool call the API attached its caller to
+    api.serve(sse("tool_use_with_caller.sse"), sse("final_answer.sse"))
+    store = SQLiteStore(":memory:")
+    session = Runtime([order_agent(make_model(cache=False), [])], store).session("ops", "s1")
+    # When the turn runs
+    assert await session.turn("Order 3 widgets", turn_id="t1") == "Done — order placed."
+    # Then the stored call keeps it, and the next request sent the tool_use block back with it
+    caller = {"type": "code_execution_20250825", "tool_id": "srvtoolu_01Exec4"}
+    stored = store.load(SessionRef("ops", "s1")).messages[1]
+    assert isinstance(stored, AssistantMessage) and stored.tool_calls[0].provider_state == {"caller": caller}
+    assert api.bodies[1]["messages"][1]["content"] == [
+        {
+            "type": "tool_use",
+            "id": "toolu_01Caller9",
+            "name": "create_order",
+            "input": {"item": "widget", "qty": 3},
+            "caller": caller,
+        }
+    ]
+    store.close()

@@ -12,7 +12,15 @@ from june_worker.engine.loop import TurnRunner
 from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
 from june_worker.engine.sink import NullSink
 from june_worker.engine.store import SessionRef, SessionSnapshot, TurnPayload
-from june_worker.engine.types import AssistantMessage, Finish, ModelReply, ToolMessage, UserMessage
+from june_worker.engine.types import (
+    AssistantMessage,
+    Finish,
+    MessageAdapter,
+    ModelReply,
+    ToolCall,
+    ToolMessage,
+    UserMessage,
+)
 from june_worker.errors import TurnFailedError
 from june_worker.models import Reply, ScriptedModel
 from june_worker.stores import MemoryStore, SQLiteStore
@@ -384,3 +392,38 @@ def test_s39_a_done_made_without_a_finish_has_no_finish_key_when_dumped() -> Non
     finished = Done(reply=ModelReply(text="hi"), finish=Finish(reason="stop", raw="end_turn"))
     assert finished.model_dump()["finish"] == {"reason": "stop", "raw": "end_turn"}
     assert Done.model_validate(bare.model_dump()) == bare and Done.model_validate(finished.model_dump()) == finished
+
+
+async def test_s43_a_tool_calls_provider_state_round_trips_through_the_stored_transcript(tmp_path: Any) -> None:
+    # Given a model that attaches an opaque value to its call, and records what it is sent back
+    state = {"signature": "EqQBsig-c1", "caller": {"type": "direct"}}
+    seen: list[list[Any]] = []
+
+    async def gen(request: ModelRequest) -> AsyncIterator[ModelDelta]:
+        seen.append(list(request.messages))
+        if isinstance(request.messages[-1], UserMessage):
+            call = ToolCall(id="c1", name="create_order", input={"item": "widget"}, provider_state=state)
+            yield Done(reply=ModelReply(text="", tool_calls=[call]))
+        else:
+            yield Done(reply=ModelReply(text="placed"))
+
+    store = SQLiteStore(tmp_path / "june.db")
+    rt = runtime_with(store, FnModel(gen), [list_order_tool([])])
+    # When a turn runs, then a later turn runs on a new runtime over the same database
+    assert await rt.session("ops", "s1").turn("order", turn_id="t1") == "placed"
+    store.close()
+    reopened = SQLiteStore(tmp_path / "june.db")
+    later = runtime_with(reopened, FnModel(gen), [list_order_tool([])])
+    assert await later.session("ops", "s1").turn("again", turn_id="t2") == "placed"
+    # Then every request after the call, in and after the turn, carried the call's state unchanged
+    calls = [c for m in seen[-1] if isinstance(m, AssistantMessage) for c in m.tool_calls]
+    assert [c.provider_state for c in calls] == [state, state]  # t1's call and t2's call
+    assert [c.provider_state for m in seen[1] if isinstance(m, AssistantMessage) for c in m.tool_calls] == [state]
+    reopened.close()
+
+
+def test_a_tool_call_without_provider_state_dumps_as_before_and_old_rows_load() -> None:
+    old = {"role": "assistant", "turn_id": "t1", "text": "", "tool_calls": [{"id": "c1", "name": "a", "input": {}}]}
+    message = MessageAdapter.validate_python(old)
+    assert isinstance(message, AssistantMessage) and message.tool_calls[0].provider_state is None
+    assert MessageAdapter.dump_python(message, mode="json") == {**old, "reasoning": []}
