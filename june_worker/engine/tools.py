@@ -291,8 +291,13 @@ def tool(
 
     def build(f: Callable[..., Any]) -> Tool:
         tool_name = name or getattr(f, "__name__", None) or type(f).__name__
-        target = f if inspect.isfunction(f) or inspect.ismethod(f) else type(f).__call__  # noqa: B004
-        model, takes_ctx = _input_model_for(inspect.unwrap(target), tool_name)
+        target: Callable[..., Any] = f
+        if inspect.isfunction(f):
+            target = inspect.unwrap(f)
+        elif not inspect.ismethod(f):
+            # a callable object is described by its bound __call__: the parameters after self
+            target = getattr(f, "__call__")  # noqa: B004, B009 - the bound method itself is wanted
+        model, takes_ctx = _input_model_for(target, tool_name)
         run: RunFn = f if takes_ctx else _drop_ctx(f)
         description = inspect.getdoc(f) or ""
         return Tool(

@@ -62,6 +62,40 @@ def test_a_tool_without_a_context_parameter_gets_only_its_input() -> None:
     assert set(adder.input_schema["properties"]) == {"a", "b"}
 
 
+class LookupOrder:
+    """Look an order up."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    async def __call__(self, ctx: ToolContext, order_id: str) -> dict[str, Any]:
+        return {"order": f"{self.prefix}{order_id}", "turn": ctx.turn_id}
+
+
+class CountItems:
+    """Count items."""
+
+    def __call__(self, items: list[str]) -> int:
+        return len(items)
+
+
+def test_a_tool_from_an_object_with_an_async_call_takes_the_context_after_self() -> None:
+    lookup = tool(LookupOrder("ord-"))
+    assert lookup.name == "LookupOrder" and lookup.is_async and lookup.description == "Look an order up."
+    assert set(lookup.input_schema["properties"]) == {"order_id"} and lookup.input_schema["required"] == ["order_id"]
+    count = tool(name="count_items")(CountItems())
+    assert not count.is_async and set(count.input_schema["properties"]) == {"items"}
+
+
+async def test_an_async_callable_object_tool_runs_in_a_turn_with_its_context_and_state() -> None:
+    model = ScriptedModel([Reply("", calls=[call("lookup_order", order_id="42")]), Reply("found")])
+    store = MemoryStore()
+    rt = runtime_with(store, model, [tool(name="lookup_order")(LookupOrder("ord-"))])
+    assert await rt.session("ops", "s1").turn("find 42", turn_id="t1") == "found"
+    results = [m.result for m in transcript(store) if isinstance(m, ToolMessage)]
+    assert results == [{"order": "ord-42", "turn": "t1"}]
+
+
 class _AsyncCallable:
     async def __call__(self, ctx: ToolContext, x: int) -> int:
         return x
