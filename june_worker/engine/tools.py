@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ERROR_MAX_CHARS",
     "NoTransactionHandle",
+    "TOOL_NAME_RULE",
     "SyncToolReturnedAwaitableError",
     "Tool",
     "ToolContext",
@@ -43,9 +45,23 @@ __all__ = [
     "is_async_callable",
     "store_write",
     "tool",
+    "tool_name_problem",
 ]
 
 ERROR_MAX_CHARS = 2000
+TOOL_NAME_RULE = r"^[a-zA-Z0-9_-]{1,64}$"
+"""What model APIs accept as a tool name (Anthropic's rule; OpenAI's is the same)."""
+_TOOL_NAME = re.compile(TOOL_NAME_RULE)
+
+
+def tool_name_problem(name: object) -> str | None:
+    """Why a model API would refuse ``name`` as a tool name, or None when it is fine."""
+    if isinstance(name, str) and _TOOL_NAME.fullmatch(name):
+        return None
+    return (
+        f"tool {name!r}: a tool name must be 1-64 characters of a-z, A-Z, 0-9, '_' or '-' "
+        f"({TOOL_NAME_RULE}), or model APIs refuse every request that offers it"
+    )
 
 
 class ToolInputError(ValueError):
@@ -200,8 +216,9 @@ class Tool:
         requires_principal: bool = False,
         call_style: str = "raw",
     ) -> None:
-        if not name or not name.replace("_", "").replace("-", "").isalnum():
-            raise ConfigError(f"tool name {name!r} must be letters, digits, '_' or '-'")
+        problem = tool_name_problem(name)
+        if problem is not None:
+            raise ConfigError(problem)
         self.name = name
         self.run = run
         self.description = description
@@ -290,7 +307,7 @@ def tool(
     """
 
     def build(f: Callable[..., Any]) -> Tool:
-        tool_name = name or getattr(f, "__name__", None) or type(f).__name__
+        tool_name = name if name is not None else getattr(f, "__name__", None) or type(f).__name__
         target: Callable[..., Any] = f
         if inspect.isfunction(f):
             target = inspect.unwrap(f)
