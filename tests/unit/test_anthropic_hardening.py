@@ -12,8 +12,10 @@ import pytest
 
 from june_worker import Agent, Runtime, tool
 from june_worker.engine.events import Failed, TurnEvent
+from june_worker.engine.model import Done, ModelRequest
 from june_worker.engine.store import SessionRef
-from june_worker.engine.types import AssistantMessage
+from june_worker.engine.types import AssistantMessage, UserMessage
+from june_worker.errors import ConfigError
 from june_worker.models.anthropic import AnthropicModel
 from june_worker.stores import SQLiteStore
 
@@ -123,3 +125,83 @@ async def test_s43_what_the_api_attached_to_a_tool_call_is_stored_and_sent_back_
         }
     ]
     store.close()
+
+
+# --- pause_turn ------------------------------------------------------------------------------------------
+
+
+async def test_a_paused_turn_is_continued_by_sending_its_content_back_within_one_model_step(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given a reply paused mid-search (pause_turn), then its continuation
+    api.serve(sse("pause_turn_search.sse"), sse("pause_turn_resumed.sse"))
+    store = SQLiteStore(":memory:")
+    session = Runtime([Agent(name="ops", model=make_model())], store).session("ops", "s1")
+    events: list[TurnEvent] = []
+    session.observe(events.append)
+    # When the turn runs
+    answer = await session.turn("When does the store open?", turn_id="t1")
+    # Then the paused content went back as the assistant's message, as it came, and the model went on
+    assert len(api.requests) == 2
+    first, second = api.bodies
+    paused = {
+        "role": "assistant",
+        "content": [
+            {"type": "text", "text": "Let me look that up. "},
+            {
+                "type": "server_tool_use",
+                "id": "srvtoolu_01Srch8",
+                "name": "web_search",
+                "input": {"query": "store opening hours"},
+            },
+            {
+                "type": "web_search_tool_result",
+                "tool_use_id": "srvtoolu_01Srch8",
+                "content": [
+                    {
+                        "type": "web_search_result",
+                        "url": "https://example.com/hours",
+                        "title": "Opening hours",
+                        "encrypted_content": "EqgfCioIARgBIiQ3YTAw",
+                        "page_age": "2 days ago",
+                    }
+                ],
+            },
+        ],
+    }
+    assert second == {**first, "messages": [*first["messages"], paused]}
+    # and the turn's answer is the whole reply, committed once as one model step, its deltas all live
+    assert answer == "Let me look that up. The store opens at 9."
+    stored = store.load(SessionRef("ops", "s1"))
+    assert [m.role for m in stored.messages] == ["user", "assistant"]
+    assert [s for s in stored.steps if s.startswith("model:")] == ["model:1"]
+    model_step = stored.steps["model:1"].data
+    assert model_step["finish"] == {"reason": "stop", "raw": "end_turn"}
+    assert model_step["usage"] == {
+        "input_tokens": 520 + 610,
+        "output_tokens": 42 + 9,
+        "cache_read_tokens": 480,
+        "cache_write_tokens": 0,
+    }
+    deltas = [e for e in events if e.type == "message.delta"]
+    assert "".join(e.text for e in deltas) == answer and {e.step for e in deltas} == {"model:1"}
+    assert [e.type for e in events].count("message.completed") == 1
+    store.close()
+
+
+async def test_pause_turn_continuations_are_bounded_and_the_last_pause_is_reported(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    api.serve(*[sse("pause_turn_search.sse") for _ in range(3)], sse("pause_turn_resumed.sse"))
+    model = make_model(max_pause_continuations=1)
+    deltas = [d async for d in model.stream(ModelRequest(system="", messages=[UserMessage(turn_id="t1", text="hi")]))]
+    done = deltas[-1]
+    assert isinstance(done, Done) and done.finish is not None
+    assert (done.finish.reason, done.finish.raw) == ("other", "pause_turn")
+    assert len(api.requests) == 2  # the first request and one continuation
+    assert done.reply.text == "Let me look that up. Let me look that up. "
+
+
+def test_a_negative_continuation_bound_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="max_pause_continuations"):
+        AnthropicModel(max_pause_continuations=-1, api_key="sk-ant-test-unused")

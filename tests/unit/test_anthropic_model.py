@@ -136,7 +136,7 @@ async def test_every_stop_reason_maps_to_a_finish_that_keeps_the_raw_value(
     api: AnthropicAPI, make_model: Any, raw: str, reason: str
 ) -> None:
     api.serve(sse("text_only.sse", **{'"stop_reason":"end_turn"': f'"stop_reason":"{raw}"'}))
-    done = (await collect(make_model()))[-1]
+    done = (await collect(make_model(max_pause_continuations=0)))[-1]  # a pause_turn is reported, not continued
     assert isinstance(done, Done) and done.finish is not None
     assert (done.finish.reason, done.finish.raw) == (reason, raw)
 
