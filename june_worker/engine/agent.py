@@ -22,7 +22,7 @@ from ..errors import AgentDefinitionError
 from .ids import validate_session_id
 from .model import Model
 from .store import SurfacePolicy
-from .tools import Tool
+from .tools import Tool, tool_name_problem
 from .types import InboundEvent, Principal
 
 __all__ = ["Agent", "AnswerRequest", "AuthorizeAnswer", "Deliver", "deliver_result", "derive_policies"]
@@ -64,6 +64,10 @@ class Agent:
         validate_session_id(self.name, what="agent name")
         if ":" in self.name:
             raise AgentDefinitionError(f"agent name {self.name!r} must not contain ':'")
+        for t in self.tools:
+            problem = tool_name_problem(t.name)
+            if problem is not None:
+                raise AgentDefinitionError(f"agent {self.name}: {problem}")
         names = [t.name for t in self.tools]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:

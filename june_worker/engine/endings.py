@@ -5,6 +5,7 @@ from __future__ import annotations
 import traceback
 
 from .events import Rejected, TurnFailed, TurnResult
+from .secrets import scrubbed
 from .sink import EventSink
 from .storable import safe_str, storable_text, unstorable_reason
 from .store import SessionRef, SessionStore, TurnPayload
@@ -32,7 +33,8 @@ def error_info(exc: BaseException) -> ErrorInfo:
         stack = storable_text("".join(traceback.format_exception(exc))[-STACK_MAX_CHARS:])
     except Exception:  # a traceback that cannot be formatted is left out, never the report
         stack = None
-    return ErrorInfo(message=safe_str(exc)[:MESSAGE_MAX_CHARS], type=type(exc).__name__, cause_chain=chain, stack=stack)
+    info = ErrorInfo(message=safe_str(exc)[:MESSAGE_MAX_CHARS], type=type(exc).__name__, cause_chain=chain, stack=stack)
+    return scrubbed(info)  # stored and published: no secret may reach either
 
 
 def reject_turn(

@@ -457,9 +457,16 @@ class TurnRunner:
         # A cancel can land while the stream closes (its cleanup runs in aclose): recheck.
         self._check_cancel()
         reply, finish = _storable_reply(done.reply), done.finish
-        if finish is not None and finish.abnormal and reply.empty:
+        if finish is not None and finish.abnormal:
             provider = f" (provider: {finish.raw})" if finish.raw and finish.raw != finish.reason else ""
-            raise _StepFailure(ModelStepError(f"model stopped abnormally — {finish.reason}{provider}"), "model", step)
+            stopped = f"model stopped abnormally — {finish.reason}{provider}"
+            if reply.empty:
+                raise _StepFailure(ModelStepError(f"{stopped} — and returned an empty reply"), "model", step)
+            if reply.tool_calls and finish.reason in ("max_tokens", "malformed_tool_call"):
+                # The last call's input may be cut short yet parse (a qty of 1 for 12): never run it.
+                names = ", ".join(dict.fromkeys(c.name for c in reply.tool_calls))
+                cut = f"{stopped} while writing a tool call ({names}); its input may be cut off, so nothing was run"
+                raise _StepFailure(ModelStepError(cut), "model", step)
         usage = done.usage
         if usage is not None:
             self.usage = self.usage + usage

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Annotated, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from .types import Finish, JsonValue, Message, ModelReply, Usage
 
@@ -54,11 +54,20 @@ class ReasoningChunk(BaseModel):
 
 
 class Done(BaseModel):
+    """The model's final reply. ``finish`` is omitted from a dump when the model gave none (S39)."""
+
     model_config = ConfigDict(frozen=True)
     type: Literal["done"] = "done"
     reply: ModelReply
     finish: Finish | None = None
     usage: Usage | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_missing_finish(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.finish is None:
+            data.pop("finish", None)
+        return data
 
 
 ModelDelta = Annotated[TextChunk | ReasoningChunk | Done, Field(discriminator="type")]

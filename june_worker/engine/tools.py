@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from ..errors import ConfigError, FatalToolError
 from .model import ToolSpec
+from .secrets import scrub
 from .storable import storable_text
 from .store import SessionRef, StoreHandle
 from .types import Answerers, InboundEvent, JsonValue, PolicyAnswerer, Principal, ToolCall, UserAnswerer
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ERROR_MAX_CHARS",
     "NoTransactionHandle",
+    "TOOL_NAME_RULE",
     "SyncToolReturnedAwaitableError",
     "Tool",
     "ToolContext",
@@ -43,9 +46,23 @@ __all__ = [
     "is_async_callable",
     "store_write",
     "tool",
+    "tool_name_problem",
 ]
 
 ERROR_MAX_CHARS = 2000
+TOOL_NAME_RULE = r"^[a-zA-Z0-9_-]{1,64}$"
+"""What model APIs accept as a tool name (Anthropic's rule; OpenAI's is the same)."""
+_TOOL_NAME = re.compile(TOOL_NAME_RULE)
+
+
+def tool_name_problem(name: object) -> str | None:
+    """Why a model API would refuse ``name`` as a tool name, or None when it is fine."""
+    if isinstance(name, str) and _TOOL_NAME.fullmatch(name):
+        return None
+    return (
+        f"tool {name!r}: a tool name must be 1-64 characters of a-z, A-Z, 0-9, '_' or '-' "
+        f"({TOOL_NAME_RULE}), or model APIs refuse every request that offers it"
+    )
 
 
 class ToolInputError(ValueError):
@@ -90,10 +107,10 @@ def is_async_callable(fn: object) -> bool:
 def format_tool_error(exc: BaseException) -> str:
     """What the model reads for a tool that raised: the message, class-prefixed unless plain.
 
-    Never a traceback; cut to :data:`ERROR_MAX_CHARS` characters.
+    Never a traceback, never a secret (:mod:`.secrets`); cut to :data:`ERROR_MAX_CHARS` characters.
     """
     try:
-        message = storable_text(str(exc))
+        message = storable_text(scrub(str(exc)))
     except Exception:  # an exception whose __str__ raises is named by its class
         message = ""
     name = type(exc).__name__
@@ -203,8 +220,9 @@ class Tool:
         requires_principal: bool = False,
         call_style: str = "raw",
     ) -> None:
-        if not name or not name.replace("_", "").replace("-", "").isalnum():
-            raise ConfigError(f"tool name {name!r} must be letters, digits, '_' or '-'")
+        problem = tool_name_problem(name)
+        if problem is not None:
+            raise ConfigError(problem)
         self.name = name
         self.run = run
         self.description = description
@@ -293,9 +311,14 @@ def tool(
     """
 
     def build(f: Callable[..., Any]) -> Tool:
-        tool_name = name or getattr(f, "__name__", None) or type(f).__name__
-        target = f if inspect.isfunction(f) or inspect.ismethod(f) else type(f).__call__  # noqa: B004
-        model, takes_ctx = _input_model_for(inspect.unwrap(target), tool_name)
+        tool_name = name if name is not None else getattr(f, "__name__", None) or type(f).__name__
+        target: Callable[..., Any] = f
+        if inspect.isfunction(f):
+            target = inspect.unwrap(f)
+        elif not inspect.ismethod(f):
+            # a callable object is described by its bound __call__: the parameters after self
+            target = getattr(f, "__call__")  # noqa: B004, B009 - the bound method itself is wanted
+        model, takes_ctx = _input_model_for(target, tool_name)
         run: RunFn = f if takes_ctx else _drop_ctx(f)
         description = inspect.getdoc(f) or ""
         return Tool(

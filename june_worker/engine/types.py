@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeAlias
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, TypeAdapter, model_serializer
 
 __all__ = [
     "ABNORMAL_FINISHES",
@@ -119,11 +119,25 @@ Trigger = Annotated[InboundTrigger | ProactiveTrigger | ResumeTrigger, Field(dis
 
 
 class ToolCall(_Model):
-    """One call the model asked for; ``id`` is the provider's call id."""
+    """One call the model asked for; ``id`` is the provider's call id.
+
+    ``provider_state``: an opaque value the provider attached to this call and needs back when the
+    transcript is replayed (a signature, the call's caller). The engine stores it with the message
+    and never reads it; only the adapter that made it does. Left out of a dump when there is none,
+    so rows without it look as they always did.
+    """
 
     id: str
     name: str
     input: dict[str, JsonValue] = Field(default_factory=dict)
+    provider_state: JsonValue = None
+
+    @model_serializer(mode="wrap")
+    def _without_missing_state(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.provider_state is None:
+            data.pop("provider_state", None)
+        return data
 
 
 class ReasoningBlock(_Model):
@@ -175,7 +189,8 @@ class ModelReply(_Model):
 
     @property
     def empty(self) -> bool:
-        return not self.text and not self.tool_calls
+        """Nothing to say: no tool call and no text but whitespace (a refusal of ``"\\n\\n"`` is empty)."""
+        return not self.text.strip() and not self.tool_calls
 
 
 # --- messages -------------------------------------------------------------------------------------

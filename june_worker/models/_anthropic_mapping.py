@@ -5,8 +5,9 @@ blocks; replies come back as a :class:`ModelReply`, a :class:`Finish` and a :cla
 
 The rule a reader must not break: **an assistant message is replayed as the API returned it**
 — its thinking blocks (signature intact, redacted ones included) first and in their original
-order, then its text, then its ``tool_use`` blocks — otherwise a tool-use turn under thinking
-is rejected on replay.
+order, then its text, then its ``tool_use`` blocks with whatever the API attached to each call
+(kept as the call's ``provider_state``) — otherwise a tool-use turn under thinking is rejected on
+replay.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..engine.types import (
 __all__ = [
     "DEFAULT_TRIGGER_NOTE",
     "STOP_REASONS",
+    "continuation_param",
     "finish_for",
     "reply_from",
     "system_param",
@@ -61,17 +63,22 @@ STOP_REASONS: dict[str, FinishReason] = {
     "refusal": "refusal",
     "pause_turn": "other",
 }
-"""Every documented ``stop_reason``; anything else maps to ``other`` (``raw`` keeps the value)."""
+"""Every documented ``stop_reason``; anything else maps to ``other`` (``raw`` keeps the value).
+
+``pause_turn`` reaches the engine only past the adapter's bound on continuations."""
 
 _UNCACHEABLE = frozenset({"thinking", "redacted_thinking"})
+_TOOL_USE_KEYS = frozenset({"type", "id", "name", "input", "cache_control"})
+"""The fields of a ``tool_use`` block the mapping owns; any other is the call's provider state."""
 
 
 # --- request ---------------------------------------------------------------------------------------
 
 
 def _text(text: str) -> list[Block]:
-    # The API rejects empty text blocks, so an empty text contributes no block at all.
-    return [{"type": "text", "text": text}] if text else []
+    # The API refuses empty and whitespace-only text blocks (a reply of "\n\n" before a tool call is
+    # ordinary model output), and would refuse every later request of the session: send no block.
+    return [{"type": "text", "text": text}] if text.strip() else []
 
 
 def reasoning_param(block: ReasoningBlock) -> Block | None:
@@ -91,8 +98,16 @@ def tool_result_content(result: Any) -> str:
 def _assistant_blocks(message: AssistantMessage) -> list[Block]:
     blocks = [p for p in (reasoning_param(r) for r in message.reasoning) if p is not None]
     blocks += _text(message.text)
-    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": dict(c.input)} for c in message.tool_calls]
+    blocks += [_tool_use(c) for c in message.tool_calls]
     return blocks
+
+
+def _tool_use(call: ToolCall) -> Block:
+    block: Block = {"type": "tool_use", "id": call.id, "name": call.name, "input": dict(call.input)}
+    if isinstance(call.provider_state, dict):
+        # what the API attached to the call (its caller, a toolset name...) goes back as it came
+        block.update({k: v for k, v in call.provider_state.items() if k not in _TOOL_USE_KEYS})
+    return block
 
 
 def _tool_result(message: ToolMessage) -> Block:
@@ -176,17 +191,18 @@ def finish_for(stop_reason: str | None) -> Finish:
     return Finish(reason=STOP_REASONS.get(stop_reason or "", "other"), raw=stop_reason)
 
 
-def reply_from(message: Any) -> ModelReply:
-    """The authoritative reply from the SDK's final assembled message.
+def reply_from(*messages: Any) -> ModelReply:
+    """The authoritative reply from the SDK's final assembled message(s).
 
     Text blocks are joined (the same text the deltas spelled out); thinking and redacted
     thinking blocks are kept verbatim, in order, for replay. Server-side blocks (web search and
-    the like) have no place in the transcript and are left out.
+    the like) have no place in the transcript and are left out. Several messages are the parts
+    of one reply that paused (``pause_turn``) and went on, read as one.
     """
     texts: list[str] = []
     calls: list[ToolCall] = []
     reasoning: list[ReasoningBlock] = []
-    for block in getattr(message, "content", None) or []:
+    for block in (b for m in messages for b in getattr(m, "content", None) or []):
         kind = getattr(block, "type", None)
         if kind == "text":
             texts.append(block.text)
@@ -196,20 +212,62 @@ def reply_from(message: Any) -> ModelReply:
             reasoning.append(ReasoningBlock(redacted=block.data))
         elif kind == "tool_use":
             raw_input = block.input
-            calls.append(ToolCall(id=block.id, name=block.name, input=dict(raw_input) if raw_input else {}))
+            calls.append(
+                ToolCall(
+                    id=block.id,
+                    name=block.name,
+                    input=dict(raw_input) if raw_input else {},
+                    provider_state=_call_state(block),
+                )
+            )
         else:
             log.debug("anthropic reply: ignoring a %s block", kind)
     return ModelReply(text="".join(texts), tool_calls=calls, reasoning=reasoning)
 
 
-def usage_from(message: Any) -> Usage | None:
-    """Token counts; ``input_tokens`` excludes the cached ones, which are reported apart."""
-    usage = getattr(message, "usage", None)
-    if usage is None:
+def continuation_param(messages: Sequence[MessageParam], paused: Sequence[Any]) -> list[MessageParam]:
+    """The request's messages followed by what the paused replies wrote, as the assistant's message.
+
+    Every block goes back as the API sent it (server tool calls and results, thinking with its
+    signature), minus whitespace-only text, which the API refuses.
+    """
+    blocks: list[Block] = []
+    for message in paused:
+        for block in getattr(message, "content", None) or []:
+            sent = block.to_dict(mode="json", exclude_none=True)
+            if sent.get("type") == "text" and not str(sent.get("text", "")).strip():
+                continue
+            blocks.append(sent)
+    out = list(messages)
+    if out and out[-1]["role"] == "assistant":
+        out[-1] = {"role": "assistant", "content": [*out[-1]["content"], *blocks]}
+    else:
+        out.append({"role": "assistant", "content": blocks})
+    return out
+
+
+def _call_state(block: Any) -> dict[str, Any] | None:
+    """The fields of a ``tool_use`` block beyond id, name and input (``caller``...), kept for replay."""
+    to_dict = getattr(block, "to_dict", None)
+    if not callable(to_dict):
         return None
-    return Usage(
-        input_tokens=getattr(usage, "input_tokens", None) or 0,
-        output_tokens=getattr(usage, "output_tokens", None) or 0,
-        cache_read_tokens=getattr(usage, "cache_read_input_tokens", None) or 0,
-        cache_write_tokens=getattr(usage, "cache_creation_input_tokens", None) or 0,
-    )
+    fields = to_dict(mode="json", exclude_none=True)
+    extra = {k: v for k, v in fields.items() if k not in _TOOL_USE_KEYS}
+    return extra or None
+
+
+def usage_from(*messages: Any) -> Usage | None:
+    """Token counts, summed over the messages; ``input_tokens`` excludes the cached ones, reported apart."""
+    total: Usage | None = None
+    for message in messages:
+        usage = getattr(message, "usage", None)
+        if usage is None:
+            continue
+        part = Usage(
+            input_tokens=getattr(usage, "input_tokens", None) or 0,
+            output_tokens=getattr(usage, "output_tokens", None) or 0,
+            cache_read_tokens=getattr(usage, "cache_read_input_tokens", None) or 0,
+            cache_write_tokens=getattr(usage, "cache_creation_input_tokens", None) or 0,
+        )
+        total = part if total is None else total + part
+    return total

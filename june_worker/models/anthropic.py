@@ -1,8 +1,11 @@
 """AnthropicModel: the Model seam on the official ``anthropic`` SDK (the ``anthropic`` extra).
 
-One model call is one streamed Messages API request. Text and thinking deltas are forwarded
-as they arrive; the SDK's final assembled message is the authoritative reply, yielded once as
-``Done``. The transcript mapping lives in :mod:`._anthropic_mapping`.
+One model call is one streamed Messages API request, or a few when the API pauses a long
+server-tool run (``pause_turn``): the paused content is sent back and the model goes on, at most
+``max_pause_continuations`` times. Text and thinking deltas are forwarded as they arrive; the
+SDK's final assembled message(s) are the authoritative reply, yielded once as ``Done``, so the
+engine still commits one checkpoint per model step. The transcript mapping lives in
+:mod:`._anthropic_mapping`.
 
 Retries happen before the engine commits anything, and never yield ``Done`` twice:
 
@@ -32,9 +35,11 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ..engine.model import Done, ModelDelta, ModelRequest, ReasoningChunk, TextChunk
+from ..engine.secrets import register_secret, scrub
 from ..errors import ConfigError, ModelProviderError, ModelStreamError
 from ._anthropic_mapping import (
     DEFAULT_TRIGGER_NOTE,
+    continuation_param,
     finish_for,
     reply_from,
     system_param,
@@ -114,6 +119,11 @@ class AnthropicModel:
     event loop from ``api_key`` / ``base_url`` (the SDK reads ``ANTHROPIC_API_KEY`` when no key
     is given; :meth:`from_env` reads it explicitly). ``max_retries`` bounds the SDK's HTTP retries; ``stream_retries`` and
     ``stream_retry_delay_s`` bound the restarts after an in-stream error.
+
+    ``max_pause_continuations``: a reply that stops on ``pause_turn`` (the API paused a long
+    server-tool run) is continued by sending its content back, at most this many times within one
+    model step; the deltas of every request are forwarded and one ``Done`` carries the whole reply.
+    Past the bound the reply so far is returned with its ``pause_turn`` finish (``other``).
     """
 
     def __init__(
@@ -131,6 +141,7 @@ class AnthropicModel:
         max_retries: int | None = None,
         stream_retries: int = 2,
         stream_retry_delay_s: float = 1.0,
+        max_pause_continuations: int = 5,
     ) -> None:
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be a positive number of tokens, got {max_tokens}")
@@ -142,6 +153,8 @@ class AnthropicModel:
                 )
         if stream_retries < 0 or (max_retries is not None and max_retries < 0):
             raise ConfigError("max_retries and stream_retries must be 0 or more")
+        if max_pause_continuations < 0:
+            raise ConfigError(f"max_pause_continuations must be 0 or more, got {max_pause_continuations}")
         if client is None:
             _sdk()  # a missing extra is a deployment mistake: say so when the model is built
         elif max_retries is not None and callable(getattr(client, "with_options", None)):
@@ -155,12 +168,13 @@ class AnthropicModel:
         self.max_retries = max_retries
         self.stream_retries = stream_retries
         self.stream_retry_delay_s = stream_retry_delay_s
+        self.max_pause_continuations = max_pause_continuations
         self._client = client
         self._api_key = api_key
         self._base_url = base_url
-        client_key = getattr(client, "api_key", None)
         # the key to keep out of every message we raise or log, whichever side holds it
-        self._secret: str | None = api_key or (client_key if isinstance(client_key, str) else None)
+        register_secret(api_key)
+        register_secret(getattr(client, "api_key", None))
         self._owned: tuple[asyncio.AbstractEventLoop, AsyncAnthropic] | None = None
 
     @classmethod
@@ -232,6 +246,7 @@ class AnthropicModel:
             if self.max_retries is not None:
                 options["max_retries"] = self.max_retries
             self._owned = (loop, sdk.AsyncAnthropic(**options))
+            register_secret(getattr(self._owned[1], "api_key", None))  # the SDK may have read the environment
         return self._owned[1]
 
     async def aclose(self) -> None:
@@ -243,6 +258,19 @@ class AnthropicModel:
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelDelta]:
         client = self._client_for_this_loop()
         params = self.build_params(request)
+        finals: list[Any] = []
+        while True:
+            async for chunk in self._call(client, params, finals):
+                yield chunk
+            if finals[-1].stop_reason != "pause_turn" or len(finals) > self.max_pause_continuations:
+                break
+            # Paused (a long server-tool run): send what it wrote so far back as the assistant's
+            # message, as it came, and the model goes on from there. Still the same model step.
+            params = {**params, "messages": continuation_param(params["messages"], finals)}
+        yield Done(reply=reply_from(*finals), finish=finish_for(finals[-1].stop_reason), usage=usage_from(*finals))
+
+    async def _call(self, client: Any, params: dict[str, Any], finals: list[Any]) -> AsyncIterator[ModelDelta]:
+        """One streamed request: forward its deltas, then append its final message to ``finals``."""
         restarts = 0
         while True:
             forwarded = False
@@ -259,7 +287,8 @@ class AnthropicModel:
                 if forwarded or restarts >= self.stream_retries or not self._restartable(exc):
                     if error is exc:
                         raise
-                    raise error from (None if self._leaks_key(exc) else exc)
+                    # a cause whose text held a secret is not chained: a traceback would print it
+                    raise error from (None if scrub(str(exc)) != str(exc) else exc)
                 restarts += 1
                 delay = min(self.stream_retry_delay_s * 2 ** (restarts - 1), _MAX_STREAM_RETRY_DELAY_S)
                 log.warning(
@@ -274,7 +303,7 @@ class AnthropicModel:
             break
         if getattr(final, "stop_reason", None) is None:
             raise ModelStreamError("the Anthropic stream ended before the model finished (no stop_reason)")
-        yield Done(reply=reply_from(final), finish=finish_for(final.stop_reason), usage=usage_from(final))
+        finals.append(final)
 
     # --- errors -------------------------------------------------------------------------------------
 
@@ -285,12 +314,6 @@ class AnthropicModel:
         if sdk is not None and isinstance(exc, sdk.APIStatusError):
             return exc.status_code < 400 and getattr(exc, "type", None) in RETRYABLE_STREAM_ERRORS
         return isinstance(exc, _transport_errors())
-
-    def _leaks_key(self, exc: BaseException) -> bool:
-        return self._secret is not None and self._secret != "" and self._secret in str(exc)
-
-    def _scrub(self, text: str) -> str:
-        return text.replace(self._secret, "<redacted>") if self._secret else text
 
     def _translate(self, exc: Exception) -> Exception:
         """The error the engine sees: the provider's message, never the key; unknown errors pass through."""
@@ -304,7 +327,7 @@ class AnthropicModel:
             request = f" (request {exc.request_id})" if getattr(exc, "request_id", None) else ""
             retryable = error_type in RETRYABLE_STREAM_ERRORS if in_stream else exc.status_code in (408, 409, 429)
             return ModelProviderError(
-                self._scrub(f"Anthropic {where}{kind}: {detail}{request}"),
+                scrub(f"Anthropic {where}{kind}: {detail}{request}"),
                 None if in_stream else exc.status_code,
                 error_type,
                 getattr(exc, "request_id", None),
@@ -312,11 +335,11 @@ class AnthropicModel:
             )
         if (sdk is not None and isinstance(exc, sdk.APIConnectionError)) or isinstance(exc, _transport_errors()):
             return ModelProviderError(
-                self._scrub(f"Anthropic connection failed: {exc or type(exc).__name__}"), retryable=True
+                scrub(f"Anthropic connection failed: {exc or type(exc).__name__}"), retryable=True
             )
         if sdk is not None and isinstance(exc, sdk.AnthropicError):
-            return ModelProviderError(self._scrub(f"Anthropic client error: {exc}"))
+            return ModelProviderError(scrub(f"Anthropic client error: {exc}"))
         if isinstance(exc, (ValueError, RuntimeError, AssertionError, LookupError, TypeError)):
             # raised by the SDK while decoding or assembling the stream
-            return ModelStreamError(self._scrub(f"malformed Anthropic stream: {type(exc).__name__}: {exc}"))
+            return ModelStreamError(scrub(f"malformed Anthropic stream: {type(exc).__name__}: {exc}"))
         return exc

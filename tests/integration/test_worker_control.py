@@ -64,6 +64,15 @@ def test_resume_conflicts_and_bad_answers_leave_the_turn_parked(stack: Stack, se
     assert stack.turn_row("ops", session_id, turn_id)["status"] == "suspended"  # type: ignore[index]
 
 
+def test_a_resume_whose_authorize_hook_raises_answers_error_and_applies_nothing(stack: Stack, session_id: str) -> None:
+    turn_id = _parked(stack, session_id)
+    outage = _resume(stack, session_id, turn_id, True, by="op-outage")
+    assert outage["status"] == "error" and outage["reason"] == "RuntimeError: operator directory unavailable"
+    assert stack.turn_row("ops", session_id, turn_id)["status"] == "suspended"  # type: ignore[index]
+    assert _resume(stack, session_id, turn_id, True, by="op-ann")["status"] == "accepted"  # the same answer, later
+    wait_for(lambda: _types(stack, "ops", session_id)[-1] == "turn.completed", what="completion")
+
+
 def test_two_resumes_racing_for_one_park_apply_once(stack: Stack, session_id: str) -> None:
     turn_id = _parked(stack, session_id)
     payload = {"agent": "ops", "session": session_id, "turn_id": turn_id, "input_id": "approve-refund", "by": "op-a"}

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import pytest
 
 from june_worker.stores import SQLiteStore
 
+from .._anthropic_api import KEY, AnthropicAPI
 from .kit import STORES
 
 
@@ -53,3 +55,29 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
         return real_connect(sock, address)  # type: ignore[arg-type]
 
     monkeypatch.setattr(socket.socket, "connect", guarded)
+
+
+@pytest.fixture
+def api() -> Iterator[AnthropicAPI]:
+    """A local stand-in of the Messages API on 127.0.0.1 (recorded responses, recorded requests)."""
+    with AnthropicAPI() as server:
+        yield server
+
+
+@pytest.fixture
+async def make_model(api: AnthropicAPI) -> AsyncIterator[Callable[..., Any]]:
+    """Builds an ``AnthropicModel`` on a real SDK client pointed at :func:`api` (the SDK is an extra)."""
+    anthropic = pytest.importorskip("anthropic")
+    from june_worker.models.anthropic import AnthropicModel
+
+    clients: list[Any] = []
+
+    def make(**kwargs: Any) -> AnthropicModel:
+        client = anthropic.AsyncAnthropic(api_key=KEY, base_url=api.url)
+        clients.append(client)
+        kwargs.setdefault("stream_retry_delay_s", 0.0)
+        return AnthropicModel("claude-sonnet-4-6", client=client, **kwargs)
+
+    yield make
+    for client in clients:
+        await client.close()

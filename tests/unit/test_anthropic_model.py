@@ -1,8 +1,9 @@
 """AnthropicModel against recorded Messages API streams, served locally to the real SDK client.
 
-No test reaches the network: every request goes through an in-memory transport that serves
-files from ``tests/fixtures/anthropic`` and records what the SDK sent. The installed SDK (2.x)
-speaks ``httpx2``; an older SDK on ``httpx`` works the same way.
+No test reaches the network: a small HTTP server on 127.0.0.1 (:mod:`tests._anthropic_api`)
+serves files from ``tests/fixtures/anthropic`` the way the API sends them (chunked SSE), and the
+real ``anthropic`` client talks to it through ``base_url``: its HTTP stack, SSE decoder and
+retries all run. The server records what the SDK sent.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import logging
 import pickle
 import re
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,80 +39,9 @@ from june_worker.errors import ConfigError, ModelStreamError
 from june_worker.models.anthropic import INSTALL_HINT, AnthropicModel, ModelProviderError
 from june_worker.stores import SQLiteStore
 
+from .._anthropic_api import HANG_UP, KEY, SSE_HEADERS, AnthropicAPI, Recorded, api_error, closed_port, recorded, sse
+
 anthropic = pytest.importorskip("anthropic")
-try:
-    import httpx2 as http
-except ImportError:  # an SDK older than 2.x
-    import httpx as http  # type: ignore[no-redef]
-
-FIXTURES = Path(__file__).parent.parent / "fixtures" / "anthropic"
-KEY = "sk-ant-test-0123456789abcdef"
-SSE = {"content-type": "text/event-stream", "request-id": "req_test"}
-
-
-def recorded(name: str) -> bytes:
-    return (FIXTURES / name).read_bytes()
-
-
-def sse(name: str, **replace: str) -> Any:
-    body = recorded(name).decode()
-    for old, new in replace.items():
-        body = body.replace(old, new)
-    return http.Response(200, headers=SSE, content=body.encode())
-
-
-def api_error(status: int, name: str) -> Any:
-    headers = {"content-type": "application/json", "request-id": "req_test"}
-    if status == 529:  # what the API sends with an overload: retry, and how soon (1 ms keeps the test fast)
-        headers |= {"x-should-retry": "true", "retry-after-ms": "1"}
-    return http.Response(status, headers=headers, content=recorded(name))
-
-
-class FakeAPI:
-    """Serves queued responses to the real SDK over an in-memory transport; records every request."""
-
-    def __init__(self) -> None:
-        self.queue: list[Any] = []
-        self.requests: list[Any] = []
-
-    def serve(self, *responses: Any) -> FakeAPI:
-        self.queue.extend(responses)
-        return self
-
-    def handle(self, request: Any) -> Any:
-        self.requests.append(request)
-        if not self.queue:
-            body = {"type": "error", "error": {"type": "invalid_request_error", "message": "no recorded response left"}}
-            return http.Response(400, json=body)
-        return self.queue.pop(0)
-
-    @property
-    def bodies(self) -> list[dict[str, Any]]:
-        return [json.loads(r.content) for r in self.requests]
-
-
-@pytest.fixture
-async def api() -> AsyncIterator[FakeAPI]:
-    yield FakeAPI()
-
-
-@pytest.fixture
-async def make_model(api: FakeAPI) -> AsyncIterator[Callable[..., AnthropicModel]]:
-    clients: list[Any] = []
-
-    def make(**kwargs: Any) -> AnthropicModel:
-        client = anthropic.AsyncAnthropic(
-            api_key=KEY,
-            base_url="http://anthropic.test",
-            http_client=http.AsyncClient(transport=http.MockTransport(api.handle)),
-        )
-        clients.append(client)
-        kwargs.setdefault("stream_retry_delay_s", 0.0)
-        return AnthropicModel("claude-sonnet-4-6", client=client, **kwargs)
-
-    yield make
-    for client in clients:
-        await client.close()
 
 
 def ask(*messages: Message, system: str = "", tools: list[ToolSpec] | None = None) -> ModelRequest:
@@ -134,7 +63,9 @@ ORDER_SPEC = ToolSpec(
 # --- streaming and the final reply -------------------------------------------------------------------
 
 
-async def test_text_stream_forwards_each_text_delta_then_one_done_with_usage(api: FakeAPI, make_model: Any) -> None:
+async def test_text_stream_forwards_each_text_delta_then_one_done_with_usage(
+    api: AnthropicAPI, make_model: Any
+) -> None:
     api.serve(sse("text_only.sse"))
     deltas = await collect(make_model())
     assert deltas[:-1] == [TextChunk(text="Hello"), TextChunk(text=" there"), TextChunk(text="!")]
@@ -145,7 +76,9 @@ async def test_text_stream_forwards_each_text_delta_then_one_done_with_usage(api
     assert done.usage == Usage(input_tokens=12, output_tokens=9, cache_read_tokens=0, cache_write_tokens=1830)
 
 
-async def test_several_tool_calls_come_back_with_their_ids_and_assembled_inputs(api: FakeAPI, make_model: Any) -> None:
+async def test_several_tool_calls_come_back_with_their_ids_and_assembled_inputs(
+    api: AnthropicAPI, make_model: Any
+) -> None:
     api.serve(sse("tool_use_multi.sse"))
     deltas = await collect(make_model())
     assert [d for d in deltas if isinstance(d, TextChunk)] == [
@@ -163,7 +96,7 @@ async def test_several_tool_calls_come_back_with_their_ids_and_assembled_inputs(
 
 
 async def test_thinking_deltas_are_forwarded_and_blocks_kept_with_signature_and_redacted_data(
-    api: FakeAPI, make_model: Any
+    api: AnthropicAPI, make_model: Any
 ) -> None:
     api.serve(sse("thinking_tool_use.sse"))
     deltas = await collect(make_model(thinking=True))
@@ -200,10 +133,10 @@ STOP_REASONS = [
 
 @pytest.mark.parametrize(("raw", "reason"), STOP_REASONS)
 async def test_every_stop_reason_maps_to_a_finish_that_keeps_the_raw_value(
-    api: FakeAPI, make_model: Any, raw: str, reason: str
+    api: AnthropicAPI, make_model: Any, raw: str, reason: str
 ) -> None:
     api.serve(sse("text_only.sse", **{'"stop_reason":"end_turn"': f'"stop_reason":"{raw}"'}))
-    done = (await collect(make_model()))[-1]
+    done = (await collect(make_model(max_pause_continuations=0)))[-1]  # a pause_turn is reported, not continued
     assert isinstance(done, Done) and done.finish is not None
     assert (done.finish.reason, done.finish.raw) == (reason, raw)
 
@@ -211,7 +144,7 @@ async def test_every_stop_reason_maps_to_a_finish_that_keeps_the_raw_value(
 # --- the request body ----------------------------------------------------------------------------------
 
 
-async def test_request_carries_model_system_tools_and_cache_breakpoints(api: FakeAPI, make_model: Any) -> None:
+async def test_request_carries_model_system_tools_and_cache_breakpoints(api: AnthropicAPI, make_model: Any) -> None:
     api.serve(sse("text_only.sse"))
     await collect(
         make_model(max_tokens=1000), ask(UserMessage(turn_id="t1", text="hi"), system="Be brief.", tools=[ORDER_SPEC])
@@ -233,7 +166,7 @@ async def test_request_carries_model_system_tools_and_cache_breakpoints(api: Fak
     assert "thinking" not in body and "temperature" not in body  # thinking is off by default
 
 
-async def test_cache_false_sends_no_cache_control_anywhere(api: FakeAPI, make_model: Any) -> None:
+async def test_cache_false_sends_no_cache_control_anywhere(api: AnthropicAPI, make_model: Any) -> None:
     api.serve(sse("text_only.sse"))
     await collect(make_model(cache=False), ask(system="Be brief.", tools=[ORDER_SPEC]))
     assert "cache_control" not in json.dumps(api.bodies[0])
@@ -244,14 +177,14 @@ async def test_cache_false_sends_no_cache_control_anywhere(api: FakeAPI, make_mo
     [(True, {"type": "adaptive"}), (2048, {"type": "enabled", "budget_tokens": 2048})],
 )
 async def test_thinking_true_asks_adaptive_and_an_int_sets_the_budget(
-    api: FakeAPI, make_model: Any, thinking: bool | int, expected: dict[str, Any]
+    api: AnthropicAPI, make_model: Any, thinking: bool | int, expected: dict[str, Any]
 ) -> None:
     api.serve(sse("text_only.sse"))
     await collect(make_model(thinking=thinking))
     assert api.bodies[0]["thinking"] == expected
 
 
-async def test_temperature_is_sent_only_when_set(api: FakeAPI, make_model: Any) -> None:
+async def test_temperature_is_sent_only_when_set(api: AnthropicAPI, make_model: Any) -> None:
     api.serve(sse("text_only.sse"))
     await collect(make_model(temperature=0.2))
     assert api.bodies[0]["temperature"] == 0.2
@@ -322,6 +255,18 @@ def test_s47_consecutive_tool_results_fold_into_one_user_message_of_json_text() 
             {"type": "tool_result", "tool_use_id": "c2", "content": '{"ok":2}'},
         ],
     }
+
+
+def test_whitespace_only_text_is_sent_as_no_block_at_all() -> None:
+    out = mapped(
+        UserMessage(turn_id="t1", text="order"),
+        AssistantMessage(turn_id="t1", text="\n\n", tool_calls=[ToolCall(id="c1", name="a")]),
+        ToolMessage(turn_id="t1", call_id="c1", name="a", result=1),
+        AssistantMessage(turn_id="t1", text=" \t\n"),
+        UserMessage(turn_id="t2", text="  "),
+    )
+    assert out[1] == {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "a", "input": {}}]}
+    assert [m["role"] for m in out] == ["user", "assistant", "user"]
 
 
 def test_a_tool_error_result_is_sent_with_is_error_true() -> None:
@@ -452,7 +397,7 @@ async def test_s53_iterating_without_the_sdk_says_to_install_the_extra(no_sdk: C
 
 
 async def test_an_overloaded_529_is_retried_by_the_sdk_and_the_reply_is_yielded_once(
-    api: FakeAPI, make_model: Any
+    api: AnthropicAPI, make_model: Any
 ) -> None:
     api.serve(api_error(529, "overloaded_529.json"), sse("text_only.sse"))
     deltas = await collect(make_model())
@@ -461,7 +406,7 @@ async def test_an_overloaded_529_is_retried_by_the_sdk_and_the_reply_is_yielded_
     assert api.bodies[0] == api.bodies[1]
 
 
-async def test_a_529_after_the_last_retry_raises_a_retryable_provider_error(api: FakeAPI, make_model: Any) -> None:
+async def test_a_529_after_the_last_retry_raises_a_retryable_provider_error(api: AnthropicAPI, make_model: Any) -> None:
     api.serve(api_error(529, "overloaded_529.json"), api_error(529, "overloaded_529.json"))
     with pytest.raises(ModelProviderError) as raised:
         await collect(make_model(max_retries=1))
@@ -472,7 +417,7 @@ async def test_a_529_after_the_last_retry_raises_a_retryable_provider_error(api:
 
 
 async def test_an_in_stream_overloaded_error_before_any_output_restarts_the_request(
-    api: FakeAPI, make_model: Any
+    api: AnthropicAPI, make_model: Any
 ) -> None:
     api.serve(sse("overloaded_in_stream.sse"), sse("text_only.sse"))
     deltas = await collect(make_model())
@@ -481,14 +426,14 @@ async def test_an_in_stream_overloaded_error_before_any_output_restarts_the_requ
     assert len(api.requests) == 2 and api.bodies[0] == api.bodies[1]
 
 
-async def test_in_stream_restarts_are_bounded(api: FakeAPI, make_model: Any) -> None:
+async def test_in_stream_restarts_are_bounded(api: AnthropicAPI, make_model: Any) -> None:
     api.serve(*[sse("overloaded_in_stream.sse") for _ in range(3)], sse("text_only.sse"))
     with pytest.raises(ModelProviderError, match="stream error overloaded_error: Overloaded") as raised:
         await collect(make_model(stream_retries=2))
     assert len(api.requests) == 3 and raised.value.retryable
 
 
-async def test_an_in_stream_error_after_text_was_forwarded_is_not_retried(api: FakeAPI, make_model: Any) -> None:
+async def test_an_in_stream_error_after_text_was_forwarded_is_not_retried(api: AnthropicAPI, make_model: Any) -> None:
     api.serve(sse("error_after_text.sse"), sse("text_only.sse"))
     seen: list[ModelDelta] = []
     with pytest.raises(ModelProviderError, match="overloaded_error"):
@@ -497,32 +442,33 @@ async def test_an_in_stream_error_after_text_was_forwarded_is_not_retried(api: F
     assert seen == [TextChunk(text="Partial")] and len(api.requests) == 1
 
 
-async def test_a_connection_dropped_mid_stream_before_any_output_restarts(api: FakeAPI, make_model: Any) -> None:
+async def test_a_connection_dropped_mid_stream_before_any_output_restarts(api: AnthropicAPI, make_model: Any) -> None:
     head = recorded("overloaded_in_stream.sse").split(b"event: ping")[0]
-
-    async def dropped() -> AsyncIterator[bytes]:
-        yield head
-        raise http.ReadError("peer closed connection")
-
-    api.serve(http.Response(200, headers=SSE, content=dropped()), sse("text_only.sse"))
+    api.serve(Recorded(200, head, dict(SSE_HEADERS), cut=True), sse("text_only.sse"))
     deltas = await collect(make_model())
     assert isinstance(deltas[-1], Done) and deltas[-1].reply.text == "Hello there!" and len(api.requests) == 2
 
 
-async def test_a_connection_that_never_opens_raises_a_retryable_provider_error_after_the_sdk_retries(
-    api: FakeAPI, make_model: Any
+async def test_a_connection_that_never_answers_raises_a_retryable_provider_error_after_the_sdk_retries(
+    api: AnthropicAPI, make_model: Any
 ) -> None:
-    def refuse(request: Any) -> Any:
-        api.requests.append(request)
-        raise http.ConnectError("connection refused")
-
-    api.handle = refuse  # type: ignore[method-assign]
+    api.serve(HANG_UP, sse("text_only.sse"))
     with pytest.raises(ModelProviderError, match="Anthropic connection failed") as raised:
         await collect(make_model(max_retries=0))
     assert raised.value.retryable and len(api.requests) == 1  # not restarted: the SDK owns connect retries
 
 
-async def test_a_non_retryable_error_raises_with_the_providers_message(api: FakeAPI, make_model: Any) -> None:
+async def test_a_connection_that_never_opens_raises_a_retryable_provider_error() -> None:
+    client = anthropic.AsyncAnthropic(api_key=KEY, base_url=f"http://127.0.0.1:{closed_port()}", max_retries=0)
+    try:
+        with pytest.raises(ModelProviderError, match="Anthropic connection failed") as raised:
+            await collect(AnthropicModel(client=client))
+    finally:
+        await client.close()
+    assert raised.value.retryable
+
+
+async def test_a_non_retryable_error_raises_with_the_providers_message(api: AnthropicAPI, make_model: Any) -> None:
     api.serve(api_error(400, "invalid_request_400.json"))
     with pytest.raises(ModelProviderError, match="Expected `thinking` or `redacted_thinking`") as raised:
         await collect(make_model())
@@ -536,7 +482,7 @@ async def test_a_non_retryable_error_raises_with_the_providers_message(api: Fake
 
 @pytest.mark.parametrize("name", ["malformed_truncated.sse", "malformed_json.sse"])
 async def test_a_malformed_stream_raises_model_stream_error_and_is_not_retried(
-    api: FakeAPI, make_model: Any, name: str
+    api: AnthropicAPI, make_model: Any, name: str
 ) -> None:
     api.serve(sse(name), sse("text_only.sse"))
     with pytest.raises(ModelStreamError, match="Anthropic stream"):
@@ -567,15 +513,11 @@ def test_repr_never_shows_the_api_key() -> None:
 
 
 async def test_the_api_key_never_reaches_a_log_line_or_an_error_message(
-    api: FakeAPI, caplog: pytest.LogCaptureFixture
+    api: AnthropicAPI, caplog: pytest.LogCaptureFixture
 ) -> None:
     echo = {"type": "error", "error": {"type": "authentication_error", "message": f"invalid x-api-key {KEY}"}}
-    api.serve(http.Response(401, json=echo))
-    client = anthropic.AsyncAnthropic(
-        api_key=KEY,
-        base_url="http://anthropic.test",
-        http_client=http.AsyncClient(transport=http.MockTransport(api.handle)),
-    )
+    api.serve(api_error(401, echo))
+    client = anthropic.AsyncAnthropic(api_key=KEY, base_url=api.url)
     model = AnthropicModel(client=client)  # the key to keep out is read off the injected client
     caplog.set_level(logging.DEBUG)
     try:
@@ -609,7 +551,7 @@ def order_agent(model: AnthropicModel, runs: list[dict[str, Any]]) -> Agent:
 
 
 async def test_a_thinking_tool_turn_commits_reasoning_and_echoes_it_with_the_tool_result(
-    api: FakeAPI, make_model: Any
+    api: AnthropicAPI, make_model: Any
 ) -> None:
     api.serve(sse("thinking_tool_use.sse"), sse("final_answer.sse"))
     store = SQLiteStore(":memory:")
@@ -637,7 +579,7 @@ async def test_a_thinking_tool_turn_commits_reasoning_and_echoes_it_with_the_too
 
 
 async def test_a_batch_with_a_failing_tool_is_sent_back_as_one_user_message_with_is_error(
-    api: FakeAPI, make_model: Any
+    api: AnthropicAPI, make_model: Any
 ) -> None:
     class QuotaError(Exception):
         pass
@@ -667,7 +609,9 @@ async def test_a_batch_with_a_failing_tool_is_sent_back_as_one_user_message_with
     store.close()
 
 
-async def test_a_replayed_turn_sends_the_same_requests_as_an_uninterrupted_one(api: FakeAPI, make_model: Any) -> None:
+async def test_a_replayed_turn_sends_the_same_requests_as_an_uninterrupted_one(
+    api: AnthropicAPI, make_model: Any
+) -> None:
     # Given an uninterrupted run of a thinking tool turn, recorded
     api.serve(sse("thinking_tool_use.sse"), sse("final_answer.sse"))
     clean = SQLiteStore(":memory:")
@@ -694,7 +638,7 @@ async def test_a_replayed_turn_sends_the_same_requests_as_an_uninterrupted_one(a
     store.close()
 
 
-async def test_a_provider_error_fails_the_turn_in_the_model_phase(api: FakeAPI, make_model: Any) -> None:
+async def test_a_provider_error_fails_the_turn_in_the_model_phase(api: AnthropicAPI, make_model: Any) -> None:
     api.serve(api_error(400, "invalid_request_400.json"))
     store = SQLiteStore(":memory:")
     session = Runtime([order_agent(make_model(), [])], store).session("ops", "s1")
@@ -707,7 +651,7 @@ async def test_a_provider_error_fails_the_turn_in_the_model_phase(api: FakeAPI, 
     store.close()
 
 
-async def test_an_empty_refusal_fails_the_turn_instead_of_answering_silence(api: FakeAPI, make_model: Any) -> None:
+async def test_an_empty_refusal_fails_the_turn_instead_of_answering_silence(api: AnthropicAPI, make_model: Any) -> None:
     api.serve(sse("refusal_empty.sse"))
     store = SQLiteStore(":memory:")
     session = Runtime([order_agent(make_model(), [])], store).session("ops", "s1")

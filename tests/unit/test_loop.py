@@ -7,12 +7,20 @@ from typing import Any
 
 import pytest
 
-from june_worker.engine.events import Completed
+from june_worker.engine.events import Completed, Failed
 from june_worker.engine.loop import TurnRunner
 from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
 from june_worker.engine.sink import NullSink
 from june_worker.engine.store import SessionRef, SessionSnapshot, TurnPayload
-from june_worker.engine.types import AssistantMessage, Finish, ModelReply, ToolMessage, UserMessage
+from june_worker.engine.types import (
+    AssistantMessage,
+    Finish,
+    MessageAdapter,
+    ModelReply,
+    ToolCall,
+    ToolMessage,
+    UserMessage,
+)
 from june_worker.errors import TurnFailedError
 from june_worker.models import Reply, ScriptedModel
 from june_worker.stores import MemoryStore, SQLiteStore
@@ -219,17 +227,66 @@ async def test_s42_an_empty_abnormal_stop_fails_before_it_commits(reason: str) -
     rec = Recorder()
     s = rt.session("ops", "s1")
     s.observe(rec)
-    with pytest.raises(TurnFailedError, match=f"stopped abnormally — {reason}$"):
+    with pytest.raises(TurnFailedError, match=f"stopped abnormally — {reason} — and returned an empty reply$"):
         await s.turn("t", turn_id="t1")
     failed = rec.events[-1]
     assert failed.type == "turn.failed" and failed.phase == "model" and failed.step == "model:1"
     assert not any(isinstance(m, AssistantMessage) for m in transcript(store))  # nothing committed
 
 
+@pytest.mark.parametrize("text", ["\n\n", " ", "\t \n"])
+async def test_b39_an_abnormal_stop_with_only_whitespace_counts_as_empty_and_fails(text: str) -> None:
+    store = MemoryStore()
+    rt = runtime_with(store, ScriptedModel([Reply(text, finish=Finish(reason="refusal", raw="refusal"))]))
+    with pytest.raises(TurnFailedError, match="stopped abnormally — refusal"):
+        await rt.session("ops", "s1").turn("t", turn_id="t1")
+    assert not any(isinstance(m, AssistantMessage) for m in transcript(store))
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("max_tokens", "model stopped abnormally — max_tokens — and returned an empty reply"),
+        (
+            "model_context_window_exceeded",
+            "model stopped abnormally — max_tokens (provider: model_context_window_exceeded) — and returned an empty reply",
+        ),
+    ],
+)
+async def test_s36_an_empty_abnormal_stop_says_it_returned_an_empty_reply(raw: str, expected: str) -> None:
+    rt = runtime_with(MemoryStore(), ScriptedModel([Reply("", finish=Finish(reason="max_tokens", raw=raw))]))
+    s = rt.session("ops", "s1")
+    result = await s.result(await s.start("t", turn_id="t1"))
+    assert isinstance(result, Failed) and result.error.message == expected
+
+
 async def test_an_empty_abnormal_stop_names_the_provider_value() -> None:
     rt = runtime_with(MemoryStore(), ScriptedModel([Reply("", finish=Finish(reason="other", raw="pause_turn"))]))
     with pytest.raises(TurnFailedError, match=r"stopped abnormally — other \(provider: pause_turn\)"):
         await rt.session("ops", "s1").turn("t")
+
+
+@pytest.mark.parametrize("reason", ["max_tokens", "malformed_tool_call"])
+async def test_tool_calls_of_a_reply_cut_off_are_never_run_and_the_model_step_fails(reason: str) -> None:
+    # Given a reply that stopped on max_tokens while writing a call (its input parsed, but short)
+    orders: list[dict[str, Any]] = []
+    calls = [{"id": "c1", "name": "create_order", "input": {"item": "widget", "qty": 1}}]
+    cut = Reply("Ordering twelve.", calls=calls, finish=Finish(reason=reason, raw=reason))  # type: ignore[arg-type]
+    model = ScriptedModel([cut, Reply("Ordered.")])
+    store = MemoryStore()
+    rt = runtime_with(store, model, [list_order_tool(orders)])
+    rec = Recorder()
+    s = rt.session("ops", "s1")
+    s.observe(rec)
+    # When the turn runs, Then it fails in the model step, the call never ran and nothing of the reply committed
+    with pytest.raises(
+        TurnFailedError, match=f"stopped abnormally — {reason} while writing a tool call \\(create_order\\)"
+    ):
+        await s.turn("order 12 widgets", turn_id="t1")
+    assert orders == []
+    failed = rec.events[-1]
+    assert failed.type == "turn.failed" and (failed.phase, failed.step) == ("model", "model:1")
+    assert not any(isinstance(m, AssistantMessage) for m in transcript(store))
 
 
 async def test_deltas_are_emitted_live_and_never_stored() -> None:
@@ -327,3 +384,46 @@ async def test_a_runner_given_the_sessions_snapshot_does_not_read_the_store() ->
     assert isinstance(result, Completed) and result.text == "Done — order placed."
     assert store.loads == loads
     assert [m.turn_id for m in transcript(store)] == ["t1"] * 4 + ["t2"] * 4
+
+
+def test_s39_a_done_made_without_a_finish_has_no_finish_key_when_dumped() -> None:
+    bare = Done(reply=ModelReply(text="hi"))
+    assert "finish" not in bare.model_dump() and '"finish"' not in bare.model_dump_json()
+    finished = Done(reply=ModelReply(text="hi"), finish=Finish(reason="stop", raw="end_turn"))
+    assert finished.model_dump()["finish"] == {"reason": "stop", "raw": "end_turn"}
+    assert Done.model_validate(bare.model_dump()) == bare and Done.model_validate(finished.model_dump()) == finished
+
+
+async def test_s43_a_tool_calls_provider_state_round_trips_through_the_stored_transcript(tmp_path: Any) -> None:
+    # Given a model that attaches an opaque value to its call, and records what it is sent back
+    state = {"signature": "EqQBsig-c1", "caller": {"type": "direct"}}
+    seen: list[list[Any]] = []
+
+    async def gen(request: ModelRequest) -> AsyncIterator[ModelDelta]:
+        seen.append(list(request.messages))
+        if isinstance(request.messages[-1], UserMessage):
+            call = ToolCall(id="c1", name="create_order", input={"item": "widget"}, provider_state=state)
+            yield Done(reply=ModelReply(text="", tool_calls=[call]))
+        else:
+            yield Done(reply=ModelReply(text="placed"))
+
+    store = SQLiteStore(tmp_path / "june.db")
+    rt = runtime_with(store, FnModel(gen), [list_order_tool([])])
+    # When a turn runs, then a later turn runs on a new runtime over the same database
+    assert await rt.session("ops", "s1").turn("order", turn_id="t1") == "placed"
+    store.close()
+    reopened = SQLiteStore(tmp_path / "june.db")
+    later = runtime_with(reopened, FnModel(gen), [list_order_tool([])])
+    assert await later.session("ops", "s1").turn("again", turn_id="t2") == "placed"
+    # Then every request after the call, in and after the turn, carried the call's state unchanged
+    calls = [c for m in seen[-1] if isinstance(m, AssistantMessage) for c in m.tool_calls]
+    assert [c.provider_state for c in calls] == [state, state]  # t1's call and t2's call
+    assert [c.provider_state for m in seen[1] if isinstance(m, AssistantMessage) for c in m.tool_calls] == [state]
+    reopened.close()
+
+
+def test_a_tool_call_without_provider_state_dumps_as_before_and_old_rows_load() -> None:
+    old = {"role": "assistant", "turn_id": "t1", "text": "", "tool_calls": [{"id": "c1", "name": "a", "input": {}}]}
+    message = MessageAdapter.validate_python(old)
+    assert isinstance(message, AssistantMessage) and message.tool_calls[0].provider_state is None
+    assert MessageAdapter.dump_python(message, mode="json") == {**old, "reasoning": []}

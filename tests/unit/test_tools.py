@@ -10,12 +10,12 @@ from typing import Annotated, Any
 import pytest
 from pydantic import Field
 
-from june_worker import FatalToolError, Tool, ToolContext, store_write, tool
+from june_worker import Agent, FatalToolError, Tool, ToolContext, store_write, tool
 from june_worker.engine.events import Failed
 from june_worker.engine.model import ModelDelta, ModelRequest
 from june_worker.engine.tools import ERROR_MAX_CHARS, format_tool_error, is_async_callable
 from june_worker.engine.types import ToolMessage
-from june_worker.errors import TurnFailedError
+from june_worker.errors import AgentDefinitionError, ConfigError, TurnFailedError
 from june_worker.models import Reply, ScriptedModel
 from june_worker.stores import MemoryStore, SQLiteStore
 
@@ -60,6 +60,67 @@ def test_a_tool_without_a_context_parameter_gets_only_its_input() -> None:
 
     assert adder.name == "add" and adder.is_async and adder.requires_principal
     assert set(adder.input_schema["properties"]) == {"a", "b"}
+
+
+BAD_NAMES = ["", "create order", "créer_commande", "orders.create", "a" * 65, "tool/1", "emoji🙂"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_a_tool_name_the_api_would_refuse_is_refused_when_the_tool_is_defined(name: str) -> None:
+    def run(_input: Any, _ctx: Any) -> None:
+        return None
+
+    with pytest.raises(ConfigError, match=r"\^\[a-zA-Z0-9_-\]\{1,64\}\$") as raised:
+        Tool(name, run)
+    assert repr(name) in str(raised.value)
+    with pytest.raises(ConfigError, match="1-64"):
+        tool(name=name)(run)
+
+
+@pytest.mark.parametrize("name", ["create_order", "a" * 64, "get-Order-2", "X"])
+def test_names_within_the_rule_are_accepted(name: str) -> None:
+    assert Tool(name, lambda _input, _ctx: None).name == name
+
+
+def test_an_agent_refuses_a_tool_whose_name_breaks_the_rule_naming_agent_tool_and_rule() -> None:
+    lookup = tool(name="lookup")(LookupOrder("ord-"))
+    lookup.name = "look up"  # renamed after it was defined
+    with pytest.raises(AgentDefinitionError, match=r"agent ops: tool 'look up'.*\^\[a-zA-Z0-9_-\]\{1,64\}\$"):
+        Agent(name="ops", model=ScriptedModel(["hi"]), tools=[lookup])
+
+
+class LookupOrder:
+    """Look an order up."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    async def __call__(self, ctx: ToolContext, order_id: str) -> dict[str, Any]:
+        return {"order": f"{self.prefix}{order_id}", "turn": ctx.turn_id}
+
+
+class CountItems:
+    """Count items."""
+
+    def __call__(self, items: list[str]) -> int:
+        return len(items)
+
+
+def test_a_tool_from_an_object_with_an_async_call_takes_the_context_after_self() -> None:
+    lookup = tool(LookupOrder("ord-"))
+    assert lookup.name == "LookupOrder" and lookup.is_async and lookup.description == "Look an order up."
+    assert set(lookup.input_schema["properties"]) == {"order_id"} and lookup.input_schema["required"] == ["order_id"]
+    count = tool(name="count_items")(CountItems())
+    assert not count.is_async and set(count.input_schema["properties"]) == {"items"}
+
+
+async def test_an_async_callable_object_tool_runs_in_a_turn_with_its_context_and_state() -> None:
+    model = ScriptedModel([Reply("", calls=[call("lookup_order", order_id="42")]), Reply("found")])
+    store = MemoryStore()
+    rt = runtime_with(store, model, [tool(name="lookup_order")(LookupOrder("ord-"))])
+    assert await rt.session("ops", "s1").turn("find 42", turn_id="t1") == "found"
+    results = [m.result for m in transcript(store) if isinstance(m, ToolMessage)]
+    assert results == [{"order": "ord-42", "turn": "t1"}]
 
 
 class _AsyncCallable:

@@ -1,0 +1,110 @@
+"""The API key never reaches a stored or published string: Postgres rows, the Redis streams, the log.
+
+The real SDK talks to a local stand-in of the Messages API (:mod:`tests._anthropic_api`) that
+answers 401 with a message repeating the key, as a proxy or the API itself may do; the turn runs
+through the engine on a real Postgres and a real Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+import redis
+
+from june_worker import Agent, Runtime
+from june_worker.engine.events import Failed
+from june_worker.engine.store import SessionRef
+from june_worker.events import EventKeys, RedisStreamSink
+from june_worker.models.anthropic import AnthropicModel
+from june_worker.stores.postgres import PostgresStore
+
+from .._anthropic_api import AnthropicAPI, api_error
+
+pytestmark = pytest.mark.integration
+
+KEY = "sk-ant-api03-Zq8kVb1yLr0Tn4Xp6Wd2Hc9Jm5Gs3Fa7"
+OTHER = "sk-ant-admin01-Pz3Rk8Wn5Tq1Yv7Lm9Hb2Xc4"  # a key shaped like Anthropic's, configured nowhere
+
+
+@pytest.fixture
+def schema_url(database_url: str) -> Iterator[tuple[str, str]]:
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'create schema "{schema}"')
+    try:
+        yield schema, psycopg.conninfo.make_conninfo(database_url, options=f"-c search_path={schema}")
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'drop schema "{schema}" cascade')
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def every_row_as_text(url: str, schema: str) -> str:
+    with psycopg.connect(url, autocommit=True) as conn:
+        tables = [
+            r[0]
+            for r in conn.execute(
+                "select table_name from information_schema.tables where table_schema = %s", (schema,)
+            ).fetchall()
+        ]
+        assert {"june_turns", "june_events", "june_messages", "june_steps"} <= set(tables)
+        return "\n".join(
+            str(row[0]) for table in tables for row in conn.execute(f'select t::text from "{table}" t').fetchall()
+        )
+
+
+def every_entry_as_text(client: redis.Redis, keys: EventKeys) -> str:
+    out = []
+    for key in client.scan_iter(match=f"{keys.prefix}:*"):
+        if client.type(key) != b"stream":
+            out.append(f"{key!r}={client.dump(key)!r}")
+            continue
+        for _, fields in client.xrange(key):
+            out.extend(f"{k!r}={v!r}" for k, v in fields.items())
+    return "\n".join(out)
+
+
+async def test_a_401_repeating_the_key_leaves_no_trace_of_it_in_postgres_redis_or_the_log(
+    schema_url: tuple[str, str], redis_client: redis.Redis, caplog: pytest.LogCaptureFixture, session_id: str
+) -> None:
+    # Given an API that refuses the key and repeats it (and another key-shaped string) in its message
+    schema, url = schema_url
+    keys = EventKeys(prefix=f"june-test-{uuid.uuid4().hex[:10]}")
+    echo = {"type": "error", "error": {"type": "authentication_error", "message": f"invalid x-api-key {KEY} {OTHER}"}}
+    store = PostgresStore(url, max_size=2)
+    try:
+        with AnthropicAPI() as api:
+            api.serve(api_error(401, echo))
+            model = AnthropicModel(api_key=KEY, base_url=api.url, max_retries=0)
+            runtime = Runtime([Agent(name="ops", model=model)], store, sink=RedisStreamSink(redis_client, keys=keys))
+            caplog.set_level(logging.DEBUG)
+            # When a turn runs and fails on the 401
+            session = runtime.session("ops", session_id)
+            result = await session.result(await session.start("hello", turn_id="t1"))
+            await model.aclose()
+        # Then the turn failed in the model phase, saying why without the key
+        assert isinstance(result, Failed) and result.phase == "model"
+        assert "authentication_error" in result.error.message
+        stored = every_row_as_text(url, schema)
+        published = every_entry_as_text(redis_client, keys)
+        logged = "\n".join(logging.Formatter().format(r) for r in caplog.records)
+        assert "turn.failed" in published and "authentication_error" in stored
+        for where, text in (("postgres", stored), ("redis", published), ("log", logged)):
+            assert KEY not in text, f"the configured key reached {where}"
+            assert OTHER not in text, f"a key-shaped string reached {where}"
+        assert store.events(SessionRef("ops", session_id))[-1].type == "turn.failed"
+    finally:
+        store.close()
+        stale = list(redis_client.scan_iter(match=f"{keys.prefix}:*"))
+        if stale:
+            redis_client.delete(*stale)

@@ -1,0 +1,207 @@
+"""The Anthropic adapter through the engine, on recorded streams served by a local HTTP server.
+
+Each test serves the real wire format (SSE) from :mod:`tests._anthropic_api` to the real SDK
+client and runs a turn on SQLite: what the tools did, what was committed, what the SDK sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from june_worker import Agent, Runtime, tool
+from june_worker.engine.events import Failed, TurnEvent
+from june_worker.engine.model import Done, ModelRequest
+from june_worker.engine.store import SessionRef
+from june_worker.engine.types import AssistantMessage, UserMessage
+from june_worker.errors import ConfigError
+from june_worker.models.anthropic import AnthropicModel
+from june_worker.stores import SQLiteStore
+
+from .._anthropic_api import AnthropicAPI, sse
+
+pytest.importorskip("anthropic")
+
+
+def order_agent(model: AnthropicModel, runs: list[dict[str, Any]]) -> Agent:
+    @tool
+    def create_order(item: str, qty: int = 1) -> dict[str, Any]:
+        """Place an order for an item."""
+        runs.append({"item": item, "qty": qty})
+        return {"orderId": len(runs), "item": item, "qty": qty}
+
+    return Agent(name="ops", model=model, instructions="You take orders.", tools=[create_order])
+
+
+# --- a tool call cut off by max_tokens ------------------------------------------------------------------
+
+
+async def test_a_tool_call_cut_off_by_max_tokens_never_runs_and_fails_the_model_step(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given a reply that ran out of tokens inside a tool call's JSON ({"item": "widget", "qty": 1 ... of 12)
+    api.serve(sse("tool_use_max_tokens.sse"))
+    store = SQLiteStore(":memory:")
+    runs: list[dict[str, Any]] = []
+    session = Runtime([order_agent(make_model(), runs)], store).session("ops", "s1")
+    events: list[TurnEvent] = []
+    session.observe(events.append)
+    # When the turn runs
+    result = await session.result(await session.start("Order 12 widgets", turn_id="t1"))
+    # Then the call never ran, nothing of the reply was committed, and the turn failed in its model step
+    assert runs == []
+    assert isinstance(result, Failed) and (result.phase, result.step) == ("model", "model:1")
+    assert "stopped abnormally — max_tokens" in result.error.message and "create_order" in result.error.message
+    assert not any(isinstance(m, AssistantMessage) for m in store.load(SessionRef("ops", "s1")).messages)
+    assert [e.type for e in events if e.type.startswith("action.")] == []
+    store.close()
+
+
+# --- whitespace-only text -------------------------------------------------------------------------------
+
+
+async def test_a_whitespace_only_text_block_is_never_sent_back_so_the_session_goes_on(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given a reply of "\n\n" then a tool call (ordinary model output), and an API that refuses
+    # whitespace-only text blocks, as the real one does
+    api.serve(sse("whitespace_then_tool_use.sse"), sse("final_answer.sse"), sse("text_only.sse"))
+    store = SQLiteStore(":memory:")
+    runs: list[dict[str, Any]] = []
+    session = Runtime([order_agent(make_model(), runs)], store).session("ops", "s1")
+    # When the turn runs, and a later turn of the session too
+    assert await session.turn("Order 3 widgets", turn_id="t1") == "Done — order placed."
+    assert await session.turn("Thanks", turn_id="t2") == "Hello there!"
+    # Then the tool ran once, the model's own "\n\n" is kept in the transcript, and no request carried it
+    assert runs == [{"item": "widget", "qty": 3}]
+    stored = store.load(SessionRef("ops", "s1")).messages[1]
+    assert isinstance(stored, AssistantMessage) and stored.text == "\n\n"
+    sent = [b for body in api.bodies for m in body["messages"] for b in m["content"] if b["type"] == "text"]
+    assert sent and all(b["text"].strip() for b in sent)
+    assert [b["type"] for b in api.bodies[1]["messages"][1]["content"]] == ["tool_use"]
+    store.close()
+
+
+# --- B39: an abnormal stop with only whitespace ---------------------------------------------------------
+
+
+async def test_b39_a_refusal_of_only_whitespace_fails_the_turn_instead_of_answering_it(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    api.serve(sse("refusal_whitespace.sse"))
+    store = SQLiteStore(":memory:")
+    session = Runtime([order_agent(make_model(), [])], store).session("ops", "s1")
+    result = await session.result(await session.start("Order 3 widgets", turn_id="t1"))
+    assert isinstance(result, Failed) and (result.phase, result.step) == ("model", "model:1")
+    assert "stopped abnormally — refusal" in result.error.message
+    assert not any(isinstance(m, AssistantMessage) for m in store.load(SessionRef("ops", "s1")).messages)
+    store.close()
+
+
+# --- S43: a tool call's provider state ------------------------------------------------------------------
+
+
+async def test_s43_what_the_api_attached_to_a_tool_call_is_stored_and_sent_back_with_it(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given a tool call the API attached its caller to
+    api.serve(sse("tool_use_with_caller.sse"), sse("final_answer.sse"))
+    store = SQLiteStore(":memory:")
+    session = Runtime([order_agent(make_model(cache=False), [])], store).session("ops", "s1")
+    # When the turn runs
+    assert await session.turn("Order 3 widgets", turn_id="t1") == "Done — order placed."
+    # Then the stored call keeps it, and the next request sent the tool_use block back with it
+    caller = {"type": "code_execution_20250825", "tool_id": "srvtoolu_01Exec4"}
+    stored = store.load(SessionRef("ops", "s1")).messages[1]
+    assert isinstance(stored, AssistantMessage) and stored.tool_calls[0].provider_state == {"caller": caller}
+    assert api.bodies[1]["messages"][1]["content"] == [
+        {
+            "type": "tool_use",
+            "id": "toolu_01Caller9",
+            "name": "create_order",
+            "input": {"item": "widget", "qty": 3},
+            "caller": caller,
+        }
+    ]
+    store.close()
+
+
+# --- pause_turn ------------------------------------------------------------------------------------------
+
+
+async def test_a_paused_turn_is_continued_by_sending_its_content_back_within_one_model_step(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given a reply paused mid-search (pause_turn), then its continuation
+    api.serve(sse("pause_turn_search.sse"), sse("pause_turn_resumed.sse"))
+    store = SQLiteStore(":memory:")
+    session = Runtime([Agent(name="ops", model=make_model())], store).session("ops", "s1")
+    events: list[TurnEvent] = []
+    session.observe(events.append)
+    # When the turn runs
+    answer = await session.turn("When does the store open?", turn_id="t1")
+    # Then the paused content went back as the assistant's message, as it came, and the model went on
+    assert len(api.requests) == 2
+    first, second = api.bodies
+    paused = {
+        "role": "assistant",
+        "content": [
+            {"type": "text", "text": "Let me look that up. "},
+            {
+                "type": "server_tool_use",
+                "id": "srvtoolu_01Srch8",
+                "name": "web_search",
+                "input": {"query": "store opening hours"},
+            },
+            {
+                "type": "web_search_tool_result",
+                "tool_use_id": "srvtoolu_01Srch8",
+                "content": [
+                    {
+                        "type": "web_search_result",
+                        "url": "https://example.com/hours",
+                        "title": "Opening hours",
+                        "encrypted_content": "EqgfCioIARgBIiQ3YTAw",
+                        "page_age": "2 days ago",
+                    }
+                ],
+            },
+        ],
+    }
+    assert second == {**first, "messages": [*first["messages"], paused]}
+    # and the turn's answer is the whole reply, committed once as one model step, its deltas all live
+    assert answer == "Let me look that up. The store opens at 9."
+    stored = store.load(SessionRef("ops", "s1"))
+    assert [m.role for m in stored.messages] == ["user", "assistant"]
+    assert [s for s in stored.steps if s.startswith("model:")] == ["model:1"]
+    model_step = stored.steps["model:1"].data
+    assert model_step["finish"] == {"reason": "stop", "raw": "end_turn"}
+    assert model_step["usage"] == {
+        "input_tokens": 520 + 610,
+        "output_tokens": 42 + 9,
+        "cache_read_tokens": 480,
+        "cache_write_tokens": 0,
+    }
+    deltas = [e for e in events if e.type == "message.delta"]
+    assert "".join(e.text for e in deltas) == answer and {e.step for e in deltas} == {"model:1"}
+    assert [e.type for e in events].count("message.completed") == 1
+    store.close()
+
+
+async def test_pause_turn_continuations_are_bounded_and_the_last_pause_is_reported(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    api.serve(*[sse("pause_turn_search.sse") for _ in range(3)], sse("pause_turn_resumed.sse"))
+    model = make_model(max_pause_continuations=1)
+    deltas = [d async for d in model.stream(ModelRequest(system="", messages=[UserMessage(turn_id="t1", text="hi")]))]
+    done = deltas[-1]
+    assert isinstance(done, Done) and done.finish is not None
+    assert (done.finish.reason, done.finish.raw) == ("other", "pause_turn")
+    assert len(api.requests) == 2  # the first request and one continuation
+    assert done.reply.text == "Let me look that up. Let me look that up. "
+
+
+def test_a_negative_continuation_bound_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="max_pause_continuations"):
+        AnthropicModel(max_pause_continuations=-1, api_key="sk-ant-test-unused")
