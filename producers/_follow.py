@@ -8,7 +8,9 @@ read, even with ``timeout_s=0``).
 
 Within one follow a structural event is yielded at most once, even when the stream holds it
 twice (the worker rebuilt the stream from Postgres after Redis lost it): a ``seq`` not above the
-highest one seen is skipped. Entries that do not decode are logged and skipped.
+highest one seen is skipped. A delta of an older attempt at a step than one already seen (a dead
+or fenced-off worker's, arriving after its retry began) is dropped. Entries that do not decode are
+logged and skipped.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 from .events import FollowedEvent
 
-__all__ = ["FollowState", "decode_entry", "entries", "safe_block_ms"]
+__all__ = ["DeltaAttempts", "FollowState", "decode_entry", "entries", "safe_block_ms"]
 
 log = logging.getLogger("producers.follow")
 
@@ -77,6 +79,25 @@ def safe_block_ms(socket_timeout_s: float | None, block_ms: int) -> int:
     return block_ms
 
 
+class DeltaAttempts:
+    """The newest attempt seen per (turn, step): a delta of an older one belongs to a dead attempt."""
+
+    def __init__(self) -> None:
+        self._newest: dict[tuple[str | None, str | None], int] = {}
+
+    def stale(self, event: FollowedEvent) -> bool:
+        """True for a delta of an older attempt at its step than one seen before; remembers newer ones."""
+        attempt = event.attempt
+        if attempt is None:
+            return False  # a worker that does not say: nothing to compare
+        key = (event.turn_id, event.step)
+        newest = self._newest.get(key, 0)
+        if attempt < newest:
+            return True
+        self._newest[key] = attempt
+        return False
+
+
 class FollowState:
     """Position, filter and deadline of one follow."""
 
@@ -100,6 +121,7 @@ class FollowState:
         self.include_deltas = include_deltas
         self.last_seq = 0
         self.done = False
+        self.attempts = DeltaAttempts()
 
     def block(self) -> int | None:
         """How long the next XREAD may block; None (do not block) once the deadline has passed."""
@@ -122,7 +144,7 @@ class FollowState:
             if event is None:
                 continue
             if event.delta:
-                if not self.include_deltas:
+                if not self.include_deltas or self.attempts.stale(event):
                     continue
             else:
                 seq = event.seq

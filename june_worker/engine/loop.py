@@ -140,6 +140,8 @@ class TurnRunner:
 
     ``snapshot``: the session as the host read it once it held the session (the worker reads it
     with the lease, in the same statement); without one the runner loads it from the store.
+    ``attempt``: which attempt at the turn this run is, stamped on its deltas; by default the
+    turn record's ``attempts`` plus one.
     """
 
     def __init__(
@@ -155,6 +157,7 @@ class TurnRunner:
         crash: CrashHook | None = None,
         runtime: Any = None,
         snapshot: SessionSnapshot | None = None,
+        attempt: int | None = None,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -167,6 +170,7 @@ class TurnRunner:
         self._crash = crash
         self.runtime = runtime
         self._snapshot = snapshot
+        self.attempt = attempt if attempt is not None else record.attempts + 1
         self.messages: list[Message] = []
         self.steps: dict[str, StepRecord] = {}
         self.usage = Usage()
@@ -403,12 +407,14 @@ class TurnRunner:
                 if isinstance(delta, TextChunk):
                     if delta.text:
                         self.sink.publish_delta(
-                            self.ref, MessageDelta(turn_id=self.turn_id, step=step, text=delta.text)
+                            self.ref,
+                            MessageDelta(turn_id=self.turn_id, step=step, text=delta.text, attempt=self.attempt),
                         )
                 elif isinstance(delta, ReasoningChunk):
                     if delta.text:
                         self.sink.publish_delta(
-                            self.ref, ReasoningDelta(turn_id=self.turn_id, step=step, text=delta.text)
+                            self.ref,
+                            ReasoningDelta(turn_id=self.turn_id, step=step, text=delta.text, attempt=self.attempt),
                         )
                 elif isinstance(delta, Done):
                     done = delta

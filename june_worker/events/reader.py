@@ -11,7 +11,9 @@ from a ``seq``: deltas have no seq, and ids are what XREAD understands. Within o
 structural event is yielded at most once even if the stream holds it twice (after Redis lost
 its keys and the stream was rebuilt from the store).
 
-Entries that do not decode (a newer version's event type) are logged and skipped.
+A delta of an older attempt at a step than one already seen (``attempt``: a dead or fenced-off
+worker's deltas arriving after its retry began) is dropped. Entries that do not decode (a newer
+version's event type) are logged and skipped.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class _Follow:
         self.include_deltas = deltas
         self.last_seq = 0
         self.done = False
+        self.newest_attempt: dict[tuple[str, str], int] = {}
 
     def block(self) -> int | None:
         """How long the next XREAD may block; None (do not block) once the deadline has passed."""
@@ -126,6 +129,17 @@ class _Follow:
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def _stale(self, delta: TurnEvent) -> bool:
+        """A delta of an older attempt at its step than one already seen: a dead (or fenced-off) worker's."""
+        attempt = getattr(delta, "attempt", None)
+        if attempt is None:
+            return False
+        key = (delta.turn_id, str(getattr(delta, "step", "")))
+        if attempt < self.newest_attempt.get(key, 0):
+            return True
+        self.newest_attempt[key] = attempt
+        return False
 
     def take(self, response: Any) -> list[StreamEvent]:
         out: list[StreamEvent] = []
@@ -140,7 +154,7 @@ class _Follow:
                 if seq and seq <= self.last_seq:
                     continue  # the same event again, in a stream rebuilt from the store
                 self.last_seq = max(self.last_seq, seq)
-            elif not self.include_deltas:
+            elif not self.include_deltas or self._stale(event):
                 continue
             if self.turn_id is not None and event.turn_id != self.turn_id:
                 continue
