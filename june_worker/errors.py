@@ -16,7 +16,8 @@
     ├── FatalToolError                a tool says the turn cannot go on; fails the turn
     ├── StoreError                    the store refused an operation
     │   ├── LeaseLostError            a commit was fenced off: another worker holds the session
-    │   └── ResetNotSupportedError    the store has no reset operation
+    │   ├── ResetNotSupportedError    the store has no reset operation
+    │   └── StoreLockedError          another open SQLiteStore (another process) serves the file
     ├── ResumeError                   a resume was not applied
     │   ├── ResumeAuthorizationError  ``by`` may not answer this request (HTTP 403)
     │   ├── ResumeConflictError       wrong turn, wrong input id, not suspended, reset pending (409)
@@ -51,6 +52,7 @@ __all__ = [
     "ResumeConflictError",
     "ResumeError",
     "StoreError",
+    "StoreLockedError",
     "TurnCancelledError",
     "TurnError",
     "TurnFailedError",
@@ -139,6 +141,10 @@ class LeaseLostError(StoreError):
 
 class ResetNotSupportedError(StoreError):
     """The store does not implement reset; nothing was cancelled or cleared."""
+
+
+class StoreLockedError(StoreError):
+    """Another open ``SQLiteStore`` (in another process, or this one) serves the SQLite file; close it first."""
 
 
 class ResumeError(JuneError):

@@ -116,6 +116,7 @@ async def test_sync_tool_crashed_before_commit_rolls_back_and_leaves_one_row_aft
     with pytest.raises(CrashInjected):
         await rt1.session("ops", "s1").turn("Order 3 widgets", turn_id="t1")
     assert count_orders(store1) == 0  # the tool's insert rolled back with the step
+    store1.close()  # the crashed process's store goes with it (and lets the file's lock go)
     store2 = make_store(sql_kind, tmp_path)
     rt2 = runtime_with(store2, ScriptedModel(ORDER_SCRIPT), [order_tool(counter)])
     await rt2.session("ops", "s1").turn("Order 3 widgets", turn_id="t1")
