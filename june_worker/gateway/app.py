@@ -31,6 +31,7 @@ from .. import __version__
 from .backend import GatewayBackend
 from .routes import router as turn_router
 from .routes_control import router as control_router
+from .routes_log import router as log_router
 from .settings import GatewaySettings
 
 __all__ = ["create_app"]
@@ -130,6 +131,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     _install_error_handlers(app)
     app.include_router(turn_router)
     app.include_router(control_router)
+    app.include_router(log_router)
 
     html, page_headers = _page()
 
