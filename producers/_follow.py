@@ -11,6 +11,10 @@ twice (the worker rebuilt the stream from Postgres after Redis lost it): a ``seq
 highest one seen is skipped. A delta of an older attempt at a step than one already seen (a dead
 or fenced-off worker's, arriving after its retry began) is dropped. Entries that do not decode are
 logged and skipped.
+
+Gaps are told, never skipped (:mod:`._gaps`): a start id the stream no longer holds, or a
+structural ``seq`` more than one past the last one held, raises
+:class:`~producers.errors.StreamGapError` before anything after the gap is yielded.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import math
 import time
 from typing import Any
 
+from ._gaps import Gap, judge_start, jump
 from .events import FollowedEvent
 
 __all__ = ["DeltaAttempts", "FollowState", "decode_entry", "entries", "safe_block_ms"]
@@ -110,16 +115,22 @@ class FollowState:
         block_ms: int,
         timeout_s: float | None,
         include_deltas: bool,
+        last_seq: int | None = None,
+        reload: str = "the store",
     ) -> None:
         if timeout_s is not None and timeout_s < 0:
             raise ValueError(f"timeout_s must not be negative, not {timeout_s}")
+        if last_seq is not None and (not isinstance(last_seq, int) or last_seq < 0):
+            raise ValueError(f"last_seq must be a seq you hold (an int >= 0), not {last_seq!r}")
         self.stream = stream
         self.turn_id = turn_id
         self.last_id = last_id
         self.block_ms = block_ms
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.include_deltas = include_deltas
-        self.last_seq = 0
+        self.last_seq = last_seq  # the highest structural seq held; None: not known until the start check
+        self.reload = reload
+        self.gap: Gap | None = None
         self.done = False
         self.attempts = DeltaAttempts()
 
@@ -135,11 +146,20 @@ class FollowState:
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
+    def started(self, replies: list[Any]) -> None:
+        """Take the start check's replies (:func:`._gaps.queue_start_check`): the seq held, a gap at the start."""
+        self.last_seq, self.gap = judge_start(self.stream, self.last_id, self.last_seq, replies)
+
+    def raise_gap(self) -> None:
+        if self.gap is not None:
+            raise self.gap.error(self.reload)
+
     def take(self, response: Any) -> list[FollowedEvent]:
-        """The events of one XREAD reply this follow yields; sets ``done`` after the turn's terminal event."""
+        """The events of one XREAD reply this follow yields; sets ``done`` after the turn's terminal event and
+        ``gap`` (stopping before it) at a seq jump."""
         out: list[FollowedEvent] = []
         for stream, entry_id, fields in entries(response):
-            self.last_id = entry_id
+            before, self.last_id = self.last_id, entry_id
             event = decode_entry(stream, entry_id, fields)
             if event is None:
                 continue
@@ -148,9 +168,14 @@ class FollowState:
                     continue
             else:
                 seq = event.seq
-                if seq is not None:
+                if seq is not None and self.last_seq is not None:
                     if seq <= self.last_seq:
                         continue  # the same event again, in a stream rebuilt from the store
+                    if seq > self.last_seq + 1:
+                        self.gap = jump(self.stream, before, entry_id, self.last_seq, seq)
+                        self.last_id = before
+                        break
+                if seq is not None:
                     self.last_seq = seq
             if self.turn_id is not None and event.turn_id != self.turn_id:
                 continue

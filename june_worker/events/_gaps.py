@@ -20,6 +20,9 @@ tokens, never re-sent) is not a gap, and a trim noticed mid-follow is told at th
 The rule a reader must not break: **a gap is raised before anything after it is yielded**, and the
 follow stops there; the caller reloads from the store and follows again from ``resume_id`` with
 ``last_seq=next_seq - 1``.
+
+``june_worker/events/_gaps.py`` and ``producers/_gaps.py`` are the same file but for their two
+imports (producers import nothing of june_worker); a test keeps them so.
 """
 
 from __future__ import annotations
