@@ -327,3 +327,24 @@ async def test_a_runner_given_the_sessions_snapshot_does_not_read_the_store() ->
     assert isinstance(result, Completed) and result.text == "Done — order placed."
     assert store.loads == loads
     assert [m.turn_id for m in transcript(store)] == ["t1"] * 4 + ["t2"] * 4
+
+
+class _DeltaSink(NullSink):
+    def __init__(self) -> None:
+        self.deltas: list[Any] = []
+
+    def publish_delta(self, ref: SessionRef, event: Any) -> None:
+        self.deltas.append(event)
+
+
+async def test_a_runner_stamps_the_attempt_its_host_gives_it_on_every_delta() -> None:
+    # Given a host (the worker) that counts this as the turn's third attempt
+    store = MemoryStore()
+    ref = SessionRef("ops", "s1")
+    rec, _ = store.enqueue_turn(ref, "t1", TurnPayload(text="hi"))
+    agent = runtime_with(store, ScriptedModel(["Hello there, friend."])).agents["ops"]
+    sink = _DeltaSink()
+    # When the runner streams the model's reply
+    await TurnRunner(agent, store, sink, ref, rec, attempt=3).run()
+    # Then every delta says attempt 3 (without the parameter, the record's attempts + 1: 1 here)
+    assert sink.deltas and {(d.type, d.attempt) for d in sink.deltas} == {("message.delta", 3)}
