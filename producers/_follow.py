@@ -25,7 +25,7 @@ import math
 import time
 from typing import Any
 
-from ._gaps import Gap, judge_start, jump
+from ._gaps import Gap, Start, jump
 from .events import FollowedEvent
 
 __all__ = ["DeltaAttempts", "FollowState", "decode_entry", "entries", "safe_block_ms"]
@@ -146,9 +146,10 @@ class FollowState:
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
-    def started(self, replies: list[Any]) -> None:
-        """Take the start check's replies (:func:`._gaps.queue_start_check`): the seq held, a gap at the start."""
-        self.last_seq, self.gap = judge_start(self.stream, self.last_id, self.last_seq, replies)
+    def started(self, start: Start, after: Any = None) -> None:
+        """Take what the start check found (:func:`._gaps.judge_start`) and, when it was suspect, the entries
+        after the start id: the seq held, and a gap at the start."""
+        self.last_seq, self.gap = start.settle(after) if start.suspect else (start.anchor, None)
 
     def raise_gap(self) -> None:
         if self.gap is not None:

@@ -12,10 +12,12 @@ from a store that may have pruned its oldest events. A follower finds out in two
   first structural entry still there says exactly what is missing; without it the gap is told with
   the first missing seq unknown.
 
-Before its first read a follow sends one pipeline (queued by :func:`queue_start_check`: the entries at
-and before its start id, ``XINFO STREAM``, the entries after it) and :func:`judge_start` says which seq
-it holds and whether its start is a gap. Deltas are never counted: a trim that took only deltas (live
-tokens, never re-sent) is not a gap, and a trim noticed mid-follow is told at the next structural entry.
+Before its first read a follow sends one pipeline (queued by :func:`queue_start_check`: ``XINFO
+STREAM``, and the entries up to its start id when it did not say which seq it holds), and
+:func:`judge_start` says which seq it holds and whether its start may be a gap; only then (rare) does
+it read the entries after its start, and :meth:`Start.settle` says what is missing. Deltas are never
+counted: a trim that took only deltas (live tokens, never re-sent) is not a gap, and a trim noticed
+mid-follow is told at the next structural entry.
 
 The rule a reader must not break: **a gap is raised before anything after it is yielded**, and the
 follow stops there; the caller reloads from the store and follows again from ``resume_id`` with
@@ -34,7 +36,7 @@ from typing import Any
 from .errors import StreamGapError
 from .events import DELTA_TYPES
 
-__all__ = ["SCAN", "Gap", "id_before", "judge_start", "jump", "queue_start_check"]
+__all__ = ["SCAN", "Gap", "Start", "id_before", "judge_start", "jump", "queue_start_check"]
 
 SCAN = 100
 """Entries read on each side of a start id to find the seqs around it."""
@@ -115,11 +117,12 @@ def jump(stream: str, after_id: str, entry_id: str, last_seq: int, seq: int) -> 
     return Gap(stream, after_id, id_before(entry_id), last_seq + 1, seq, trimmed=False)
 
 
-def queue_start_check(pipe: Any, stream: str, last_id: str) -> None:
-    """Queue what :func:`judge_start` reads: entries at and before ``last_id``, XINFO STREAM, entries after it."""
-    pipe.xrevrange(stream, max=last_id, min="-", count=SCAN)
+def queue_start_check(pipe: Any, stream: str, last_id: str, last_seq: int | None) -> None:
+    """Queue what :func:`judge_start` reads: XINFO STREAM, and the entries up to ``last_id`` when the seq the
+    follower holds is not known."""
     pipe.xinfo_stream(stream)
-    pipe.xrange(stream, min="(" + last_id, max="+", count=SCAN)
+    if last_seq is None and last_id != "0-0":
+        pipe.xrevrange(stream, max=last_id, min="-", count=SCAN)
 
 
 def _first_seq(entries: Any) -> int | None:
@@ -130,15 +133,34 @@ def _first_seq(entries: Any) -> int | None:
     return None
 
 
-def judge_start(stream: str, last_id: str, last_seq: int | None, replies: list[Any]) -> tuple[int | None, Gap | None]:
-    """The seq the follower holds (None: unknown until its first structural entry) and the gap at its start, if any.
+@dataclass(frozen=True, slots=True)
+class Start:
+    """What the start check found: the seq the follower holds, and whether events after its start may be gone."""
 
-    ``replies``: the three replies of :func:`queue_start_check` (XINFO's may be an error: no stream).
-    """
-    before, info, after = replies
-    before = [] if isinstance(before, Exception) else list(before or [])
-    after = [] if isinstance(after, Exception) else list(after or [])
-    info = info if isinstance(info, dict) else None
+    stream: str
+    last_id: str
+    anchor: int | None
+    """The last structural seq the follower holds; None: not known until its first structural entry."""
+    suspect: bool
+    """The start id is older than the stream's first entry and the stream lost entries: read the entries
+    after it (``XRANGE stream (<last_id> + COUNT SCAN``) and :meth:`settle` with them."""
+    last_generated: str
+
+    def settle(self, after: Any) -> tuple[int | None, Gap | None]:
+        """The seq held and the gap at the start, given the entries after it (read only when ``suspect``)."""
+        after = [] if isinstance(after, Exception) else list(after or [])
+        next_seq = _first_seq(after)
+        if self.anchor is not None and next_seq is not None and next_seq <= self.anchor + 1:
+            return self.anchor, None  # only deltas were trimmed after the start: nothing structural is missing
+        resume_id = id_before(_text(after[0][0])) if after else self.last_generated
+        first_missing = None if self.anchor is None else self.anchor + 1
+        return self.anchor, Gap(self.stream, self.last_id, resume_id, first_missing, next_seq, trimmed=True)
+
+
+def judge_start(stream: str, last_id: str, last_seq: int | None, replies: list[Any]) -> Start:
+    """Read the replies of :func:`queue_start_check` (XINFO's is an error when there is no stream)."""
+    info = replies[0] if isinstance(replies[0], dict) else None
+    before = list(replies[1] or []) if len(replies) > 1 and not isinstance(replies[1], Exception) else []
     held = bool(before) and _text(before[0][0]) == last_id
     first = info.get("first-entry") if info else None
     first_id = _text(first[0]) if first else None
@@ -151,13 +173,10 @@ def judge_start(stream: str, last_id: str, last_seq: int | None, replies: list[A
         anchor = 0 if last_id == "0-0" else _first_seq(before)
         if anchor is None and held and not lost_any and len(before) < SCAN:
             anchor = 0  # the whole stream up to the start is there, and none of it is structural
-    if held or not lost_any or info is None:
-        return anchor, None
     oldest = first_id if first_id is not None else last_generated
-    if id_key(last_id) >= id_key(oldest) or (first_id is not None and last_id == id_before(first_id)):
-        return anchor, None  # inside the stream (an id it never held), or right before its first entry
-    next_seq = _first_seq(after)
-    if anchor is not None and next_seq is not None and next_seq <= anchor + 1:
-        return anchor, None  # only deltas were trimmed after the start: nothing structural is missing
-    resume_id = id_before(_text(after[0][0])) if after else last_generated
-    return anchor, Gap(stream, last_id, resume_id, None if anchor is None else anchor + 1, next_seq, trimmed=True)
+    suspect = (
+        lost_any
+        and id_key(last_id) < id_key(oldest)  # else inside the stream: trimming takes the oldest entries first
+        and not (first_id is not None and last_id == id_before(first_id))  # right before its first entry
+    )
+    return Start(stream, last_id, anchor, suspect, last_generated)

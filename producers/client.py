@@ -32,7 +32,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from kombu.exceptions import OperationalError
 
 from ._follow import FollowState, safe_block_ms
-from ._gaps import queue_start_check
+from ._gaps import SCAN, judge_start, queue_start_check
 from ._ulid import new_turn_id
 from .errors import BrokerUnavailable, ProducerConfigError, ResultTimeout, ResultUnavailable, TaskFailed
 from .events import FollowedEvent, session_stream
@@ -456,8 +456,10 @@ class JuneProducer:
 
     def _follow(self, state: FollowState, count: int) -> Generator[FollowedEvent, None, None]:
         with self.redis.pipeline(transaction=False) as pipe:
-            queue_start_check(pipe, state.stream, state.last_id)
-            state.started(pipe.execute(raise_on_error=False))
+            queue_start_check(pipe, state.stream, state.last_id, state.last_seq)
+            start = judge_start(state.stream, state.last_id, state.last_seq, pipe.execute(raise_on_error=False))
+        after = self.redis.xrange(state.stream, min="(" + state.last_id, count=SCAN) if start.suspect else None
+        state.started(start, after)
         state.raise_gap()
         while not state.done:
             response: Any = self.redis.xread({state.stream: state.last_id}, count=count, block=state.block())
@@ -496,8 +498,12 @@ class JuneProducer:
                 tail: Any = await client.xrevrange(state.stream, count=1)
                 state.last_id = str(tail[0][0]) if tail else "0-0"
             async with client.pipeline(transaction=False) as pipe:
-                queue_start_check(pipe, state.stream, state.last_id)
-                state.started(await pipe.execute(raise_on_error=False))
+                queue_start_check(pipe, state.stream, state.last_id, state.last_seq)
+                start = judge_start(
+                    state.stream, state.last_id, state.last_seq, await pipe.execute(raise_on_error=False)
+                )
+            after = await client.xrange(state.stream, min="(" + state.last_id, count=SCAN) if start.suspect else None
+            state.started(start, after)
             state.raise_gap()
             while not state.done:
                 response: Any = await client.xread({state.stream: state.last_id}, count=count, block=state.block())

@@ -40,7 +40,7 @@ from pydantic import ValidationError
 
 from ..engine.events import TurnEvent, TurnEventAdapter, is_structural, is_terminal
 from ..engine.store import SessionRef
-from ._gaps import Gap, judge_start, jump, queue_start_check
+from ._gaps import SCAN, Gap, Start, judge_start, jump, queue_start_check
 from .keys import DEFAULT_KEYS, EventKeys
 
 __all__ = [
@@ -160,9 +160,10 @@ class _Follow:
         self.newest_attempt[key] = attempt
         return False
 
-    def started(self, replies: list[Any]) -> None:
-        """Take the start check's replies (:func:`._gaps.queue_start_check`): the seq held, a gap at the start."""
-        self.last_seq, self.gap = judge_start(self.stream, self.last_id, self.last_seq, replies)
+    def started(self, start: Start, after: Any = None) -> None:
+        """Take what the start check found (:func:`._gaps.judge_start`) and, when it was suspect, the entries
+        after the start id: the seq held, and a gap at the start."""
+        self.last_seq, self.gap = start.settle(after) if start.suspect else (start.anchor, None)
 
     def raise_gap(self) -> None:
         if self.gap is not None:
@@ -239,8 +240,9 @@ def follow(
 
 def _follow(client: redis.Redis, state: _Follow, count: int) -> Generator[StreamEvent, None, None]:
     with client.pipeline(transaction=False) as pipe:
-        queue_start_check(pipe, state.stream, state.last_id)
-        state.started(pipe.execute(raise_on_error=False))
+        queue_start_check(pipe, state.stream, state.last_id, state.last_seq)
+        start = judge_start(state.stream, state.last_id, state.last_seq, pipe.execute(raise_on_error=False))
+    state.started(start, client.xrange(state.stream, min="(" + state.last_id, count=SCAN) if start.suspect else None)
     state.raise_gap()
     while not state.done:
         response = client.xread({state.stream: state.last_id}, count=count, block=state.block())
@@ -273,8 +275,10 @@ async def afollow(
         last_id = _resolve_last_id(last_id, await client.xrevrange(stream, count=1))
     state = _Follow(stream, turn_id, last_id, _safe_block_ms(client, block_ms), timeout_s, include_deltas, last_seq)
     async with client.pipeline(transaction=False) as pipe:
-        queue_start_check(pipe, stream, state.last_id)
-        state.started(await pipe.execute(raise_on_error=False))
+        queue_start_check(pipe, stream, state.last_id, state.last_seq)
+        start = judge_start(stream, state.last_id, state.last_seq, await pipe.execute(raise_on_error=False))
+    after = await client.xrange(stream, min="(" + state.last_id, count=SCAN) if start.suspect else None
+    state.started(start, after)
     state.raise_gap()
     while not state.done:
         response = await client.xread({stream: state.last_id}, count=count, block=state.block())
