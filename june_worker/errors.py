@@ -21,12 +21,14 @@
     │   ├── LeaseLostError            a commit was fenced off: another worker holds the session
     │   ├── TurnEndedError            a commit would change the status of a turn that has ended
     │   ├── CancelRequestedError      the opening commit found a stored cancel request
-    │   └── ResetNotSupportedError    the store has no reset operation
+    │   ├── ResetNotSupportedError    the store has no reset operation
+    │   └── StoreLockedError          another open SQLiteStore (another process) serves the file
     ├── ResumeError                   a resume was not applied
     │   ├── ResumeAuthorizationError  ``by`` may not answer this request (HTTP 403)
     │   ├── ResumeConflictError       wrong turn, wrong input id, not suspended, reset pending (409)
     │   └── InvalidAnswerError        the answer does not match the request's JSON schema (HTTP 422)
     ├── InputTimeoutError             a parked input expired before anyone answered
+    ├── StreamGapError                a follower's position was trimmed from a session stream, or a seq is missing
     └── PayloadError                  a task payload failed validation (never retried)
 
 Exceptions that cross a process boundary (Celery results) must survive pickling, so every
@@ -58,7 +60,9 @@ __all__ = [
     "ResumeConflictError",
     "ResumeError",
     "StoreError",
+    "StoreLockedError",
     "StoreUnavailableError",
+    "StreamGapError",
     "TransientError",
     "TurnCancelledError",
     "TurnEndedError",
@@ -185,6 +189,10 @@ class ResetNotSupportedError(StoreError):
     """The store does not implement reset; nothing was cancelled or cleared."""
 
 
+class StoreLockedError(StoreError):
+    """Another open ``SQLiteStore`` (in another process, or this one) serves the SQLite file; close it first."""
+
+
 class ResumeError(JuneError):
     """A resume was not applied; the turn stays as it was."""
 
@@ -208,6 +216,36 @@ class InputTimeoutError(JuneError):
         super().__init__(input_id, message)
         self.input_id = input_id
         self.message = message or f"input {input_id!r} expired before anyone answered"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class StreamGapError(JuneError):
+    """Events a follower asked for are no longer in the session stream (trimmed), or its ``seq`` jumped.
+
+    ``first_missing_seq`` is the first seq the follower lacks (None when its position was trimmed and it
+    did not say which seq it holds); ``next_seq`` the first seq the stream still holds after the gap
+    (None: none yet). Reload the missing events from the store, then follow again from ``resume_id``
+    with ``last_seq=next_seq - 1``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        stream: str,
+        after_id: str,
+        resume_id: str,
+        first_missing_seq: int | None,
+        next_seq: int | None,
+    ) -> None:
+        super().__init__(message, stream, after_id, resume_id, first_missing_seq, next_seq)
+        self.message = message
+        self.stream = stream
+        self.after_id = after_id
+        self.resume_id = resume_id
+        self.first_missing_seq = first_missing_seq
+        self.next_seq = next_seq
 
     def __str__(self) -> str:
         return self.message

@@ -21,6 +21,7 @@ from .errors import (
     ProducerError,
     ResultTimeout,
     ResultUnavailable,
+    StreamGapError,
     TaskFailed,
     UnexpectedResult,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "ResultTimeout",
     "ResultUnavailable",
     "ResumeOutcome",
+    "StreamGapError",
     "TaskFailed",
     "UnexpectedResult",
     "new_turn_id",

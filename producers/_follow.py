@@ -8,7 +8,13 @@ read, even with ``timeout_s=0``).
 
 Within one follow a structural event is yielded at most once, even when the stream holds it
 twice (the worker rebuilt the stream from Postgres after Redis lost it): a ``seq`` not above the
-highest one seen is skipped. Entries that do not decode are logged and skipped.
+highest one seen is skipped. A delta of an older attempt at a step than one already seen (a dead
+or fenced-off worker's, arriving after its retry began) is dropped. Entries that do not decode are
+logged and skipped.
+
+Gaps are told, never skipped (:mod:`._gaps`): a start id the stream no longer holds, or a
+structural ``seq`` more than one past the last one held, raises
+:class:`~producers.errors.StreamGapError` before anything after the gap is yielded.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ import math
 import time
 from typing import Any
 
+from ._gaps import Gap, Start, jump
 from .events import FollowedEvent
 
-__all__ = ["FollowState", "decode_entry", "entries", "safe_block_ms"]
+__all__ = ["DeltaAttempts", "FollowState", "decode_entry", "entries", "safe_block_ms"]
 
 log = logging.getLogger("producers.follow")
 
@@ -77,6 +84,25 @@ def safe_block_ms(socket_timeout_s: float | None, block_ms: int) -> int:
     return block_ms
 
 
+class DeltaAttempts:
+    """The newest attempt seen per (turn, step): a delta of an older one belongs to a dead attempt."""
+
+    def __init__(self) -> None:
+        self._newest: dict[tuple[str | None, str | None], int] = {}
+
+    def stale(self, event: FollowedEvent) -> bool:
+        """True for a delta of an older attempt at its step than one seen before; remembers newer ones."""
+        attempt = event.attempt
+        if attempt is None:
+            return False  # a worker that does not say: nothing to compare
+        key = (event.turn_id, event.step)
+        newest = self._newest.get(key, 0)
+        if attempt < newest:
+            return True
+        self._newest[key] = attempt
+        return False
+
+
 class FollowState:
     """Position, filter and deadline of one follow."""
 
@@ -89,17 +115,24 @@ class FollowState:
         block_ms: int,
         timeout_s: float | None,
         include_deltas: bool,
+        last_seq: int | None = None,
+        reload: str = "the store",
     ) -> None:
         if timeout_s is not None and timeout_s < 0:
             raise ValueError(f"timeout_s must not be negative, not {timeout_s}")
+        if last_seq is not None and (not isinstance(last_seq, int) or last_seq < 0):
+            raise ValueError(f"last_seq must be a seq you hold (an int >= 0), not {last_seq!r}")
         self.stream = stream
         self.turn_id = turn_id
         self.last_id = last_id
         self.block_ms = block_ms
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.include_deltas = include_deltas
-        self.last_seq = 0
+        self.last_seq = last_seq  # the highest structural seq held; None: not known until the start check
+        self.reload = reload
+        self.gap: Gap | None = None
         self.done = False
+        self.attempts = DeltaAttempts()
 
     def block(self) -> int | None:
         """How long the next XREAD may block; None (do not block) once the deadline has passed."""
@@ -113,22 +146,37 @@ class FollowState:
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
+    def started(self, start: Start, after: Any = None) -> None:
+        """Take what the start check found (:func:`._gaps.judge_start`) and, when it was suspect, the entries
+        after the start id: the seq held, and a gap at the start."""
+        self.last_seq, self.gap = start.settle(after) if start.suspect else (start.anchor, None)
+
+    def raise_gap(self) -> None:
+        if self.gap is not None:
+            raise self.gap.error(self.reload)
+
     def take(self, response: Any) -> list[FollowedEvent]:
-        """The events of one XREAD reply this follow yields; sets ``done`` after the turn's terminal event."""
+        """The events of one XREAD reply this follow yields; sets ``done`` after the turn's terminal event and
+        ``gap`` (stopping before it) at a seq jump."""
         out: list[FollowedEvent] = []
         for stream, entry_id, fields in entries(response):
-            self.last_id = entry_id
+            before, self.last_id = self.last_id, entry_id
             event = decode_entry(stream, entry_id, fields)
             if event is None:
                 continue
             if event.delta:
-                if not self.include_deltas:
+                if not self.include_deltas or self.attempts.stale(event):
                     continue
             else:
                 seq = event.seq
-                if seq is not None:
+                if seq is not None and self.last_seq is not None:
                     if seq <= self.last_seq:
                         continue  # the same event again, in a stream rebuilt from the store
+                    if seq > self.last_seq + 1:
+                        self.gap = jump(self.stream, before, entry_id, self.last_seq, seq)
+                        self.last_id = before
+                        break
+                if seq is not None:
                     self.last_seq = seq
             if self.turn_id is not None and event.turn_id != self.turn_id:
                 continue

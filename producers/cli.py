@@ -31,7 +31,7 @@ from rich.console import Console
 
 from . import render
 from .client import JuneProducer
-from .errors import ProducerError
+from .errors import ProducerError, StreamGapError
 from .events import FollowedEvent
 from .render import LiveView, write_json
 
@@ -90,6 +90,24 @@ class _Out:
         else:
             self.view.show(event)
 
+    def gap(self, gap: StreamGapError) -> None:
+        """Events the stream no longer holds: said on stdout (a ``stream.gap`` line, or a note) before going on."""
+        if self.json_mode:
+            write_json(
+                self.stdout,
+                {
+                    "stream_id": gap.resume_id,
+                    "type": "stream.gap",
+                    "first_missing_seq": gap.first_missing_seq,
+                    "next_seq": gap.next_seq,
+                    "after_id": gap.after_id,
+                    "resume_id": gap.resume_id,
+                    "message": gap.message,
+                },
+            )
+        else:
+            self.view.note(f"⚠ {gap.message}", "yellow")
+
     def outcome(self, command: str, data: dict[str, Any], ok: bool) -> None:
         if self.json_mode:
             write_json(self.stdout, data)
@@ -99,9 +117,19 @@ class _Out:
 
 def _follow(producer: JuneProducer, out: _Out, args: argparse.Namespace, turn_id: str | None, last_id: str) -> int:
     last: FollowedEvent | None = None
-    for event in producer.follow(args.agent, args.session, turn_id=turn_id, last_id=last_id, timeout_s=args.timeout):
-        out.event(event)
-        last = event
+    last_seq: int | None = None
+    while True:
+        events = producer.follow(
+            args.agent, args.session, turn_id=turn_id, last_id=last_id, timeout_s=args.timeout, last_seq=last_seq
+        )
+        try:
+            for event in events:
+                out.event(event)
+                last = event
+            break
+        except StreamGapError as gap:  # told, then followed on after the gap
+            out.gap(gap)
+            last_id, last_seq = gap.resume_id, (gap.next_seq - 1 if gap.next_seq is not None else None)
     if turn_id is None:
         return render.EXIT_OK
     if not out.json_mode:

@@ -32,6 +32,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from kombu.exceptions import OperationalError
 
 from ._follow import FollowState, safe_block_ms
+from ._gaps import SCAN, judge_start, queue_start_check
 from ._ulid import new_turn_id
 from .errors import BrokerUnavailable, ProducerConfigError, ResultTimeout, ResultUnavailable, TaskFailed
 from .events import FollowedEvent, session_stream
@@ -433,6 +434,7 @@ class JuneProducer:
         block_ms: int = 5000,
         include_deltas: bool = True,
         count: int = 100,
+        last_seq: int | None = None,
     ) -> Generator[FollowedEvent, None, None]:
         """A session's events after ``last_id``: what the stream holds, then new ones as they come.
 
@@ -441,18 +443,28 @@ class JuneProducer:
         ``turn_id``: only that turn's events, ending after its terminal event
         (``turn.completed`` / ``turn.failed`` / ``turn.cancelled`` / ``input.requested``).
         ``timeout_s``: stop waiting for new events after this long (``0``: catch up, then stop);
-        without a turn id and without a timeout it follows until you stop iterating. Redis errors
-        propagate: follow again from the last ``stream_id`` you handled.
+        without a turn id and without a timeout it follows until you stop iterating.
+        ``last_seq``: the last structural ``seq`` you hold, when you continue from a ``stream_id``.
+        Events the stream no longer holds raise :class:`~producers.errors.StreamGapError` (first
+        missing seq, how to reload, where to go on), never skipped. Redis errors propagate: follow
+        again from the last ``stream_id`` you handled.
         """
-        state = self._state(agent, session, turn_id, last_id, timeout_s, block_ms, include_deltas)
+        state = self._state(agent, session, turn_id, last_id, timeout_s, block_ms, include_deltas, last_seq)
         if state.last_id == "$":
             state.last_id = self.last_stream_id(agent, session)
         return self._follow(state, count)
 
     def _follow(self, state: FollowState, count: int) -> Generator[FollowedEvent, None, None]:
+        with self.redis.pipeline(transaction=False) as pipe:
+            queue_start_check(pipe, state.stream, state.last_id, state.last_seq)
+            start = judge_start(state.stream, state.last_id, state.last_seq, pipe.execute(raise_on_error=False))
+        after = self.redis.xrange(state.stream, min="(" + state.last_id, count=SCAN) if start.suspect else None
+        state.started(start, after)
+        state.raise_gap()
         while not state.done:
             response: Any = self.redis.xread({state.stream: state.last_id}, count=count, block=state.block())
             yield from state.take(response)
+            state.raise_gap()
             if not response and state.expired():
                 return
 
@@ -467,13 +479,14 @@ class JuneProducer:
         block_ms: int = 5000,
         include_deltas: bool = True,
         count: int = 100,
+        last_seq: int | None = None,
     ) -> AsyncGenerator[FollowedEvent, None]:
         """:meth:`follow` on ``redis.asyncio``, with the same contract (``"$"`` is pinned when iteration starts).
 
         It opens its own connection and closes it when the iteration ends; if you stop early,
         close the iterator (``async with contextlib.aclosing(producer.afollow(...)) as events``).
         """
-        state = self._state(agent, session, turn_id, last_id, timeout_s, block_ms, include_deltas)
+        state = self._state(agent, session, turn_id, last_id, timeout_s, block_ms, include_deltas, last_seq)
         client = aioredis.Redis.from_url(
             self.redis_url,
             decode_responses=True,
@@ -484,10 +497,19 @@ class JuneProducer:
             if state.last_id == "$":
                 tail: Any = await client.xrevrange(state.stream, count=1)
                 state.last_id = str(tail[0][0]) if tail else "0-0"
+            async with client.pipeline(transaction=False) as pipe:
+                queue_start_check(pipe, state.stream, state.last_id, state.last_seq)
+                start = judge_start(
+                    state.stream, state.last_id, state.last_seq, await pipe.execute(raise_on_error=False)
+                )
+            after = await client.xrange(state.stream, min="(" + state.last_id, count=SCAN) if start.suspect else None
+            state.started(start, after)
+            state.raise_gap()
             while not state.done:
                 response: Any = await client.xread({state.stream: state.last_id}, count=count, block=state.block())
                 for event in state.take(response):
                     yield event
+                state.raise_gap()
                 if not response and state.expired():
                     return
         finally:
@@ -502,6 +524,7 @@ class JuneProducer:
         timeout_s: float | None,
         block_ms: int,
         include_deltas: bool,
+        last_seq: int | None,
     ) -> FollowState:
         if not isinstance(last_id, str) or not _STREAM_ID_RE.match(last_id):
             raise ValueError(f"invalid last_id {last_id!r}: expected a stream id such as 1700000000000-0, 0-0 or $")
@@ -512,6 +535,8 @@ class JuneProducer:
             block_ms=safe_block_ms(self.socket_timeout_s, block_ms),
             timeout_s=timeout_s,
             include_deltas=include_deltas,
+            last_seq=last_seq,
+            reload=f"the store (the gateway's GET /v1/agents/{agent}/sessions/{session}/log)",
         )
 
     # --- sending ---------------------------------------------------------------------------------

@@ -8,7 +8,8 @@
      ├── ResultUnavailable       (also ConnectionError)  sent, but the answer could not be read
      ├── ResultTimeout           (also TimeoutError)     sent, no answer in time: is a worker on the queue?
      ├── TaskFailed                                      the task raised on the worker
-     └── UnexpectedResult                                the worker answered in a shape this client does not know
+     ├── UnexpectedResult                                the worker answered in a shape this client does not know
+     └── StreamGapError                                  events a follow asked for are gone from the stream
 
 Bad arguments (an agent name with a space, an empty input id) are plain ``ValueError`` and are
 raised before anything is sent. Every class survives pickling: ``__init__`` passes all of its
@@ -23,6 +24,7 @@ __all__ = [
     "ProducerError",
     "ResultTimeout",
     "ResultUnavailable",
+    "StreamGapError",
     "TaskFailed",
     "UnexpectedResult",
 ]
@@ -77,3 +79,29 @@ class TaskFailed(ProducerError):
 
 class UnexpectedResult(ProducerError):
     """The task returned something other than the summary this client expects (a version mismatch?)."""
+
+
+class StreamGapError(ProducerError):
+    """Events a follow asked for are no longer in the session stream (trimmed away), or a structural ``seq`` jumped.
+
+    ``first_missing_seq``: the first seq you lack (None when your start id was trimmed and you did not pass
+    ``last_seq``); ``next_seq``: the first seq the stream still holds after the gap (None: none yet). Reload
+    the missing events from the store (the gateway's ``GET .../sessions/{session}/log?after_seq=``), then
+    follow again from ``resume_id`` with ``last_seq=next_seq - 1``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        stream: str,
+        after_id: str,
+        resume_id: str,
+        first_missing_seq: int | None,
+        next_seq: int | None,
+    ) -> None:
+        super().__init__(message, stream, after_id, resume_id, first_missing_seq, next_seq)
+        self.message, self.stream, self.after_id, self.resume_id = message, stream, after_id, resume_id
+        self.first_missing_seq, self.next_seq = first_missing_seq, next_seq
+
+    def __str__(self) -> str:
+        return self.message

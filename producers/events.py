@@ -22,7 +22,7 @@ TERMINAL_TYPES = frozenset({"turn.completed", "turn.failed", "turn.cancelled", "
 """A turn's stream ends after one of these; ``input.requested`` means the turn parked (it continues after a resume)."""
 
 DELTA_TYPES = frozenset({"message.delta", "reasoning.delta"})
-"""Live tokens: never stored, never re-sent on replay, no ``seq``."""
+"""Live tokens: never stored, never re-sent on replay, no ``seq``; each carries its ``step`` and ``attempt``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,18 @@ class FollowedEvent:
     def seq(self) -> int | None:
         """The per-session sequence number of a structural event; None for deltas."""
         value = self.data.get("seq")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
+    def step(self) -> str | None:
+        """The step id (``model:3``, ``tool:3:call_1``) of a delta or a step's event; None for others."""
+        value = self.data.get("step")
+        return value if isinstance(value, str) else None
+
+    @property
+    def attempt(self) -> int | None:
+        """Which attempt at the turn a delta belongs to (1, 2...); None for structural events and older workers."""
+        value = self.data.get("attempt")
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     @property

@@ -113,6 +113,7 @@ class LiveView:
         self.show_reasoning = show_reasoning
         self._open = False  # streamed text is on the current line, without its newline
         self._streamed: dict[tuple[str | None, str], str] = {}
+        self._attempts: dict[tuple[str | None, str], int] = {}  # the attempt whose deltas are shown, per step
 
     # --- lines ------------------------------------------------------------------------------------
 
@@ -181,14 +182,33 @@ class LiveView:
                 how = f" ({source}{who})"
         self._line(("▶ ", "cyan"), ("turn ", "dim"), (event.turn_id or "?", "bold"), (f" started{how}", "dim"))
 
+    def _current(self, event: FollowedEvent) -> bool:
+        """False for a delta of an older attempt at its step (a dead worker's): it is not shown. The first
+        delta of a newer attempt says that the text shown so far for the step came from a dead attempt."""
+        attempt, key = event.attempt, (event.turn_id, str(event.step))
+        if attempt is None:
+            return True
+        shown = self._attempts.get(key)
+        if shown is not None and attempt < shown:
+            return False
+        if shown is not None and attempt > shown:
+            self._streamed.pop(key, None)
+            self._line(
+                (f"↻ {event.step} retried (attempt {attempt}); the text above was from a dead attempt", "yellow")
+            )
+        self._attempts[key] = attempt
+        return True
+
     def _on_message_delta(self, event: FollowedEvent) -> None:
+        if not self._current(event):
+            return
         text = str(event.data.get("text", ""))
         key = (event.turn_id, str(event.data.get("step")))
         self._streamed[key] = self._streamed.get(key, "") + text
         self._stream(text, "")
 
     def _on_reasoning_delta(self, event: FollowedEvent) -> None:
-        if self.show_reasoning:
+        if self._current(event) and self.show_reasoning:
             self._stream(str(event.data.get("text", "")), "dim italic")
 
     def _on_message_completed(self, event: FollowedEvent) -> None:

@@ -137,12 +137,15 @@ class Agent:
             p.name[len("instructions.") : -len(".md")]: p.read_text().strip()
             for p in sorted(root.glob("instructions.*.md"))
         }
-        policies = derive_policies(
-            variants=variants,
-            surfaces=config.get("surfaces", {}),
-            legacy=config.get("policies", {}),
-            known_sources=known_sources,
-        )
+        try:
+            policies = derive_policies(
+                variants=variants,
+                surfaces=config.get("surfaces", {}),
+                legacy=config.get("policies", {}),
+                known_sources=known_sources,
+            )
+        except AgentDefinitionError as exc:
+            raise AgentDefinitionError(f"agent directory {root}: {exc}") from None
         return cls(
             name=config.get("name", root.name),
             model=model,
@@ -161,9 +164,21 @@ def derive_policies(
     legacy: Mapping[str, str] | None = None,
     known_sources: Iterable[str] | None = None,
 ) -> dict[str, SurfacePolicy | str]:
-    """Per-source policies from variant files, ``surfaces`` settings and legacy string overlays."""
+    """Per-source policies from variant files, ``surfaces`` settings and legacy string overlays.
+
+    A source is given in one place only: a legacy ``[policies]`` entry for a source that also has
+    an ``instructions.<source>.md`` variant or a ``[surfaces.<source>]`` table is an error naming
+    both, never silently resolved.
+    """
     surfaces = surfaces or {}
-    policies: dict[str, SurfacePolicy | str] = dict(legacy or {})
+    legacy = legacy or {}
+    for source in sorted(set(legacy) & (set(variants) | set(surfaces))):
+        other = f"instructions.{source}.md" if source in variants else f"[surfaces.{source}] in agent.toml"
+        raise AgentDefinitionError(
+            f"the policy for source {source!r} is given twice: by {other} and by policies.{source} "
+            f"([policies] in agent.toml); keep one of them"
+        )
+    policies: dict[str, SurfacePolicy | str] = dict(legacy)
     for source in sorted(set(variants) | set(surfaces)):
         settings = dict(surfaces.get(source, {}))
         mode = settings.pop("mode", None)

@@ -6,8 +6,8 @@ Two kinds of event, and the difference matters everywhere:
   ``input.requested``) are committed with the step that caused them, get a per-session
   ``seq`` from the store, and are delivered exactly once per session stream;
 * **deltas** (``message.delta``, ``reasoning.delta``) are live tokens: never stored,
-  never replayed, and tagged with their ``step`` so a reader can tell a retried step's
-  text apart.
+  never replayed, and tagged with their ``step`` and ``attempt`` so a reader can tell a
+  retried step's text apart and drop the deltas of a dead attempt.
 
 Terminal events end a turn's stream: ``turn.completed``, ``turn.failed``,
 ``turn.cancelled`` and ``input.requested`` (the turn parked).
@@ -73,12 +73,18 @@ class MessageDelta(_Event):
     type: Literal["message.delta"] = "message.delta"
     step: str
     text: str
+    attempt: int | None = None
+    """Which attempt at the turn produced it (1, 2...): a reader drops deltas of an older attempt of the same
+    step (a dead worker's). None only in entries written by a version that did not send it."""
 
 
 class ReasoningDelta(_Event):
     type: Literal["reasoning.delta"] = "reasoning.delta"
     step: str
     text: str
+    attempt: int | None = None
+    """Which attempt at the turn produced it (1, 2...): a reader drops deltas of an older attempt of the same
+    step (a dead worker's). None only in entries written by a version that did not send it."""
 
 
 class MessageCompleted(_Event):

@@ -165,6 +165,11 @@ class TurnRunner:
     another attempt later); a turn started ``max_attempts`` times ends ``failed`` as poison;
     anything else that escapes a step ends the turn ``failed``. :meth:`run` raises only for a
     transient fault it could not outlast, a lost lease, and an injected crash.
+
+    ``attempt``: which attempt at the turn this run is, stamped on its deltas; by default the
+    turn record's ``attempts`` plus one. A transient retry within the run moves it on by one, so a
+    reader can drop the failed try's text (it may then share its number with the next attempt's
+    first try, which only costs a reader the chance to drop a dead try's text).
     """
 
     def __init__(
@@ -182,6 +187,7 @@ class TurnRunner:
         snapshot: SessionSnapshot | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         step_retries: int = STEP_RETRIES,
+        attempt: int | None = None,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -196,6 +202,7 @@ class TurnRunner:
         self._snapshot = snapshot
         self.max_attempts = max_attempts
         self.step_retries = step_retries
+        self.attempt = attempt if attempt is not None else record.attempts + 1
         self.messages: list[Message] = []
         self.steps: dict[str, StepRecord] = {}
         self.usage = Usage()
@@ -245,6 +252,7 @@ class TurnRunner:
                 )
                 await asyncio.sleep(delay)
                 self._snapshot = None  # a commit whose outcome is unknown may have landed: read it back
+                self.attempt += 1  # the try's deltas are told apart from the failed one's
 
     async def _attempt(self) -> TurnResult:
         snap = self._snapshot if self._snapshot is not None else self.store.load(self.ref)
@@ -534,11 +542,13 @@ class TurnRunner:
                 if isinstance(delta, TextChunk):
                     if delta.text:
                         text = storable_text(delta.text)
-                        self.sink.publish_delta(self.ref, MessageDelta(turn_id=self.turn_id, step=step, text=text))
+                        delta_event = MessageDelta(turn_id=self.turn_id, step=step, text=text, attempt=self.attempt)
+                        self.sink.publish_delta(self.ref, delta_event)
                 elif isinstance(delta, ReasoningChunk):
                     if delta.text:
                         text = storable_text(delta.text)
-                        self.sink.publish_delta(self.ref, ReasoningDelta(turn_id=self.turn_id, step=step, text=text))
+                        thought = ReasoningDelta(turn_id=self.turn_id, step=step, text=text, attempt=self.attempt)
+                        self.sink.publish_delta(self.ref, thought)
                 elif isinstance(delta, Done):
                     done = delta
                     break

@@ -11,7 +11,17 @@ from a ``seq``: deltas have no seq, and ids are what XREAD understands. Within o
 structural event is yielded at most once even if the stream holds it twice (after Redis lost
 its keys and the stream was rebuilt from the store).
 
-Entries that do not decode (a newer version's event type) are logged and skipped.
+**Gaps are told, never skipped** (:mod:`._gaps`): when the start id was trimmed away, or a
+structural event's ``seq`` jumps past the last one held, ``follow`` raises
+:class:`~june_worker.errors.StreamGapError` naming the first missing seq (when known) and where to
+go on, before yielding anything after the gap. Reload the missing events from the store
+(``SessionStore.events(ref, after_seq=...)``), then follow again from the error's ``resume_id``
+with ``last_seq=next_seq - 1``. Pass ``last_seq`` (the last seq you hold) when you resume from a
+stream id, so that a trimmed start names its first missing seq exactly.
+
+A delta of an older attempt at a step than one already seen (``attempt``: a dead or fenced-off
+worker's deltas arriving after its retry began) is dropped. Entries that do not decode (a newer
+version's event type) are logged and skipped.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from pydantic import ValidationError
 
 from ..engine.events import TurnEvent, TurnEventAdapter, is_structural, is_terminal
 from ..engine.store import SessionRef
+from ._gaps import SCAN, Gap, Start, judge_start, jump, queue_start_check
 from .keys import DEFAULT_KEYS, EventKeys
 
 __all__ = [
@@ -104,16 +115,27 @@ class _Follow:
     """The state of one follow, shared by the sync and async loops: position, filter, deadline."""
 
     def __init__(
-        self, stream: str, turn_id: str | None, last_id: str, block_ms: int, timeout_s: float | None, deltas: bool
+        self,
+        stream: str,
+        turn_id: str | None,
+        last_id: str,
+        block_ms: int,
+        timeout_s: float | None,
+        deltas: bool,
+        last_seq: int | None = None,
     ) -> None:
+        if last_seq is not None and last_seq < 0:
+            raise ValueError(f"last_seq must not be negative, not {last_seq}")
         self.stream = stream
         self.turn_id = turn_id
         self.last_id = last_id
         self.block_ms = block_ms
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.include_deltas = deltas
-        self.last_seq = 0
+        self.last_seq = last_seq  # the highest structural seq the follower holds; None: not known yet
+        self.gap: Gap | None = None
         self.done = False
+        self.newest_attempt: dict[tuple[str, str], int] = {}
 
     def block(self) -> int | None:
         """How long the next XREAD may block; None (do not block) once the deadline has passed."""
@@ -127,20 +149,47 @@ class _Follow:
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
+    def _stale(self, delta: TurnEvent) -> bool:
+        """A delta of an older attempt at its step than one already seen: a dead (or fenced-off) worker's."""
+        attempt = getattr(delta, "attempt", None)
+        if attempt is None:
+            return False
+        key = (delta.turn_id, str(getattr(delta, "step", "")))
+        if attempt < self.newest_attempt.get(key, 0):
+            return True
+        self.newest_attempt[key] = attempt
+        return False
+
+    def started(self, start: Start, after: Any = None) -> None:
+        """Take what the start check found (:func:`._gaps.judge_start`) and, when it was suspect, the entries
+        after the start id: the seq held, and a gap at the start."""
+        self.last_seq, self.gap = start.settle(after) if start.suspect else (start.anchor, None)
+
+    def raise_gap(self) -> None:
+        if self.gap is not None:
+            raise self.gap.error("the store (SessionStore.events)")
+
     def take(self, response: Any) -> list[StreamEvent]:
+        """The events of one XREAD reply to yield; stops before a seq jump (``gap``) or after the turn's end."""
         out: list[StreamEvent] = []
         for stream, entry_id, fields in _entries(response):
-            self.last_id = entry_id
+            before, self.last_id = self.last_id, entry_id
             item = decode_entry(stream, entry_id, fields)
             if item is None:
                 continue
             event = item.event
             if is_structural(event):
                 seq = event.seq or 0
-                if seq and seq <= self.last_seq:
-                    continue  # the same event again, in a stream rebuilt from the store
-                self.last_seq = max(self.last_seq, seq)
-            elif not self.include_deltas:
+                if seq and self.last_seq is not None:
+                    if seq <= self.last_seq:
+                        continue  # the same event again, in a stream rebuilt from the store
+                    if seq > self.last_seq + 1:
+                        self.gap = jump(self.stream, before, entry_id, self.last_seq, seq)
+                        self.last_id = before
+                        break
+                if seq:
+                    self.last_seq = seq
+            elif not self.include_deltas or self._stale(event):
                 continue
             if self.turn_id is not None and event.turn_id != self.turn_id:
                 continue
@@ -169,6 +218,7 @@ def follow(
     count: int = 100,
     include_deltas: bool = True,
     keys: EventKeys = DEFAULT_KEYS,
+    last_seq: int | None = None,
 ) -> Generator[StreamEvent, None, None]:
     """Events of a session after ``last_id`` (``"0-0"``: from the start; ``"$"``: only what comes next).
 
@@ -176,19 +226,28 @@ def follow(
     bounds how long to wait for new entries (0: catch up, then stop); what is already in the
     stream is always read. ``block_ms`` is one XREAD's wait, kept below the client's socket
     timeout. ``"$"`` is pinned to the stream's last id by this call, before iterating.
-    Redis errors propagate: reconnect and follow again from the last ``stream_id``.
+    ``last_seq``: the last structural seq you hold (when resuming from a stream id; 0 from the
+    start). Raises :class:`~june_worker.errors.StreamGapError` when events after your position are
+    gone (see the module docstring). Redis errors propagate: reconnect and follow again from the
+    last ``stream_id``.
     """
     stream = keys.session_stream(SessionRef(agent, session))
     if last_id == "$":
         last_id = _resolve_last_id(last_id, client.xrevrange(stream, count=1))
-    state = _Follow(stream, turn_id, last_id, _safe_block_ms(client, block_ms), timeout_s, include_deltas)
+    state = _Follow(stream, turn_id, last_id, _safe_block_ms(client, block_ms), timeout_s, include_deltas, last_seq)
     return _follow(client, state, count)
 
 
 def _follow(client: redis.Redis, state: _Follow, count: int) -> Generator[StreamEvent, None, None]:
+    with client.pipeline(transaction=False) as pipe:
+        queue_start_check(pipe, state.stream, state.last_id, state.last_seq)
+        start = judge_start(state.stream, state.last_id, state.last_seq, pipe.execute(raise_on_error=False))
+    state.started(start, client.xrange(state.stream, min="(" + state.last_id, count=SCAN) if start.suspect else None)
+    state.raise_gap()
     while not state.done:
         response = client.xread({state.stream: state.last_id}, count=count, block=state.block())
         yield from state.take(response)
+        state.raise_gap()
         if not response and state.expired():
             return
 
@@ -205,6 +264,7 @@ async def afollow(
     count: int = 100,
     include_deltas: bool = True,
     keys: EventKeys = DEFAULT_KEYS,
+    last_seq: int | None = None,
 ) -> AsyncGenerator[StreamEvent, None]:
     """:func:`follow` on ``redis.asyncio``, for the HTTP gateway (SSE, ``Last-Event-ID`` = ``stream_id``).
 
@@ -213,11 +273,18 @@ async def afollow(
     stream = keys.session_stream(SessionRef(agent, session))
     if last_id == "$":
         last_id = _resolve_last_id(last_id, await client.xrevrange(stream, count=1))
-    state = _Follow(stream, turn_id, last_id, _safe_block_ms(client, block_ms), timeout_s, include_deltas)
+    state = _Follow(stream, turn_id, last_id, _safe_block_ms(client, block_ms), timeout_s, include_deltas, last_seq)
+    async with client.pipeline(transaction=False) as pipe:
+        queue_start_check(pipe, stream, state.last_id, state.last_seq)
+        start = judge_start(stream, state.last_id, state.last_seq, await pipe.execute(raise_on_error=False))
+    after = await client.xrange(stream, min="(" + state.last_id, count=SCAN) if start.suspect else None
+    state.started(start, after)
+    state.raise_gap()
     while not state.done:
         response = await client.xread({stream: state.last_id}, count=count, block=state.block())
         for item in state.take(response):
             yield item
+        state.raise_gap()
         if not response and state.expired():
             return
 

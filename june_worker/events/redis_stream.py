@@ -42,7 +42,8 @@ Limits, all of them the price of keeping the markers in Redis beside the streams
   it next publishes. Firehose consumers dedupe by (agent, session, seq).
 * The firehose hash keeps one small field per session ever published, until deleted.
 * Trimming drops entries, never markers: a reader that was away longer than the stream keeps
-  misses what was trimmed (the store still has it).
+  cannot get what was trimmed from the stream. It is told (:mod:`.reader` raises
+  ``StreamGapError``), and reloads those events from the store.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from ..errors import StoreUnavailableError
 from .backend import GatewayBackend
 from .routes import router as turn_router
 from .routes_control import router as control_router
+from .routes_log import router as log_router
 from .settings import GatewaySettings
 
 __all__ = ["create_app"]
@@ -131,6 +132,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     _install_error_handlers(app)
     app.include_router(turn_router)
     app.include_router(control_router)
+    app.include_router(log_router)
 
     html, page_headers = _page()
 

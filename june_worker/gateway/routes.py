@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
@@ -23,8 +24,19 @@ from fastapi.responses import JSONResponse
 
 from producers import new_turn_id
 
-from ..engine.events import InputRequested, TurnCancelled, TurnCompleted, TurnFailed, is_terminal
-from ..engine.store import SessionRef
+from ..engine.events import (
+    Completed,
+    Failed,
+    InputRequested,
+    Rejected,
+    Suspended,
+    TurnCancelled,
+    TurnCompleted,
+    TurnFailed,
+    is_terminal,
+)
+from ..engine.store import SessionRef, TurnRecord
+from ..errors import StreamGapError
 from ..events.reader import StreamEvent, afollow
 from .auth import Principal
 from .backend import GatewayBackend
@@ -112,16 +124,43 @@ def outcome(item: StreamEvent) -> TurnOutcome:
     return TurnOutcome(status="cancelled", reason=e.reason, **base)
 
 
+def recorded_outcome(rec: TurnRecord, last_id: str) -> TurnOutcome | None:
+    """How a turn ended, from its row (when the stream lost its terminal event in a gap); None while unfinished."""
+    r, base = rec.result, {"turn_id": rec.turn_id, "last_event_id": last_id}
+    if r is None or rec.status in ("queued", "running"):
+        return None
+    if isinstance(r, Completed):
+        return TurnOutcome(status="completed", text=r.text, **base)
+    if isinstance(r, Suspended):
+        return TurnOutcome(status="suspended", input=r.request.model_dump(mode="json", by_alias=True), **base)
+    if isinstance(r, Failed):
+        error = {"message": r.error.message, "type": r.error.type, "phase": r.phase, "step": r.step}
+        return TurnOutcome(status="failed", error=error, **base)
+    if isinstance(r, Rejected):
+        return TurnOutcome(status="failed", error={"message": r.reason, "type": None, "phase": "intake"}, **base)
+    return TurnOutcome(status="cancelled", reason=r.reason, **base)
+
+
 async def wait_outcome(backend: GatewayBackend, ref: SessionRef, turn_id: str, last_id: str) -> JSONResponse:
     s = backend.settings
-    events = afollow(
-        backend.redis, ref.agent, ref.session, turn_id=turn_id, last_id=last_id, timeout_s=s.wait_s,
-        block_ms=5000, count=s.stream_batch, include_deltas=False, keys=backend.keys,
-    )  # fmt: skip
-    async with contextlib.aclosing(events):
-        async for item in events:
-            if is_terminal(item.event):
-                return JSONResponse(outcome(item).model_dump(mode="json"))
+    deadline, last_seq = time.monotonic() + s.wait_s, None
+    while (remaining := deadline - time.monotonic()) > 0:
+        events = afollow(
+            backend.redis, ref.agent, ref.session, turn_id=turn_id, last_id=last_id, timeout_s=remaining,
+            block_ms=5000, count=s.stream_batch, include_deltas=False, keys=backend.keys, last_seq=last_seq,
+        )  # fmt: skip
+        try:
+            async with contextlib.aclosing(events):
+                async for item in events:
+                    if is_terminal(item.event):
+                        return JSONResponse(outcome(item).model_dump(mode="json"))
+            break
+        except StreamGapError as gap:  # the terminal event may be among those trimmed: the turn's row has it
+            rec = await backend.turn(ref, turn_id)
+            ended = recorded_outcome(rec, gap.resume_id) if rec is not None else None
+            if ended is not None:
+                return JSONResponse(ended.model_dump(mode="json"))
+            last_id, last_seq = gap.resume_id, (gap.next_seq - 1 if gap.next_seq is not None else None)
     raise HTTPException(
         status_code=504,
         detail=f"turn {turn_id} did not end within {s.wait_s:g}s; it goes on: follow {events_path(ref, turn_id)}",

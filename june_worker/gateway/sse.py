@@ -15,6 +15,12 @@ else. A client that goes away is noticed through ``http.disconnect``; the stream
 next event or its next XREAD timeout (at most ``heartbeat_s``). No in-flight Redis command is
 ever cancelled, so the connection pool stays sound. The worker side never knows about readers.
 
+Events a client asked for that the stream no longer holds (its ``Last-Event-ID`` was trimmed away,
+or a structural ``seq`` jumps) are never skipped silently: the stream says so with a
+``stream.gap`` event naming the first missing seq (when known), where the stream goes on, and the
+``GET .../log?after_seq=`` route that reads them from Postgres; its ``id`` is where the stream goes
+on after the gap, and the stream continues from there.
+
 The rule a reader must not break: **an event's SSE id is its stream id**; never number events
 any other way.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
@@ -37,11 +44,12 @@ from starlette.types import Receive, Scope, Send
 
 from ..engine.events import is_structural, is_terminal
 from ..engine.store import SessionRef
+from ..errors import StreamGapError
 from ..events.keys import EventKeys
 from ..events.reader import StreamEvent, afollow
 from ..events.redis_stream import encode_event
 
-__all__ = ["SSE_HEADERS", "SSEResponse", "StreamStats", "follow_events", "format_event"]
+__all__ = ["SSE_HEADERS", "SSEResponse", "StreamStats", "follow_events", "format_event", "format_gap", "log_path"]
 
 log = logging.getLogger("june_worker.gateway")
 
@@ -66,6 +74,37 @@ def format_event(item: StreamEvent) -> bytes:
     return f"id: {item.stream_id}\nevent: {item.event.type}\ndata: {data}\n\n".encode()
 
 
+def log_path(ref: SessionRef) -> str:
+    """The route that reads a session's committed events from Postgres (where a gap is reloaded from)."""
+    return f"/v1/agents/{ref.agent}/sessions/{ref.session}/log"
+
+
+def format_gap(ref: SessionRef, gap: StreamGapError) -> bytes:
+    """The ``stream.gap`` message: what is missing, where the stream goes on (its ``id``), how to reload it."""
+    first, nxt, log = gap.first_missing_seq, gap.next_seq, log_path(ref)
+    goes_on = f"this stream goes on at seq {nxt}" if nxt is not None else "this stream goes on after the gap"
+    if first is not None:
+        upto = f" to {nxt - 1}" if nxt is not None else " on"
+        reload = f"{log}?after_seq={first - 1}"
+        message = f"events from seq {first}{upto} are no longer in the session stream; read them with GET {reload}"
+    else:
+        reload = f"{log}?after_seq=<the last seq you hold>"
+        message = f"the session stream no longer holds {gap.after_id}: events after it were trimmed; read those you "
+        message += f"lack{f' before seq {nxt}' if nxt is not None else ''} with GET {reload}"
+    data = {
+        "agent": ref.agent,
+        "session": ref.session,
+        "type": "stream.gap",
+        "first_missing_seq": first,
+        "next_seq": nxt,
+        "after_id": gap.after_id,
+        "resume_id": gap.resume_id,
+        "reload": reload,
+        "message": f"{message} ({goes_on})",
+    }
+    return f"id: {gap.resume_id}\nevent: stream.gap\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
 async def follow_events(
     client: aioredis.Redis,
     keys: EventKeys,
@@ -83,9 +122,10 @@ async def follow_events(
     Follows in windows of ``heartbeat_s``: each window is one :func:`afollow` that ends after a
     read comes back empty past the window; a heartbeat follows, and the next window starts
     after the last event sent. Structural events already sent (by ``seq``) are not sent again.
+    A gap is sent as a ``stream.gap`` event (:func:`format_gap`), and the stream goes on after it.
     """
     deadline = time.monotonic() + max_stream_s
-    last_seq = 0
+    last_seq: int | None = None  # the last structural seq sent (None: none yet; afollow reads it off the stream)
     if last_id == "$":
         raise ValueError("pin '$' to a stream id before following: every window must start from a real id")
     yield b"retry: 1000\n: connected\n\n"
@@ -105,6 +145,7 @@ async def follow_events(
             timeout_s=window,
             count=batch,
             keys=keys,
+            last_seq=last_seq,
         )
         try:
             async with contextlib.aclosing(events):
@@ -114,7 +155,7 @@ async def follow_events(
                     last_id = item.stream_id
                     event = item.event
                     if is_structural(event) and event.seq:
-                        if event.seq <= last_seq:
+                        if last_seq is not None and event.seq <= last_seq:
                             continue  # sent already (the stream was rebuilt from the store)
                         last_seq = event.seq
                     yield format_event(item)
@@ -122,6 +163,12 @@ async def follow_events(
                         return
                     if time.monotonic() > deadline:
                         break
+        except StreamGapError as gap:
+            log.info("event stream of %s: told a gap (%s)", ref, gap)
+            yield format_gap(ref, gap)
+            last_id = gap.resume_id
+            last_seq = gap.next_seq - 1 if gap.next_seq is not None else last_seq
+            continue
         except (redis.RedisError, OSError) as exc:
             log.warning("event stream of %s ended: Redis read failed (%s)", ref, type(exc).__name__)
             yield b": event store unavailable; reconnect with Last-Event-ID\n\n"

@@ -4,6 +4,10 @@ A commit is one ``BEGIN IMMEDIATE`` ... ``COMMIT``. A sync tool's writes through
 ``ctx.store`` happen inside it, so they commit or roll back with the checkpoint. The file
 runs in WAL mode with ``synchronous=NORMAL``: a killed process loses nothing it
 committed; a power cut may lose the last few commits.
+
+One open store serves a file at a time (:mod:`._filelock`): the in-process runtime takes no
+lease, so a second process on the same file waits for the first to close its store, then
+finds the turns it finished finished, instead of running them again.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +38,7 @@ from ..engine.store import (
 )
 from ..engine.types import MessageAdapter
 from ..errors import CancelRequestedError, LeaseLostError, ResumeConflictError, StoreError, TurnEndedError
+from ._filelock import FileLock
 from ._sql import dumps, event_rows
 
 __all__ = ["SQLiteStore"]
@@ -144,11 +150,27 @@ class _Handle:
 
 
 class SQLiteStore:
+    """The SessionStore on a SQLite file (or ``:memory:``).
+
+    On a file it holds the file's lock (``<path>.lock``) until :meth:`close`: a second store on the
+    same file, in another process, waits up to ``lock_timeout_s`` for it, then raises
+    :class:`~june_worker.errors.StoreLockedError`; in the same process it raises at once.
+    """
+
     supports_rollback = True
 
-    def __init__(self, path: str | Path = ":memory:") -> None:
+    def __init__(self, path: str | Path = ":memory:", *, lock_timeout_s: float = 10.0) -> None:
         self.path = str(path)
-        self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        self._file_lock: FileLock | None = None
+        if self.path not in (":memory:", ""):
+            self._file_lock = FileLock.acquire(self.path, timeout_s=lock_timeout_s)
+            weakref.finalize(self, self._file_lock.release)  # a store dropped without close() lets go too
+        try:
+            self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        except BaseException:
+            if self._file_lock is not None:
+                self._file_lock.release()
+            raise
         self._lock = threading.RLock()
         self._depth = 0
         if self.path != ":memory:":
@@ -510,8 +532,11 @@ class SQLiteStore:
         return int(fence)
 
     def close(self) -> None:
+        """Close the connection and let the file's lock go: another process may serve the file now."""
         with self._lock:
             self._conn.close()
+            if self._file_lock is not None:
+                self._file_lock.release()
 
 
 _TURN_COLUMNS = (

@@ -50,7 +50,7 @@ def test_agents_lists_the_principal_and_only_its_granted_agents(gateway: Gateway
 def test_every_v1_route_refuses_a_request_without_a_known_token(gateway: Gateway, authorization: str | None) -> None:
     openapi = httpx.get(f"{gateway.url}/openapi.json").json()
     routes = [(m, p) for p, ops in openapi["paths"].items() for m in ops if p.startswith("/v1/")]
-    assert len(routes) == 10
+    assert len(routes) == 11
     headers = {"Authorization": authorization} if authorization else {}
     with httpx.Client(base_url=gateway.url, headers=headers) as client:
         for method, path in routes:
@@ -72,7 +72,7 @@ def test_an_agent_the_token_is_not_granted_is_the_same_404_as_an_unknown_one(gat
 
 @pytest.mark.parametrize(
     ("method", "suffix"),
-    [("GET", "/pending"), ("GET", "/events"), ("POST", "/cancel"), ("POST", "/reset"),
+    [("GET", "/pending"), ("GET", "/events"), ("GET", "/log"), ("POST", "/cancel"), ("POST", "/reset"),
      ("POST", "/turns/t_x/resume"), ("GET", "/turns/t_x"), ("GET", "/turns/t_x/events"), ("POST", "/turns/t_x/cancel")],
 )  # fmt: skip
 def test_an_unknown_session_is_404(gateway: Gateway, method: str, suffix: str) -> None:

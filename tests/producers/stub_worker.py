@@ -66,11 +66,12 @@ def resume(payload: dict[str, Any]) -> dict[str, Any]:
         return {"status": "conflict", "reason": "the request was already answered", "turn_id": turn_id}
     if value == "bogus":
         return {"status": "maybe", "reason": None, "turn_id": turn_id}
+    # seq 7 on: right after the six events of kit.script(end="input.requested"), as a stream's seqs have no holes
     _append(
-        payload, "turn.started", 100, trigger={"kind": "resume", "call_id": "call_2", "input_id": payload["input_id"]}
+        payload, "turn.started", 7, trigger={"kind": "resume", "call_id": "call_2", "input_id": payload["input_id"]}
     )
-    _append(payload, "message.completed", 101, step="model:3", text="Refunded.")
-    _append(payload, "turn.completed", 102, text="Refunded.", usage=None)
+    _append(payload, "message.completed", 8, step="model:3", text="Refunded.")
+    _append(payload, "turn.completed", 9, text="Refunded.", usage=None)
     return {"status": "accepted", "reason": None, "turn_id": turn_id, "echo": payload}
 
 

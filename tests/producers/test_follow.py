@@ -208,6 +208,28 @@ def test_a_structural_event_written_twice_is_yielded_once_and_deltas_can_be_left
     assert [e.seq for e in seen] == [1, 2, 3, 4, 5, 6]
 
 
+def retried_step(turn_id: str) -> list[Event]:
+    """A model step streamed by attempt 1, retried by attempt 2, with a late delta of the dead attempt 1."""
+    return [
+        ("turn.started", 1, {"trigger": {"kind": "proactive", "by": "x"}}),
+        ("message.delta", None, {"step": "model:1", "text": "stale ", "attempt": 1}),
+        ("message.delta", None, {"step": "model:1", "text": "fresh", "attempt": 2}),
+        ("message.delta", None, {"step": "model:1", "text": "zombie", "attempt": 1}),
+        ("message.completed", 2, {"step": "model:1", "text": "fresh"}),
+        ("turn.completed", 3, {"text": "fresh"}),
+    ]
+
+
+def test_deltas_of_an_older_attempt_of_a_step_are_dropped_once_a_newer_one_was_seen(
+    producer: JuneProducer, rclient: redis.Redis, stream: str, session_id: str
+) -> None:
+    write_script(rclient, stream, "ops", session_id, "t_1", retried_step("t_1"))
+
+    seen = list(producer.follow("ops", session_id, turn_id="t_1", timeout_s=WAIT_S))
+
+    assert [(e.data["text"], e.attempt) for e in seen if e.delta] == [("stale ", 1), ("fresh", 2)]
+
+
 def test_entries_that_do_not_decode_are_skipped(
     producer: JuneProducer, rclient: redis.Redis, stream: str, session_id: str
 ) -> None:
@@ -283,3 +305,13 @@ async def test_afollow_of_a_session_ends_at_its_timeout(
     seen = [e async for e in producer.afollow("ops", session_id, timeout_s=0.2, block_ms=50)]
 
     assert len(seen) == len(script("t_1"))
+
+
+async def test_afollow_drops_deltas_of_an_older_attempt_of_a_step_too(
+    producer: JuneProducer, rclient: redis.Redis, stream: str, session_id: str
+) -> None:
+    write_script(rclient, stream, "ops", session_id, "t_1", retried_step("t_1"))
+
+    seen = [e async for e in producer.afollow("ops", session_id, turn_id="t_1", timeout_s=WAIT_S)]
+
+    assert [e.data["text"] for e in seen if e.delta] == ["stale ", "fresh"]

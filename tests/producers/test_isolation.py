@@ -72,3 +72,11 @@ def test_a_producer_at_work_loads_no_june_worker_module(
 
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.splitlines()[-1]) == []
+
+
+def test_the_producers_copy_of_the_gap_rules_is_the_engines_but_for_its_imports() -> None:
+    # producers/_gaps.py cannot import june_worker/events/_gaps.py: the two must stay one rule, word for word
+    def body(path: Path) -> list[str]:
+        return [line for line in path.read_text().splitlines() if not line.startswith("from .")]
+
+    assert body(PRODUCERS / "_gaps.py") == body(REPO / "june_worker" / "events" / "_gaps.py")

@@ -94,6 +94,25 @@ def test_a_message_caught_up_without_its_deltas_is_printed_whole() -> None:
     assert "From the store." in text.splitlines()
 
 
+def test_a_retried_step_replaces_the_dead_attempts_text_and_drops_its_late_deltas() -> None:
+    # Given attempt 1 of model:1 typed "stale ", attempt 2 typed "fresh", then a late delta of attempt 1 came
+    events = followed(
+        "t_1",
+        [
+            ("message.delta", None, {"step": "model:1", "text": "stale ", "attempt": 1}),
+            ("message.delta", None, {"step": "model:1", "text": "fresh", "attempt": 2}),
+            ("message.delta", None, {"step": "model:1", "text": "zombie", "attempt": 1}),
+            ("message.completed", 1, {"step": "model:1", "text": "fresh"}),
+        ],
+    )
+    _, text = render(events)
+    lines = text.splitlines()
+    # Then the view says the step was retried, shows the new attempt's text once, and never the late delta
+    assert "↻ model:1 retried (attempt 2); the text above was from a dead attempt" in lines
+    assert lines.count("fresh") == 1 and "zombie" not in text
+    assert "(final text of a retried step)" not in text  # what attempt 2 typed is the final text
+
+
 def test_a_follow_that_stops_before_the_end_says_so() -> None:
     _, text = render(followed("t_1", script("t_1")[:2]))
     assert "stopped waiting; the turn has not ended" in text.splitlines()[-1]

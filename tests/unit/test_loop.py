@@ -427,3 +427,24 @@ def test_a_tool_call_without_provider_state_dumps_as_before_and_old_rows_load() 
     message = MessageAdapter.validate_python(old)
     assert isinstance(message, AssistantMessage) and message.tool_calls[0].provider_state is None
     assert MessageAdapter.dump_python(message, mode="json") == {**old, "reasoning": []}
+
+
+class _DeltaSink(NullSink):
+    def __init__(self) -> None:
+        self.deltas: list[Any] = []
+
+    def publish_delta(self, ref: SessionRef, event: Any) -> None:
+        self.deltas.append(event)
+
+
+async def test_a_runner_stamps_the_attempt_its_host_gives_it_on_every_delta() -> None:
+    # Given a host (the worker) that counts this as the turn's third attempt
+    store = MemoryStore()
+    ref = SessionRef("ops", "s1")
+    rec, _ = store.enqueue_turn(ref, "t1", TurnPayload(text="hi"))
+    agent = runtime_with(store, ScriptedModel(["Hello there, friend."])).agents["ops"]
+    sink = _DeltaSink()
+    # When the runner streams the model's reply
+    await TurnRunner(agent, store, sink, ref, rec, attempt=3).run()
+    # Then every delta says attempt 3 (without the parameter, the record's attempts + 1: 1 here)
+    assert sink.deltas and {(d.type, d.attempt) for d in sink.deltas} == {("message.delta", 3)}

@@ -249,6 +249,23 @@ def test_from_dir_reads_instructions_overlays_and_surfaces(tmp_path: Path) -> No
     assert agent.system_prompt(policy) == "SLACK ONLY"
 
 
+def test_s111_a_source_given_by_a_variant_file_and_by_the_policies_map_is_an_assembly_error(tmp_path: Path) -> None:
+    # Given instructions.slack.md and a [policies] entry for slack in agent.toml
+    (tmp_path / "instructions.md").write_text("BASE")
+    (tmp_path / "instructions.slack.md").write_text("FROM THE FILE")
+    (tmp_path / "agent.toml").write_text('name = "ops"\n[policies]\nslack = "FROM THE MAP"\n')
+    # When the agent is assembled, Then it refuses, naming both places
+    with pytest.raises(AgentDefinitionError) as raised:
+        Agent.from_dir(tmp_path, model=ScriptedModel(["x"]), tools=[])
+    message = str(raised.value)
+    assert "instructions.slack.md" in message and "policies.slack" in message and str(tmp_path) in message
+
+
+def test_s111_a_policies_entry_beside_a_surfaces_table_for_the_same_source_is_an_error() -> None:
+    with pytest.raises(AgentDefinitionError, match=r"\[surfaces\.web\] in agent\.toml and by policies\.web"):
+        derive_policies(variants={}, surfaces={"web": {"deny_tools": ["x"]}}, legacy={"web": "LEGACY"})
+
+
 def test_s112_legacy_entries_pass_through_and_orphan_policies_warn(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="june_worker.agent"):
         policies = derive_policies(variants={"slack": "OV"}, legacy={"crisp": "LEGACY"}, known_sources=["slack"])

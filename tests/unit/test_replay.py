@@ -116,6 +116,7 @@ async def test_sync_tool_crashed_before_commit_rolls_back_and_leaves_one_row_aft
     with pytest.raises(CrashInjected):
         await rt1.session("ops", "s1").turn("Order 3 widgets", turn_id="t1")
     assert count_orders(store1) == 0  # the tool's insert rolled back with the step
+    store1.close()  # the crashed process's store goes with it (and lets the file's lock go)
     store2 = make_store(sql_kind, tmp_path)
     rt2 = runtime_with(store2, ScriptedModel(ORDER_SCRIPT), [order_tool(counter)])
     await rt2.session("ops", "s1").turn("Order 3 widgets", turn_id="t1")
@@ -202,3 +203,24 @@ async def test_a_redelivered_finished_turn_reports_its_own_result_after_later_tu
     result = await s2.result("t1")
     assert result.status == "completed" and result.text == "first answer"  # type: ignore[union-attr]
     assert len(transcript(store)) == 4
+
+
+async def test_deltas_carry_their_attempt_so_a_dead_attempts_text_can_be_dropped(store_kind: str) -> None:
+    # Given a turn whose first model step streamed its text and died before committing (crash before-model-commit)
+    store = make_store(store_kind)
+    rt1 = runtime_with(store, ScriptedModel(["Hello there."]))
+    rt1.crash = CrashAt("before-model-commit", "model:1")
+    first = Recorder()
+    rt1.session("ops", "s1").observe(first)
+    with pytest.raises(CrashInjected):
+        await rt1.session("ops", "s1").turn("hi", turn_id="t1")
+    # When the next runtime over the same store runs the turn again
+    rt2 = runtime_with(store, ScriptedModel(["Hello there."]))
+    second = Recorder()
+    rt2.session("ops", "s1").observe(second)
+    assert await rt2.session("ops", "s1").turn("hi", turn_id="t1") == "Hello there."
+    # Then both attempts streamed step model:1, each delta tagged with its own attempt
+    dead, retry = first.of("message.delta"), second.of("message.delta")
+    assert dead and retry
+    assert {(d.step, d.attempt) for d in dead} == {("model:1", 1)}
+    assert {(d.step, d.attempt) for d in retry} == {("model:1", 2)}

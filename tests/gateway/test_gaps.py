@@ -1,0 +1,105 @@
+"""Gaps are told over SSE: a follower whose ``Last-Event-ID`` was trimmed out of the session stream gets a
+``stream.gap`` event naming the first missing seq (when it can be known) and the route that reloads the
+missing events from Postgres, then the events the stream still holds; never a silent resume after the gap.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from .kit import Gateway, read_events, sse_headers
+
+
+def trimmed_turn(gateway: Gateway) -> tuple[str, str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """A completed ``order`` turn whose stream was then trimmed to its last 3 entries.
+
+    Returns (session, turn id, the entries before the trim, the entries after it)."""
+    session = f"s-{uuid.uuid4().hex[:12]}"
+    r = gateway.client().post(
+        gateway.path("ops", session, "/turns"), json={"text": "order 2 book"}, params={"wait": "true"}
+    )
+    assert r.status_code == 200 and r.json()["status"] == "completed", r.text
+    stack = gateway.stack
+    before = stack.events("ops", session)
+    stack.redis.xtrim(stack.stream_key("ops", session), maxlen=3, approximate=False)
+    after = stack.events("ops", session)
+    assert len(after) == 3 and after[-1]["type"] == "turn.completed"
+    return session, r.json()["turn_id"], before, after
+
+
+def first_seq(entries: list[dict[str, Any]]) -> int:
+    return next(e["seq"] for e in entries if e["seq"] is not None)
+
+
+def test_a_follower_whose_last_event_id_was_trimmed_away_is_told_then_gets_what_the_stream_holds(
+    gateway: Gateway,
+) -> None:
+    # Given a follower that got the turn's first event, and a stream since trimmed to the turn's last 3 entries
+    session, turn_id, before, after = trimmed_turn(gateway)
+    path = gateway.path("ops", session, f"/turns/{turn_id}/events")
+    # When it reconnects with the id of the event it got
+    with gateway.client().stream("GET", path, headers=sse_headers(gateway, last_event_id=before[0]["id"])) as r:
+        got = list(read_events(r, until_terminal=turn_id))
+    # Then it is told of the gap first: where the stream goes on, and where to reload from
+    gap = got[0]
+    assert gap.event == "stream.gap"
+    data = gap.json()
+    assert data["next_seq"] == first_seq(after) and data["first_missing_seq"] is None
+    assert data["after_id"] == before[0]["id"] and gap.id == data["resume_id"]
+    assert data["reload"].startswith(f"/v1/agents/ops/sessions/{session}/log?after_seq=")
+    assert f"before seq {first_seq(after)}" in data["message"]
+    # And then the entries the stream still holds, up to the turn's end
+    assert [(m.id, m.event) for m in got[1:]] == [(e["id"], e["type"]) for e in after]
+
+
+def test_following_a_trimmed_stream_from_its_start_is_told_that_seq_1_is_missing_and_the_log_reloads_it(
+    gateway: Gateway,
+) -> None:
+    session, turn_id, before, after = trimmed_turn(gateway)
+    path = gateway.path("ops", session, f"/turns/{turn_id}/events")
+
+    with gateway.client().stream("GET", path, headers=sse_headers(gateway)) as r:
+        got = list(read_events(r, until_terminal=turn_id))
+
+    data = got[0].json()
+    assert got[0].event == "stream.gap"
+    assert (data["first_missing_seq"], data["next_seq"]) == (1, first_seq(after))
+    assert data["reload"] == f"/v1/agents/ops/sessions/{session}/log?after_seq=0"
+    # The reload route gives the session's committed events, every seq once, from Postgres
+    log = gateway.client().get(data["reload"]).json()
+    structural = [e for e in before if e["seq"] is not None]
+    assert [(e["seq"], e["type"]) for e in log["events"]] == [(e["seq"], e["type"]) for e in structural]
+    assert log["next_after_seq"] is None
+
+
+def test_the_log_route_pages_by_seq(gateway: Gateway) -> None:
+    session, _turn_id, before, _after = trimmed_turn(gateway)
+    seqs = [e["seq"] for e in before if e["seq"] is not None]
+    client, log = gateway.client(), gateway.path("ops", session, "/log")
+
+    first = client.get(log, params={"after_seq": 0, "limit": 2}).json()
+    rest = client.get(log, params={"after_seq": first["next_after_seq"], "limit": 100}).json()
+
+    assert [e["seq"] for e in first["events"]] == seqs[:2] and first["next_after_seq"] == seqs[1]
+    assert [e["seq"] for e in rest["events"]] == seqs[2:] and rest["next_after_seq"] is None
+
+
+def test_a_wait_whose_turn_end_was_trimmed_away_answers_from_the_turns_row(gateway: Gateway) -> None:
+    # Given a completed turn whose events were all trimmed away behind a later turn's
+    session, turn_id, _before, _after = trimmed_turn(gateway)
+    client = gateway.client()
+    later = client.post(gateway.path("ops", session, "/turns"), json={"text": "hello"}, params={"wait": "true"})
+    assert later.status_code == 200, later.text
+    gateway.stack.redis.xtrim(gateway.stack.stream_key("ops", session), maxlen=2, approximate=False)
+    assert all(e["turn_id"] != turn_id for e in gateway.stack.events("ops", session))
+    # When the first turn is sent again with ?wait=true (its stream is read from the start)
+    again = client.post(
+        gateway.path("ops", session, "/turns"), json={"text": "order 2 book", "turn_id": turn_id}, params={"wait": 1}
+    )
+    # Then the answer is how it ended, from Postgres, not a 504 after waiting for an event that is gone
+    assert again.status_code == 200, again.text
+    assert (again.json()["status"], again.json()["text"]) == (
+        "completed",
+        "Done: create_order -> {'item': 'book', 'qty': 2}",
+    )
