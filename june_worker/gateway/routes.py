@@ -5,10 +5,11 @@ Three answers for the routes that start or continue a turn (``POST .../turns`` a
 terminal event; ``?wait=true`` answers with how the turn ended; otherwise 202 at once.
 
 Status codes (the seed's): 401 no or unknown token; 404 unknown agent (or one the token is
-not granted), session or turn; 403 the principal may not answer; 409 wrong turn, wrong input
-id, not suspended, reset pending, or a parked session refusing another turn; 422 a malformed
-request, naming the field; 500 the agent's ``authorize_answer`` failed (the answer was NOT
-applied); 502/503/504 the broker, a worker, Redis or Postgres did not answer.
+not granted), session (or one the caller may not use, :mod:`.access`) or turn; 403 the principal
+may not answer; 409 wrong turn, wrong input id, not suspended, reset pending, or a parked session
+refusing another turn; 422 a malformed request, naming the field; 500 the agent's
+``authorize_answer`` failed (the answer was NOT applied); 502/503/504 the broker, a worker,
+Redis or Postgres did not answer.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from producers import new_turn_id
 from ..engine.events import InputRequested, TurnCancelled, TurnCompleted, TurnFailed, is_terminal
 from ..engine.store import SessionRef
 from ..events.reader import StreamEvent, afollow
+from .access import Action
 from .auth import Principal
 from .backend import GatewayBackend
 from .deps import (
@@ -35,9 +37,8 @@ from .deps import (
     Backend,
     SessionId,
     TurnIdPath,
-    check_agent,
-    not_found,
-    session_ref,
+    unknown_turn,
+    use_session,
     wants_sse,
 )
 from .schemas import (
@@ -63,7 +64,11 @@ TURN = SESSION + "/turns/{turn_id}"
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "No bearer token, or an unknown one."},
-    404: {"model": ErrorBody, "description": "Unknown agent (or not granted to this token), session or turn."},
+    404: {
+        "model": ErrorBody,
+        "description": "Unknown agent (or not granted to this token), session (or one this principal may not use) "
+        "or turn.",
+    },
     503: {"model": ErrorBody, "description": "The broker, Redis or Postgres is unavailable."},
 }
 SSE_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "SSE: id = Redis stream id."}}}
@@ -163,8 +168,7 @@ async def start_turn(
 ) -> Response:  # fmt: skip
     """Enqueue a turn (``june.turn``). ``Accept: text/event-stream``: the response is the turn's events until
     its terminal event; ``?wait=true``: how it ended; otherwise 202 with its ``turn_id`` at once."""
-    check_agent(request, principal, agent)
-    ref = SessionRef(agent, session)
+    ref = await use_session(request, principal, agent, session, "start")
     turn_id = body.turn_id or new_turn_id()
     existing = await backend.turn(ref, turn_id) if body.turn_id else None
     if existing is None:
@@ -186,12 +190,14 @@ async def start_turn(
     return JSONResponse(accepted.model_dump(), status_code=202, headers={"Location": events_path(ref, turn_id)})
 
 
-async def known_turn(request: Request, principal: Principal, agent: str, session: str, turn_id: str) -> SessionRef:
-    check_agent(request, principal, agent)
-    ref = SessionRef(agent, session)
+async def known_turn(
+    request: Request, principal: Principal, agent: str, session: str, turn_id: str, action: Action
+) -> SessionRef:
+    """The turn's session, if the caller may ``action`` it and the turn is known; else "unknown turn" (404)."""
+    ref = await use_session(request, principal, agent, session, action, turn_id=turn_id)
     backend: GatewayBackend = request.app.state.backend
     if await backend.turn(ref, turn_id) is None and not await backend.turn_sent(ref, turn_id):
-        raise not_found(f"unknown turn {turn_id!r} in session {session!r} of agent {agent!r}")
+        raise unknown_turn(agent, session, turn_id)
     return ref
 
 
@@ -200,7 +206,7 @@ async def get_turn(
     request: Request, agent: AgentName, session: SessionId, turn_id: TurnIdPath, principal: Authenticated,
     backend: Backend,
 ) -> TurnInfo:  # fmt: skip
-    ref = await known_turn(request, principal, agent, session, turn_id)
+    ref = await known_turn(request, principal, agent, session, turn_id, "follow")
     rec = await backend.turn(ref, turn_id)
     if rec is None:
         return TurnInfo(turn_id=turn_id, status="sent")
@@ -220,7 +226,7 @@ async def turn_events(
 ) -> Response:  # fmt: skip
     """The turn's events from its start (or after ``Last-Event-ID``), ending after its terminal event
     (``turn.completed``, ``turn.failed``, ``turn.cancelled``, or ``input.requested``: parked)."""
-    ref = await known_turn(request, principal, agent, session, turn_id)
+    ref = await known_turn(request, principal, agent, session, turn_id, "follow")
     return sse_response(backend, ref, turn_id, last_event_id or "0-0")
 
 
@@ -240,7 +246,7 @@ async def session_events(
 ) -> Response:  # fmt: skip
     """Every event of the session after ``Last-Event-ID`` (or ``after``; from the start by default), then
     live ones. It does not end on a turn's end; it ends after JUNE_GATEWAY_MAX_STREAM_S (reconnect)."""
-    ref = await session_ref(request, principal, agent, session)
+    ref = await use_session(request, principal, agent, session, "follow")
     start = last_event_id or after or "0-0"
     if start == "$":
         start = await backend.tail(ref)
@@ -267,7 +273,7 @@ async def resume(
 ) -> Response:  # fmt: skip
     """Answer the input the turn is parked on, as the token's principal (``by``), and let the turn go on.
     ``Accept: text/event-stream`` streams the continuation; ``?wait=true`` answers with how it ended."""
-    ref = await session_ref(request, principal, agent, session)
+    ref = await use_session(request, principal, agent, session, "resume")
     start_id = await backend.tail(ref)
     result = await backend.resume(
         ref, turn_id, body.input_id, body.value, by=principal.id, principal=principal.to_json()

@@ -30,6 +30,8 @@ JUNE_GATEWAY_CONTROL_TIMEOUT_S longest wait for resume / cancel / reset         
 JUNE_GATEWAY_REDIS_CONNECTIONS Redis connections for SSE readers (one per       1000
                                open stream while it waits)
 JUNE_GATEWAY_ACCESS_LOG        ``0`` turns uvicorn's access log off             1
+JUNE_GATEWAY_AUTHORIZE_SESSION the app's ``authorize_session`` hook              none
+                               (``module:attribute``; see :mod:`.access`)
 =============================  ==============================================  ===========================
 
 The rule a reader must not break: **settings are built here and passed down**; nothing else in
@@ -46,9 +48,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from .access import AuthorizeSession
 from .auth import TokenTable, load_tokens
 
-__all__ = ["AGENT_NAME_RE", "GatewaySettings", "agent_names"]
+__all__ = ["AGENT_NAME_RE", "GatewaySettings", "agent_names", "load_hook"]
 
 AGENT_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _DEFAULT_AGENTS = "june_worker.demo:build_agent"
@@ -76,6 +79,20 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     if raw in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"{name}={raw!r}: expected 1 or 0")
+
+
+def load_hook(path: str, variable: str) -> AuthorizeSession:
+    """The callable at ``module:attribute``; a :class:`ConfigError` naming ``variable`` when there is none."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{variable}={path!r} must look like 'package.module:function'")
+    try:
+        hook: Any = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{variable}: cannot load {path!r}: {exc}") from exc
+    if not callable(hook):
+        raise ConfigError(f"{variable}: {path!r} is a {type(hook).__name__}, not a function")
+    return hook  # type: ignore[no-any-return]
 
 
 def agent_names(paths: tuple[str, ...]) -> tuple[str, ...]:
@@ -127,6 +144,8 @@ class GatewaySettings:
     """Entries one XREAD takes: what a stream may hold in memory beyond the socket's buffers."""
     event_source: str = "http"
     """The ``source`` of the inbound event the gateway builds for a turn (keys per-source policies)."""
+    authorize_session: AuthorizeSession | None = field(default=None, compare=False)
+    """The app's ``authorize_session(principal, agent, session, action)`` hook (see :mod:`.access`)."""
 
     def __post_init__(self) -> None:
         for name in self.agents:
@@ -158,6 +177,7 @@ class GatewaySettings:
             paths = tuple(p.strip() for p in env.get("JUNE_AGENTS", _DEFAULT_AGENTS).split(",") if p.strip())
             agents = agent_names(paths)
         redis_url = env.get("JUNE_REDIS_URL", cls.redis_url)
+        hook_path = env.get("JUNE_GATEWAY_AUTHORIZE_SESSION")
         return cls(
             agents=agents,
             tokens=load_tokens(env.get("JUNE_GATEWAY_TOKENS"), env.get("JUNE_GATEWAY_TOKENS_FILE")),
@@ -178,6 +198,7 @@ class GatewaySettings:
             control_timeout_s=_number(env, "JUNE_GATEWAY_CONTROL_TIMEOUT_S", cls.control_timeout_s, low=0.1),
             redis_connections=int(_number(env, "JUNE_GATEWAY_REDIS_CONNECTIONS", cls.redis_connections, low=2)),
             access_log=_flag(env, "JUNE_GATEWAY_ACCESS_LOG", True),
+            authorize_session=load_hook(hook_path, "JUNE_GATEWAY_AUTHORIZE_SESSION") if hook_path else None,
         )
 
     def __repr__(self) -> str:
