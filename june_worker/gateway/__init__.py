@@ -9,7 +9,8 @@ Start it with ``june gateway`` or ``uvicorn june_worker.gateway.app:create_app -
 see ``docs/gateway.md``. Modules: :mod:`.settings` (environment), :mod:`.auth` (bearer
 tokens), :mod:`.access` (who may use a session) and :mod:`.owners` (who opened it),
 :mod:`.backend` (producer, Redis, Postgres), :mod:`.sse` (the stream), :mod:`.routes` and
-:mod:`.routes_control` (``/v1``), :mod:`.app` (the factory), :mod:`.client` (reading SSE).
+:mod:`.routes_control` (``/v1``), :mod:`.guards` (bounded bodies, echoes and logs), :mod:`.app`
+(the factory), :mod:`.client` (reading SSE).
 
 The rule a reader must not break: **who answers a parked turn is the token's principal**;
 no route takes ``by`` from the client.

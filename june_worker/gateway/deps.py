@@ -28,6 +28,7 @@ __all__ = [
     "TurnIdPath",
     "authenticate",
     "not_found",
+    "stream_id",
     "use_session",
     "wants_sse",
 ]
@@ -40,6 +41,7 @@ _bearer = HTTPBearer(
 )
 STREAM_ID_PATTERN = r"^\d{1,20}(-\d{1,20})?$"
 STREAM_ID_RE = re.compile(STREAM_ID_PATTERN)
+_STREAM_ID_MAX = 2**64 - 1  # each part of a Redis stream id is an unsigned 64-bit number
 
 AgentName = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.\-]{1,128}$", description="An agent name.")]
 SessionId = Annotated[
@@ -130,6 +132,18 @@ async def use_session(
     if not ok or (action != "start" and not state.exists):
         raise unknown_turn(agent, session, turn_id) if turn_id is not None else unknown_session(agent, session)
     return ref
+
+
+def stream_id(value: str | None, loc: tuple[str, str]) -> str | None:
+    """A stream id from a request, or a 422 naming ``loc`` when a part is past Redis's range (2^64 - 1)."""
+    if value is None or value == "$":
+        return value
+    if any(int(part) > _STREAM_ID_MAX for part in value.split("-")):
+        raise HTTPException(
+            status_code=422,
+            detail=[{"loc": list(loc), "msg": f"a stream id part is at most {_STREAM_ID_MAX}", "type": "value_error"}],
+        )
+    return value
 
 
 def wants_sse(request: Request) -> bool:

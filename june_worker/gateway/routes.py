@@ -7,15 +7,16 @@ terminal event; ``?wait=true`` answers with how the turn ended; otherwise 202 at
 Status codes (the seed's): 401 no or unknown token; 404 unknown agent (or one the token is
 not granted), session (or one the caller may not use, :mod:`.access`) or turn; 403 the principal
 may not answer; 409 wrong turn, wrong input id, not suspended, reset pending, or a parked session
-refusing another turn; 422 a malformed request, naming the field; 500 the agent's
-``authorize_answer`` failed (the answer was NOT applied); 502/503/504 the broker, a worker,
-Redis or Postgres did not answer.
+refusing another turn; 413 a body over JUNE_GATEWAY_MAX_BODY_BYTES; 422 a malformed request,
+naming the field; 500 the agent's ``authorize_answer`` failed (the answer was NOT applied);
+502/503/504 the broker, a worker, Redis or Postgres did not answer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
@@ -37,6 +38,7 @@ from .deps import (
     Backend,
     SessionId,
     TurnIdPath,
+    stream_id,
     unknown_turn,
     use_session,
     wants_sse,
@@ -71,7 +73,15 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     },
     503: {"model": ErrorBody, "description": "The broker, Redis or Postgres is unavailable."},
 }
+TOO_LARGE: dict[int | str, dict[str, Any]] = {
+    413: {"model": ErrorBody, "description": "The body is larger than JUNE_GATEWAY_MAX_BODY_BYTES."}
+}
 SSE_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "SSE: id = Redis stream id."}}}
+_ERROR_JSON = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+SSE_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": doc["description"], "content": _ERROR_JSON} for code, doc in _ERRORS.items()
+}
+"""The errors of a route whose 200 is an SSE stream: JSON like everywhere else (not its route's media type)."""
 Wait = Annotated[bool, Query(description="Answer with how the turn ended (completed, suspended, failed, cancelled).")]
 LastEventId = Annotated[
     str | None,
@@ -80,7 +90,9 @@ LastEventId = Annotated[
 
 
 def events_path(ref: SessionRef, turn_id: str) -> str:
-    return f"/v1/agents/{ref.agent}/sessions/{ref.session}/turns/{turn_id}/events"
+    """The turn's SSE route, every segment percent-encoded (a session id may hold ``?``, ``#`` or ``%``)."""
+    agent, session, turn = (urllib.parse.quote(part, safe="") for part in (ref.agent, ref.session, turn_id))
+    return f"/v1/agents/{agent}/sessions/{session}/turns/{turn}/events"
 
 
 def sse_response(backend: GatewayBackend, ref: SessionRef, turn_id: str | None, last_id: str) -> SSEResponse:
@@ -157,6 +169,7 @@ async def list_agents(request: Request, principal: Authenticated) -> AgentList:
     summary="Start a turn",
     responses={
         **_ERRORS,
+        **TOO_LARGE,
         200: {"model": TurnOutcome, "content": SSE_DOC, "description": "With ?wait=true, or an SSE stream."},
         409: {"model": ErrorBody, "description": "The session is parked on another turn's input."},
         504: {"model": ErrorBody, "description": "?wait=true: the turn did not end in time (it goes on)."},
@@ -217,7 +230,10 @@ async def get_turn(
 @router.get(
     TURN + "/events",
     response_class=SSEResponse,
-    responses={**_ERRORS, 200: {"content": SSE_DOC, "description": "The turn's events, ending on its terminal one."}},
+    responses={
+        **SSE_ERRORS,
+        200: {"content": SSE_DOC, "description": "The turn's events, ending on its terminal one."},
+    },
     summary="Follow a turn (SSE)",
 )
 async def turn_events(
@@ -226,6 +242,7 @@ async def turn_events(
 ) -> Response:  # fmt: skip
     """The turn's events from its start (or after ``Last-Event-ID``), ending after its terminal event
     (``turn.completed``, ``turn.failed``, ``turn.cancelled``, or ``input.requested``: parked)."""
+    last_event_id = stream_id(last_event_id, ("header", "Last-Event-ID"))
     ref = await known_turn(request, principal, agent, session, turn_id, "follow")
     return sse_response(backend, ref, turn_id, last_event_id or "0-0")
 
@@ -233,7 +250,7 @@ async def turn_events(
 @router.get(
     SESSION + "/events",
     response_class=SSEResponse,
-    responses={**_ERRORS, 200: {"content": SSE_DOC, "description": "The session's events, live."}},
+    responses={**SSE_ERRORS, 200: {"content": SSE_DOC, "description": "The session's events, live."}},
     summary="Follow a session (SSE)",
 )
 async def session_events(
@@ -246,8 +263,8 @@ async def session_events(
 ) -> Response:  # fmt: skip
     """Every event of the session after ``Last-Event-ID`` (or ``after``; from the start by default), then
     live ones. It does not end on a turn's end; it ends after JUNE_GATEWAY_MAX_STREAM_S (reconnect)."""
+    start = stream_id(last_event_id, ("header", "Last-Event-ID")) or stream_id(after, ("query", "after")) or "0-0"
     ref = await use_session(request, principal, agent, session, "follow")
-    start = last_event_id or after or "0-0"
     if start == "$":
         start = await backend.tail(ref)
     return sse_response(backend, ref, None, start)
@@ -260,6 +277,7 @@ async def session_events(
     summary="Answer a parked turn",
     responses={
         **_ERRORS,
+        **TOO_LARGE,
         200: {"model": TurnOutcome, "content": SSE_DOC, "description": "With ?wait=true, or an SSE stream."},
         403: {"model": ErrorBody, "description": "This principal may not answer the request."},
         409: {"model": ErrorBody, "description": "Wrong turn or input id, not suspended, or a reset is pending."},

@@ -30,6 +30,7 @@ JUNE_GATEWAY_CONTROL_TIMEOUT_S longest wait for resume / cancel / reset         
 JUNE_GATEWAY_REDIS_CONNECTIONS Redis connections for SSE readers (one per       1000
                                open stream while it waits)
 JUNE_GATEWAY_ACCESS_LOG        ``0`` turns uvicorn's access log off             1
+JUNE_GATEWAY_MAX_BODY_BYTES    a larger request body is a 413                   2097152 (2 MiB)
 JUNE_GATEWAY_AUTHORIZE_SESSION the app's ``authorize_session`` hook              none
                                (``module:attribute``; see :mod:`.access`)
 =============================  ==============================================  ===========================
@@ -144,6 +145,8 @@ class GatewaySettings:
     """Entries one XREAD takes: what a stream may hold in memory beyond the socket's buffers."""
     event_source: str = "http"
     """The ``source`` of the inbound event the gateway builds for a turn (keys per-source policies)."""
+    max_body_bytes: int = 2 * 1024 * 1024
+    """A request body larger than this is refused with 413 before it is read whole."""
     authorize_session: AuthorizeSession | None = field(default=None, compare=False)
     """The app's ``authorize_session(principal, agent, session, action)`` hook (see :mod:`.access`)."""
 
@@ -162,6 +165,8 @@ class GatewaySettings:
             raise ConfigError(f"JUNE_GATEWAY_PORT must be a TCP port, not {self.port}")
         if self.heartbeat_s <= 0 or self.max_stream_s <= 0 or self.wait_s <= 0 or self.control_timeout_s <= 0:
             raise ConfigError("gateway durations must be positive")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"JUNE_GATEWAY_MAX_BODY_BYTES must be at least 1024, not {self.max_body_bytes}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GatewaySettings:
@@ -198,6 +203,7 @@ class GatewaySettings:
             control_timeout_s=_number(env, "JUNE_GATEWAY_CONTROL_TIMEOUT_S", cls.control_timeout_s, low=0.1),
             redis_connections=int(_number(env, "JUNE_GATEWAY_REDIS_CONNECTIONS", cls.redis_connections, low=2)),
             access_log=_flag(env, "JUNE_GATEWAY_ACCESS_LOG", True),
+            max_body_bytes=int(_number(env, "JUNE_GATEWAY_MAX_BODY_BYTES", cls.max_body_bytes, low=1024)),
             authorize_session=load_hook(hook_path, "JUNE_GATEWAY_AUTHORIZE_SESSION") if hook_path else None,
         )
 

@@ -64,14 +64,18 @@ def test_a_token_may_make_its_principal_an_operator_or_confine_it_to_session_pre
     assert acme.may_address("acme-1") and acme.may_address("shared-acme") and not acme.may_address("s1")
 
 
-def test_the_authorize_session_hook_comes_from_the_environment() -> None:
+def test_the_authorize_session_hook_and_body_limit_come_from_the_environment() -> None:
     env = {"JUNE_GATEWAY_AGENTS": "ops", "JUNE_GATEWAY_INSECURE_DEV": "1"}
-    s = GatewaySettings.from_env({**env, "JUNE_GATEWAY_AUTHORIZE_SESSION": "tests.gateway.agents:ALL"})
-    assert s.authorize_session is not None and s.authorize_session.__name__ == "ALL"
+    s = GatewaySettings.from_env(
+        {**env, "JUNE_GATEWAY_AUTHORIZE_SESSION": "tests.gateway.agents:ALL", "JUNE_GATEWAY_MAX_BODY_BYTES": "4096"}
+    )
+    assert s.authorize_session is not None and s.authorize_session.__name__ == "ALL" and s.max_body_bytes == 4096
     with pytest.raises(ConfigError, match="JUNE_GATEWAY_AUTHORIZE_SESSION: cannot load 'tests.gateway.agents:nope'"):
         GatewaySettings.from_env({**env, "JUNE_GATEWAY_AUTHORIZE_SESSION": "tests.gateway.agents:nope"})
     with pytest.raises(ConfigError, match="must look like 'package.module:function'"):
         GatewaySettings.from_env({**env, "JUNE_GATEWAY_AUTHORIZE_SESSION": "nocolon"})
+    with pytest.raises(ConfigError, match="JUNE_GATEWAY_MAX_BODY_BYTES must be at least 1024"):
+        GatewaySettings.from_env({**env, "JUNE_GATEWAY_MAX_BODY_BYTES": "10"})
 
 
 def test_tokens_from_a_toml_file(tmp_path: Path) -> None:
