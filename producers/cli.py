@@ -9,6 +9,11 @@
     june-produce cancel ops s1 [T]
     june-produce reset ops s1
 
+A turn typed here is a message from the person at the shell: it carries the inbound event
+``{"source": "cli", "kind": "message", "user": {"id": <--user, default the login name>,
+"attested": true}}`` unless ``--event`` gives another or ``--proactive-by`` makes it proactive.
+The speaker is attested as ``--by`` is trusted: whoever can reach the broker can send anything.
+
 Configuration comes from the worker's variables (``JUNE_REDIS_URL``, ``CELERY_BROKER_URL``,
 ``CELERY_RESULT_BACKEND``, ``JUNE_QUEUE``, ``JUNE_CONTROL_QUEUE``, ``JUNE_KEY_PREFIX``). With
 ``--json``, or when stdout is not a terminal, stdout carries JSON lines only (one per event, with
@@ -21,6 +26,7 @@ The rule a reader must not break: argument parsing and I/O live here, drawing li
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -35,7 +41,7 @@ from .errors import ProducerError, StreamGapError
 from .events import FollowedEvent
 from .render import LiveView, write_json
 
-__all__ = ["build_parser", "main", "parse_value"]
+__all__ = ["build_parser", "cli_event", "login_name", "main", "parse_value"]
 
 _CANCEL_FAILURES = frozenset({"rejected", "error", "invalid", "forbidden", "not_found"})
 
@@ -139,15 +145,33 @@ def _follow(producer: JuneProducer, out: _Out, args: argparse.Namespace, turn_id
     return render.exit_code(last)
 
 
+def login_name() -> str:
+    """Who is at the shell, as the system knows them; ``cli`` when it cannot say."""
+    try:
+        return getpass.getuser() or "cli"
+    except (OSError, KeyError, ImportError):
+        return "cli"
+
+
+def cli_event(user: str) -> dict[str, Any]:
+    """The inbound event of a turn typed at the shell: its speaker is the CLI's user, vouched for like ``--by``."""
+    return {"source": "cli", "kind": "message", "user": {"id": user, "attested": True}}
+
+
 def _cmd_turn(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> int:
     trigger = {"kind": "proactive", "by": args.proactive_by} if args.proactive_by else None
+    event = args.event
+    if args.user is not None and (event is not None or trigger is not None):
+        raise ValueError("--user names the speaker of the default event; it cannot go with --event or --proactive-by")
+    if event is None and trigger is None:
+        event = cli_event(args.user or login_name())
     # A new turn's events all come after the stream's current end; a resent turn id may have older ones.
     start = "0-0" if args.turn_id or args.no_follow else producer.last_stream_id(args.agent, args.session)
     turn_id = producer.start_turn(
         args.agent,
         args.session,
         args.text,
-        event=args.event,
+        event=event,
         turn_id=args.turn_id,
         replace=args.replace,
         trigger=trigger,
@@ -240,7 +264,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text", metavar="TEXT")
     p.add_argument("--turn-id", help="resend this turn id (the worker runs a turn id once)")
     p.add_argument("--replace", action="store_true", help="cancel the session's unfinished turns for this one")
-    p.add_argument("--event", type=_json_object, metavar="JSON", help="the inbound event, a JSON object")
+    p.add_argument(
+        "--event",
+        type=_json_object,
+        metavar="JSON",
+        help='the inbound event, a JSON object (default: {"source": "cli", "kind": "message", "user": '
+        '{"id": USER, "attested": true}})',
+    )
+    p.add_argument(
+        "--user",
+        metavar="USER",
+        help="who is typing: the speaker of the default event, who may answer its input requests "
+        "that name no answerers (default: your login name)",
+    )
     p.add_argument("--proactive-by", metavar="BY", help="a turn nobody typed, started by BY (e.g. cron:daily)")
     p.add_argument("--no-follow", action="store_true", help="print the turn id and return")
     follow_options(p)

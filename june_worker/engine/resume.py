@@ -8,6 +8,7 @@ race for one park exactly one is applied; the other gets a conflict.
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import dataclass
 
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
@@ -105,8 +106,14 @@ def _validate_answer(parked: SuspendedCheckpoint, value: JsonValue) -> None:
     try:
         jsonschema.validate(value, schema)
     except jsonschema.ValidationError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path) or "the answer"
-        raise InvalidAnswerError(f"answer to {parked.request.id!r} rejected: {where}: {exc.message}") from None
+        # Says which rule of the schema failed, never the value: the reason ends up in task results and logs.
+        where = "/".join(str(p)[:64] for p in exc.absolute_path) or "the answer"
+        rule = json.dumps(exc.validator_value, default=str)
+        rule = rule if len(rule) <= 120 else rule[:117] + "..."
+        raise InvalidAnswerError(
+            f"answer to {parked.request.id!r} rejected: {where} does not satisfy the schema's "
+            f"{exc.validator!r} rule ({rule})"
+        ) from None
     except jsonschema.SchemaError as exc:
         raise InvalidAnswerError(f"input {parked.request.id!r} has an invalid schema: {exc.message}") from None
 

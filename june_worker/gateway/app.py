@@ -23,13 +23,16 @@ import psycopg
 import psycopg_pool
 import redis
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
+from starlette.exceptions import HTTPException
 
 from producers import BrokerUnavailable, ResultTimeout, ResultUnavailable, TaskFailed, UnexpectedResult
 
 from .. import __version__
 from ..errors import StoreUnavailableError
 from .backend import GatewayBackend
+from .guards import BodyLimit, body_parse_error, install_query_redaction, validation_error
 from .routes import router as turn_router
 from .routes_control import router as control_router
 from .routes_log import router as log_router
@@ -103,6 +106,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     for database_error in (StoreUnavailableError, psycopg.OperationalError, psycopg_pool.PoolTimeout):
         app.add_exception_handler(database_error, database)
     app.add_exception_handler(redis.RedisError, event_store)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, body_parse_error)
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
@@ -130,6 +135,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.backend = backend
     _install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    install_query_redaction()
     app.include_router(turn_router)
     app.include_router(control_router)
     app.include_router(log_router)

@@ -5,12 +5,16 @@ Tokens are configured as one JSON object (``JUNE_GATEWAY_TOKENS``) and/or a JSON
 no secret (``sha256:<64 hex digits>``, from ``printf %s "$TOKEN" | sha256sum``)::
 
     {"sha256:9f86d081...": {"principal": "op-alice", "agents": ["ops"], "claims": {"team": "payments"}},
-     "a-long-random-token-for-ci": {"principal": "ci-bot", "agents": "*"}}
+     "a-long-random-token-for-ci": {"principal": "ci-bot", "agents": "*", "role": "operator"},
+     "a-long-random-token-for-acme": {"principal": "acme", "agents": ["ops"], "sessions": ["acme-"]}}
 
 ``principal`` is the identity a resume is made ``by`` (never a field the client sends);
 ``agents`` lists the agents the token may see (``"*"``: all); ``claims`` travel with the
-principal to the agent's ``authorize_answer`` hook. A plain token must be at least 16
-characters. A file may also wrap the table in ``{"tokens": {...}}`` (``[tokens."..."]`` in TOML).
+principal to the agent's ``authorize_answer`` hook. ``role`` is ``user`` (the default: the
+sessions it opened, see :mod:`.access`) or ``operator`` (every session of its agents);
+``sessions`` lists session-id prefixes the principal is confined to (its own namespace). A
+plain token must be at least 16 characters. A file may also wrap the table in
+``{"tokens": {...}}`` (``[tokens."..."]`` in TOML).
 
 Lookup hashes the presented token and compares it with **every** configured digest with
 :func:`hmac.compare_digest`, without stopping at a match: the time taken does not depend on
@@ -39,19 +43,31 @@ __all__ = ["Principal", "TokenTable", "bearer_token", "load_tokens", "parse_toke
 _DIGEST_RE = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
 _TOKEN_RE = re.compile(r"^[\x21-\x7e]{16,4096}$")
 _AGENT_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_PREFIX_RE = re.compile(r"^[\x21-\x7e]{1,255}$")
 MIN_TOKEN_CHARS = 16
+ROLES = ("user", "operator")
 
 
 @dataclass(frozen=True)
 class Principal:
-    """A caller the gateway verified: its identity, the agents it may see (None: all), and its claims."""
+    """A caller the gateway verified: its identity, the agents it may see (None: all), and its claims.
+
+    ``operator``: it sees every session of its agents. ``session_prefixes``: the session ids it
+    may address at all (None: any id).
+    """
 
     id: str
     agents: frozenset[str] | None = None
     claims: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    operator: bool = False
+    session_prefixes: tuple[str, ...] | None = None
 
     def sees(self, agent: str) -> bool:
         return self.agents is None or agent in self.agents
+
+    def may_address(self, session: str) -> bool:
+        """Whether the session id lies in this principal's namespace (any id when it has no prefixes)."""
+        return self.session_prefixes is None or session.startswith(self.session_prefixes)
 
     def to_json(self) -> dict[str, Any]:
         """The principal as the worker takes it (``Principal``: ``id`` plus claims)."""
@@ -103,9 +119,11 @@ def bearer_token(authorization: str | None) -> str | None:
 def _principal(spec: Any, where: str) -> Principal:
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{where}: expected an object with 'principal' and 'agents'")
-    unknown = set(spec) - {"principal", "agents", "claims"}
+    unknown = set(spec) - {"principal", "agents", "claims", "role", "sessions"}
     if unknown:
-        raise ConfigError(f"{where}: unknown fields {sorted(unknown)}; expected principal, agents, claims")
+        raise ConfigError(
+            f"{where}: unknown fields {sorted(unknown)}; expected principal, agents, claims, role, sessions"
+        )
     pid = spec.get("principal")
     if not isinstance(pid, str) or not 0 < len(pid.strip()) <= 256:
         raise ConfigError(f"{where}: 'principal' must be a non-empty string of at most 256 characters")
@@ -120,7 +138,23 @@ def _principal(spec: Any, where: str) -> Principal:
     claims = spec.get("claims", {})
     if not isinstance(claims, Mapping) or "id" in claims:
         raise ConfigError(f"{where} (principal {pid}): 'claims' must be an object without an 'id'")
-    return Principal(id=pid, agents=agents, claims=dict(claims))
+    role = spec.get("role", "user")
+    if role not in ROLES:
+        raise ConfigError(f'{where} (principal {pid}): \'role\' must be "user" or "operator", not {role!r}')
+    prefixes_spec = spec.get("sessions")
+    prefixes: tuple[str, ...] | None = None
+    if prefixes_spec is not None:
+        if not (
+            isinstance(prefixes_spec, list)
+            and prefixes_spec
+            and all(isinstance(p, str) and _PREFIX_RE.match(p) for p in prefixes_spec)
+        ):
+            raise ConfigError(
+                f"{where} (principal {pid}): 'sessions' must be a non-empty list of session-id prefixes "
+                "(printable ASCII, no spaces)"
+            )
+        prefixes = tuple(prefixes_spec)
+    return Principal(id=pid, agents=agents, claims=dict(claims), operator=role == "operator", session_prefixes=prefixes)
 
 
 def parse_tokens(table: Any, source: str) -> dict[bytes, Principal]:

@@ -8,7 +8,8 @@ with ``redis.asyncio``, and reads sessions, turns and pending input from Postgre
 One key of its own: ``<prefix>:gateway:sent:{<agent>:<session>}``, a set of the turn ids this
 gateway sent in the last day. A turn sits in the broker until a worker records it in Postgres;
 the set lets a client follow a turn (or its new session) the moment the POST returned,
-instead of getting a 404 until a worker is free.
+instead of getting a 404 until a worker is free. And one table of its own,
+``june_gateway_sessions`` (:mod:`.owners`): who opened each session, for :mod:`.access`.
 
 The rule a reader must not break: **nothing here blocks the event loop**; every psycopg and
 Celery call goes through :meth:`GatewayBackend.blocking`.
@@ -32,6 +33,8 @@ from producers import JuneProducer, ResetOutcome, ResumeOutcome
 from ..engine.store import SessionRef, SuspendedCheckpoint, TurnRecord
 from ..events.keys import EventKeys
 from ..stores.postgres import PostgresStore
+from .access import SessionState
+from .owners import SessionOwners
 from .settings import GatewaySettings
 from .sse import StreamStats
 
@@ -53,6 +56,7 @@ class GatewayBackend:
         self._control = anyio.CapacityLimiter(32)
         self._pool: ConnectionPool[Any] | None = None
         self._store: PostgresStore | None = None
+        self._owners: SessionOwners | None = None
         self._producer: JuneProducer | None = None
         self._redis: aioredis.Redis | None = None
 
@@ -77,6 +81,7 @@ class GatewayBackend:
         )  # fmt: skip
         self._pool.open(wait=False)
         self._store = PostgresStore(self._pool, migrate=False)
+        self._owners = SessionOwners(self._pool)
         self._producer = await self.blocking(
             functools.partial(
                 JuneProducer,
@@ -108,6 +113,11 @@ class GatewayBackend:
         return self._store
 
     @property
+    def owners(self) -> SessionOwners:
+        assert self._owners is not None, "the gateway backend is not started"
+        return self._owners
+
+    @property
     def producer(self) -> JuneProducer:
         assert self._producer is not None, "the gateway backend is not started"
         return self._producer
@@ -121,16 +131,26 @@ class GatewayBackend:
     def sent_key(self, ref: SessionRef) -> str:
         return self.keys.gateway_sent(ref)
 
-    async def session_exists(self, ref: SessionRef) -> bool:
-        """True when Postgres has the session, or this gateway sent it a turn no worker has taken yet."""
+    async def session_state(self, ref: SessionRef) -> SessionState:
+        """Who opened the session here, and whether it exists: in Postgres, or sent a turn no worker took yet.
 
-        def query() -> bool:
+        Every lookup runs whatever the first one found, so a refusal costs what a missing session does.
+        """
+
+        def query() -> tuple[str | None, bool]:
+            owner = self.owners.owner(ref)
             try:
-                return self.store.session_exists(ref)
+                return owner, self.store.session_exists(ref)
             except psycopg.errors.UndefinedTable:
-                return False  # no worker has created the schema yet: no session exists
+                return owner, False  # no worker has created the schema yet: no session exists
 
-        return await self.blocking(query) or bool(await self.redis.exists(self.sent_key(ref)))
+        owner, stored = await self.blocking(query)
+        sent = bool(await self.redis.exists(self.sent_key(ref)))
+        return SessionState(owner=owner, exists=owner is not None or stored or sent)
+
+    async def claim(self, ref: SessionRef, principal: str) -> str:
+        """Record ``principal`` as the opener of a new session; the owner that stands (another, if it raced us)."""
+        return await self.blocking(lambda: self.owners.claim(ref, principal))
 
     async def turn(self, ref: SessionRef, turn_id: str) -> TurnRecord | None:
         try:

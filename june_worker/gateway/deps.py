@@ -1,7 +1,8 @@
 """What every route needs first: the caller's principal, the session it addresses, and the 404 rules.
 
 An agent the workers do not serve and an agent the token is not granted are the same 404,
-word for word, so a token cannot learn which agents exist.
+word for word, so a token cannot learn which agents exist; a session the caller may not use
+(:mod:`.access`) and one that does not exist are the same 404 too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi import Depends, HTTPException, Path, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..engine.store import SessionRef
+from .access import Action, HookFailed, SessionState, allowed
 from .auth import Principal
 from .backend import GatewayBackend
 from .settings import GatewaySettings
@@ -26,7 +28,8 @@ __all__ = [
     "TurnIdPath",
     "authenticate",
     "not_found",
-    "session_ref",
+    "stream_id",
+    "use_session",
     "wants_sse",
 ]
 
@@ -38,6 +41,7 @@ _bearer = HTTPBearer(
 )
 STREAM_ID_PATTERN = r"^\d{1,20}(-\d{1,20})?$"
 STREAM_ID_RE = re.compile(STREAM_ID_PATTERN)
+_STREAM_ID_MAX = 2**64 - 1  # each part of a Redis stream id is an unsigned 64-bit number
 
 AgentName = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.\-]{1,128}$", description="An agent name.")]
 SessionId = Annotated[
@@ -72,7 +76,7 @@ async def authenticate(  # async: a sync dependency would cost a thread hop on e
     settings = get_settings(request)
     if credentials is None:
         if settings.insecure_dev:
-            return Principal(id=settings.dev_principal)
+            return Principal(id=settings.dev_principal, operator=True)
         raise _unauthorized("a bearer token is required: Authorization: Bearer <token>")
     principal = settings.tokens.lookup(credentials.credentials)
     if principal is None:
@@ -94,13 +98,52 @@ def check_agent(request: Request, principal: Principal, agent: str) -> None:
         raise not_found(f"unknown agent {agent!r}")
 
 
-async def session_ref(request: Request, principal: Principal, agent: str, session: str) -> SessionRef:
-    """The addressed session, which must exist: 404 for an unknown (or ungranted) agent or an unknown session."""
+def unknown_session(agent: str, session: str) -> HTTPException:
+    return not_found(f"unknown session {session!r} of agent {agent!r}")
+
+
+def unknown_turn(agent: str, session: str, turn_id: str) -> HTTPException:
+    return not_found(f"unknown turn {turn_id!r} in session {session!r} of agent {agent!r}")
+
+
+async def use_session(
+    request: Request, principal: Principal, agent: str, session: str, action: Action, *, turn_id: str | None = None
+) -> SessionRef:
+    """The addressed session, if the caller may ``action`` it (:mod:`.access`).
+
+    Otherwise the 404 of a session that does not exist, word for word: "unknown turn" on a turn's
+    route, "unknown session" elsewhere. Every action but ``start`` needs the session to exist; a
+    ``start`` that opens a new session records the caller as its owner (if another caller got
+    there first, the 404).
+    """
     check_agent(request, principal, agent)
+    backend = get_backend(request)
     ref = SessionRef(agent, session)
-    if not await get_backend(request).session_exists(ref):
-        raise not_found(f"unknown session {session!r} of agent {agent!r}")
+    state = await backend.session_state(ref)
+    hook = get_settings(request).authorize_session
+    try:
+        ok = await allowed(principal, agent, session, action, state, hook, backend.blocking)
+        if ok and action == "start" and not state.exists:
+            owner = await backend.claim(ref, principal.id)
+            if owner != principal.id:  # another caller opened it in between: decide again, as its owner's
+                ok = await allowed(principal, agent, session, action, SessionState(owner, True), hook, backend.blocking)
+    except HookFailed:
+        raise HTTPException(status_code=503, detail="session access could not be decided; retry later") from None
+    if not ok or (action != "start" and not state.exists):
+        raise unknown_turn(agent, session, turn_id) if turn_id is not None else unknown_session(agent, session)
     return ref
+
+
+def stream_id(value: str | None, loc: tuple[str, str]) -> str | None:
+    """A stream id from a request, or a 422 naming ``loc`` when a part is past Redis's range (2^64 - 1)."""
+    if value is None or value == "$":
+        return value
+    if any(int(part) > _STREAM_ID_MAX for part in value.split("-")):
+        raise HTTPException(
+            status_code=422,
+            detail=[{"loc": list(loc), "msg": f"a stream id part is at most {_STREAM_ID_MAX}", "type": "value_error"}],
+        )
+    return value
 
 
 def wants_sse(request: Request) -> bool:

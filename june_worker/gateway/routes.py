@@ -5,10 +5,11 @@ Three answers for the routes that start or continue a turn (``POST .../turns`` a
 terminal event; ``?wait=true`` answers with how the turn ended; otherwise 202 at once.
 
 Status codes (the seed's): 401 no or unknown token; 404 unknown agent (or one the token is
-not granted), session or turn; 403 the principal may not answer; 409 wrong turn, wrong input
-id, not suspended, reset pending, or a parked session refusing another turn; 422 a malformed
-request, naming the field; 500 the agent's ``authorize_answer`` failed (the answer was NOT
-applied); 502/503/504 the broker, a worker, Redis or Postgres did not answer.
+not granted), session (or one the caller may not use, :mod:`.access`) or turn; 403 the principal
+may not answer; 409 wrong turn, wrong input id, not suspended, reset pending, or a parked session
+refusing another turn; 413 a body over JUNE_GATEWAY_MAX_BODY_BYTES; 422 a malformed request,
+naming the field; 500 the agent's ``authorize_answer`` failed (the answer was NOT applied);
+502/503/504 the broker, a worker, Redis or Postgres did not answer.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
@@ -38,6 +40,7 @@ from ..engine.events import (
 from ..engine.store import SessionRef, TurnRecord
 from ..errors import StreamGapError
 from ..events.reader import StreamEvent, afollow
+from .access import Action
 from .auth import Principal
 from .backend import GatewayBackend
 from .deps import (
@@ -47,9 +50,9 @@ from .deps import (
     Backend,
     SessionId,
     TurnIdPath,
-    check_agent,
-    not_found,
-    session_ref,
+    stream_id,
+    unknown_turn,
+    use_session,
     wants_sse,
 )
 from .schemas import (
@@ -75,10 +78,22 @@ TURN = SESSION + "/turns/{turn_id}"
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "No bearer token, or an unknown one."},
-    404: {"model": ErrorBody, "description": "Unknown agent (or not granted to this token), session or turn."},
+    404: {
+        "model": ErrorBody,
+        "description": "Unknown agent (or not granted to this token), session (or one this principal may not use) "
+        "or turn.",
+    },
     503: {"model": ErrorBody, "description": "The broker, Redis or Postgres is unavailable."},
 }
+TOO_LARGE: dict[int | str, dict[str, Any]] = {
+    413: {"model": ErrorBody, "description": "The body is larger than JUNE_GATEWAY_MAX_BODY_BYTES."}
+}
 SSE_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "SSE: id = Redis stream id."}}}
+_ERROR_JSON = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+SSE_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": doc["description"], "content": _ERROR_JSON} for code, doc in _ERRORS.items()
+}
+"""The errors of a route whose 200 is an SSE stream: JSON like everywhere else (not its route's media type)."""
 Wait = Annotated[bool, Query(description="Answer with how the turn ended (completed, suspended, failed, cancelled).")]
 LastEventId = Annotated[
     str | None,
@@ -87,7 +102,9 @@ LastEventId = Annotated[
 
 
 def events_path(ref: SessionRef, turn_id: str) -> str:
-    return f"/v1/agents/{ref.agent}/sessions/{ref.session}/turns/{turn_id}/events"
+    """The turn's SSE route, every segment percent-encoded (a session id may hold ``?``, ``#`` or ``%``)."""
+    agent, session, turn = (urllib.parse.quote(part, safe="") for part in (ref.agent, ref.session, turn_id))
+    return f"/v1/agents/{agent}/sessions/{session}/turns/{turn}/events"
 
 
 def sse_response(backend: GatewayBackend, ref: SessionRef, turn_id: str | None, last_id: str) -> SSEResponse:
@@ -191,6 +208,7 @@ async def list_agents(request: Request, principal: Authenticated) -> AgentList:
     summary="Start a turn",
     responses={
         **_ERRORS,
+        **TOO_LARGE,
         200: {"model": TurnOutcome, "content": SSE_DOC, "description": "With ?wait=true, or an SSE stream."},
         409: {"model": ErrorBody, "description": "The session is parked on another turn's input."},
         504: {"model": ErrorBody, "description": "?wait=true: the turn did not end in time (it goes on)."},
@@ -202,8 +220,7 @@ async def start_turn(
 ) -> Response:  # fmt: skip
     """Enqueue a turn (``june.turn``). ``Accept: text/event-stream``: the response is the turn's events until
     its terminal event; ``?wait=true``: how it ended; otherwise 202 with its ``turn_id`` at once."""
-    check_agent(request, principal, agent)
-    ref = SessionRef(agent, session)
+    ref = await use_session(request, principal, agent, session, "start")
     turn_id = body.turn_id or new_turn_id()
     existing = await backend.turn(ref, turn_id) if body.turn_id else None
     if existing is None:
@@ -225,12 +242,14 @@ async def start_turn(
     return JSONResponse(accepted.model_dump(), status_code=202, headers={"Location": events_path(ref, turn_id)})
 
 
-async def known_turn(request: Request, principal: Principal, agent: str, session: str, turn_id: str) -> SessionRef:
-    check_agent(request, principal, agent)
-    ref = SessionRef(agent, session)
+async def known_turn(
+    request: Request, principal: Principal, agent: str, session: str, turn_id: str, action: Action
+) -> SessionRef:
+    """The turn's session, if the caller may ``action`` it and the turn is known; else "unknown turn" (404)."""
+    ref = await use_session(request, principal, agent, session, action, turn_id=turn_id)
     backend: GatewayBackend = request.app.state.backend
     if await backend.turn(ref, turn_id) is None and not await backend.turn_sent(ref, turn_id):
-        raise not_found(f"unknown turn {turn_id!r} in session {session!r} of agent {agent!r}")
+        raise unknown_turn(agent, session, turn_id)
     return ref
 
 
@@ -239,7 +258,7 @@ async def get_turn(
     request: Request, agent: AgentName, session: SessionId, turn_id: TurnIdPath, principal: Authenticated,
     backend: Backend,
 ) -> TurnInfo:  # fmt: skip
-    ref = await known_turn(request, principal, agent, session, turn_id)
+    ref = await known_turn(request, principal, agent, session, turn_id, "follow")
     rec = await backend.turn(ref, turn_id)
     if rec is None:
         return TurnInfo(turn_id=turn_id, status="sent")
@@ -250,7 +269,10 @@ async def get_turn(
 @router.get(
     TURN + "/events",
     response_class=SSEResponse,
-    responses={**_ERRORS, 200: {"content": SSE_DOC, "description": "The turn's events, ending on its terminal one."}},
+    responses={
+        **SSE_ERRORS,
+        200: {"content": SSE_DOC, "description": "The turn's events, ending on its terminal one."},
+    },
     summary="Follow a turn (SSE)",
 )
 async def turn_events(
@@ -259,14 +281,15 @@ async def turn_events(
 ) -> Response:  # fmt: skip
     """The turn's events from its start (or after ``Last-Event-ID``), ending after its terminal event
     (``turn.completed``, ``turn.failed``, ``turn.cancelled``, or ``input.requested``: parked)."""
-    ref = await known_turn(request, principal, agent, session, turn_id)
+    last_event_id = stream_id(last_event_id, ("header", "Last-Event-ID"))
+    ref = await known_turn(request, principal, agent, session, turn_id, "follow")
     return sse_response(backend, ref, turn_id, last_event_id or "0-0")
 
 
 @router.get(
     SESSION + "/events",
     response_class=SSEResponse,
-    responses={**_ERRORS, 200: {"content": SSE_DOC, "description": "The session's events, live."}},
+    responses={**SSE_ERRORS, 200: {"content": SSE_DOC, "description": "The session's events, live."}},
     summary="Follow a session (SSE)",
 )
 async def session_events(
@@ -279,8 +302,8 @@ async def session_events(
 ) -> Response:  # fmt: skip
     """Every event of the session after ``Last-Event-ID`` (or ``after``; from the start by default), then
     live ones. It does not end on a turn's end; it ends after JUNE_GATEWAY_MAX_STREAM_S (reconnect)."""
-    ref = await session_ref(request, principal, agent, session)
-    start = last_event_id or after or "0-0"
+    start = stream_id(last_event_id, ("header", "Last-Event-ID")) or stream_id(after, ("query", "after")) or "0-0"
+    ref = await use_session(request, principal, agent, session, "follow")
     if start == "$":
         start = await backend.tail(ref)
     return sse_response(backend, ref, None, start)
@@ -293,6 +316,7 @@ async def session_events(
     summary="Answer a parked turn",
     responses={
         **_ERRORS,
+        **TOO_LARGE,
         200: {"model": TurnOutcome, "content": SSE_DOC, "description": "With ?wait=true, or an SSE stream."},
         403: {"model": ErrorBody, "description": "This principal may not answer the request."},
         409: {"model": ErrorBody, "description": "Wrong turn or input id, not suspended, or a reset is pending."},
@@ -306,7 +330,7 @@ async def resume(
 ) -> Response:  # fmt: skip
     """Answer the input the turn is parked on, as the token's principal (``by``), and let the turn go on.
     ``Accept: text/event-stream`` streams the continuation; ``?wait=true`` answers with how it ended."""
-    ref = await session_ref(request, principal, agent, session)
+    ref = await use_session(request, principal, agent, session, "resume")
     start_id = await backend.tail(ref)
     result = await backend.resume(
         ref, turn_id, body.input_id, body.value, by=principal.id, principal=principal.to_json()

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from .deps import AgentName, Authenticated, Backend, SessionId, TurnIdPath, session_ref
+from .deps import AgentName, Authenticated, Backend, SessionId, TurnIdPath, use_session
 from .routes import SESSION, TURN, known_turn
 from .schemas import CancelOutcome, ErrorBody, Pending, PendingInput, ResetOutcome
 
@@ -17,7 +17,11 @@ router = APIRouter(prefix="/v1")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "No bearer token, or an unknown one."},
-    404: {"model": ErrorBody, "description": "Unknown agent (or not granted to this token), session or turn."},
+    404: {
+        "model": ErrorBody,
+        "description": "Unknown agent (or not granted to this token), session (or one this principal may not use) "
+        "or turn.",
+    },
     503: {"model": ErrorBody, "description": "The broker, Redis or Postgres is unavailable."},
     504: {"model": ErrorBody, "description": "No worker answered in time."},
 }
@@ -28,7 +32,7 @@ async def pending(
     request: Request, agent: AgentName, session: SessionId, principal: Authenticated, backend: Backend
 ) -> PendingInput:
     """The input request the session is parked on (``pending`` is null when it is not parked)."""
-    ref = await session_ref(request, principal, agent, session)
+    ref = await use_session(request, principal, agent, session, "pending")
     parked = await backend.pending(ref)
     found = None
     if parked is not None:
@@ -47,7 +51,7 @@ async def cancel_turn(
     backend: Backend,
 ) -> CancelOutcome:  # fmt: skip
     """Cancel one queued or running turn; it stops at its next checkpoint and its stream ends ``turn.cancelled``."""
-    ref = await known_turn(request, principal, agent, session, turn_id)
+    ref = await known_turn(request, principal, agent, session, turn_id, "cancel")
     result = await backend.cancel(ref, turn_id)
     if result.get("status") == "nothing-to-cancel":
         rec = await backend.turn(ref, turn_id)
@@ -61,7 +65,7 @@ async def cancel_session(
     request: Request, agent: AgentName, session: SessionId, principal: Authenticated, backend: Backend
 ) -> CancelOutcome:
     """Cancel every queued or running turn of the session (``nothing-to-cancel`` when there is none)."""
-    ref = await session_ref(request, principal, agent, session)
+    ref = await use_session(request, principal, agent, session, "cancel")
     result = await backend.cancel(ref, None)
     return CancelOutcome(status=str(result["status"]), turn_ids=list(result.get("turn_ids", [])))
 
@@ -76,7 +80,7 @@ async def reset(
     request: Request, agent: AgentName, session: SessionId, principal: Authenticated, backend: Backend
 ) -> JSONResponse:
     """Cancel unfinished turns (reason ``reset``), end a park, and archive the history under its generation."""
-    ref = await session_ref(request, principal, agent, session)
+    ref = await use_session(request, principal, agent, session, "reset")
     result = await backend.reset(ref)
     if result.status == "rejected":
         raise HTTPException(status_code=422, detail=result.reason or "the worker rejected the reset")

@@ -14,7 +14,7 @@ import psycopg
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
-from .deps import AgentName, Authenticated, Backend, SessionId, session_ref
+from .deps import AgentName, Authenticated, Backend, SessionId, use_session
 from .routes import SESSION
 from .schemas import ErrorBody
 
@@ -45,7 +45,7 @@ async def session_log(
 ) -> SessionLog:  # fmt: skip
     """The session's structural events after ``after_seq`` from Postgres: what a follower told of a gap
     (SSE ``stream.gap``) reloads. Pages of ``limit``; ``next_after_seq`` is set while more follow."""
-    ref = await session_ref(request, principal, agent, session)
+    ref = await use_session(request, principal, agent, session, "follow")
 
     def read() -> list[Any]:
         try:

@@ -30,6 +30,9 @@ JUNE_GATEWAY_CONTROL_TIMEOUT_S longest wait for resume / cancel / reset         
 JUNE_GATEWAY_REDIS_CONNECTIONS Redis connections for SSE readers (one per       1000
                                open stream while it waits)
 JUNE_GATEWAY_ACCESS_LOG        ``0`` turns uvicorn's access log off             1
+JUNE_GATEWAY_MAX_BODY_BYTES    a larger request body is a 413                   2097152 (2 MiB)
+JUNE_GATEWAY_AUTHORIZE_SESSION the app's ``authorize_session`` hook              none
+                               (``module:attribute``; see :mod:`.access`)
 =============================  ==============================================  ===========================
 
 The rule a reader must not break: **settings are built here and passed down**; nothing else in
@@ -46,9 +49,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from .access import AuthorizeSession
 from .auth import TokenTable, load_tokens
 
-__all__ = ["AGENT_NAME_RE", "GatewaySettings", "agent_names"]
+__all__ = ["AGENT_NAME_RE", "GatewaySettings", "agent_names", "load_hook"]
 
 AGENT_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _DEFAULT_AGENTS = "june_worker.demo:build_agent"
@@ -76,6 +80,20 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     if raw in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"{name}={raw!r}: expected 1 or 0")
+
+
+def load_hook(path: str, variable: str) -> AuthorizeSession:
+    """The callable at ``module:attribute``; a :class:`ConfigError` naming ``variable`` when there is none."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{variable}={path!r} must look like 'package.module:function'")
+    try:
+        hook: Any = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{variable}: cannot load {path!r}: {exc}") from exc
+    if not callable(hook):
+        raise ConfigError(f"{variable}: {path!r} is a {type(hook).__name__}, not a function")
+    return hook  # type: ignore[no-any-return]
 
 
 def agent_names(paths: tuple[str, ...]) -> tuple[str, ...]:
@@ -127,6 +145,10 @@ class GatewaySettings:
     """Entries one XREAD takes: what a stream may hold in memory beyond the socket's buffers."""
     event_source: str = "http"
     """The ``source`` of the inbound event the gateway builds for a turn (keys per-source policies)."""
+    max_body_bytes: int = 2 * 1024 * 1024
+    """A request body larger than this is refused with 413 before it is read whole."""
+    authorize_session: AuthorizeSession | None = field(default=None, compare=False)
+    """The app's ``authorize_session(principal, agent, session, action)`` hook (see :mod:`.access`)."""
 
     def __post_init__(self) -> None:
         for name in self.agents:
@@ -143,6 +165,8 @@ class GatewaySettings:
             raise ConfigError(f"JUNE_GATEWAY_PORT must be a TCP port, not {self.port}")
         if self.heartbeat_s <= 0 or self.max_stream_s <= 0 or self.wait_s <= 0 or self.control_timeout_s <= 0:
             raise ConfigError("gateway durations must be positive")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"JUNE_GATEWAY_MAX_BODY_BYTES must be at least 1024, not {self.max_body_bytes}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GatewaySettings:
@@ -158,6 +182,7 @@ class GatewaySettings:
             paths = tuple(p.strip() for p in env.get("JUNE_AGENTS", _DEFAULT_AGENTS).split(",") if p.strip())
             agents = agent_names(paths)
         redis_url = env.get("JUNE_REDIS_URL", cls.redis_url)
+        hook_path = env.get("JUNE_GATEWAY_AUTHORIZE_SESSION")
         return cls(
             agents=agents,
             tokens=load_tokens(env.get("JUNE_GATEWAY_TOKENS"), env.get("JUNE_GATEWAY_TOKENS_FILE")),
@@ -178,6 +203,8 @@ class GatewaySettings:
             control_timeout_s=_number(env, "JUNE_GATEWAY_CONTROL_TIMEOUT_S", cls.control_timeout_s, low=0.1),
             redis_connections=int(_number(env, "JUNE_GATEWAY_REDIS_CONNECTIONS", cls.redis_connections, low=2)),
             access_log=_flag(env, "JUNE_GATEWAY_ACCESS_LOG", True),
+            max_body_bytes=int(_number(env, "JUNE_GATEWAY_MAX_BODY_BYTES", cls.max_body_bytes, low=1024)),
+            authorize_session=load_hook(hook_path, "JUNE_GATEWAY_AUTHORIZE_SESSION") if hook_path else None,
         )
 
     def __repr__(self) -> str:

@@ -76,12 +76,20 @@ def settings_for(stack: Stack, tokens: TokenTable, **overrides: object) -> Gatew
 @pytest.fixture(scope="package")
 def gateway(gw_stack: Stack) -> Iterator[Gateway]:
     tag = uuid.uuid4().hex
-    tokens = {"op": f"op-token-{tag}", "viewer": f"viewer-token-{tag}", "narrow": f"narrow-token-{tag}"}
+    tokens = {
+        "op": f"op-token-{tag}",
+        "viewer": f"viewer-token-{tag}",
+        "narrow": f"narrow-token-{tag}",
+        "admin": f"admin-token-{tag}",
+        "tenant": f"tenant-token-{tag}",
+    }
     table = TokenTable.of(
         {
             tokens["op"]: Principal("op-alice", frozenset(AGENTS), {"team": "payments"}),
             tokens["viewer"]: Principal("viewer-bob", frozenset({"ops"})),
             tokens["narrow"]: Principal("op-carol", frozenset({"dribble", "form"})),
+            tokens["admin"]: Principal("op-dave", None, operator=True),
+            tokens["tenant"]: Principal("erin", frozenset({"ops"}), session_prefixes=("erin-",)),
         }
     )
     app = create_app(settings_for(gw_stack, table))

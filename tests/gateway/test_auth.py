@@ -48,6 +48,36 @@ def test_tokens_from_json_plain_or_hashed_map_to_principals_and_agents() -> None
     assert table.lookup("a-plain-token-012345678") is None and table.lookup(digest(HASHED)) is None
 
 
+def test_a_token_may_make_its_principal_an_operator_or_confine_it_to_session_prefixes() -> None:
+    table = load_tokens(
+        json.dumps(
+            {
+                PLAIN: {"principal": "ops-lead", "agents": "*", "role": "operator"},
+                HASHED: {"principal": "acme", "agents": ["ops"], "role": "user", "sessions": ["acme-", "shared-acme"]},
+            }
+        ),
+        None,
+    )
+    lead, acme = table.lookup(PLAIN), table.lookup(HASHED)
+    assert lead is not None and lead.operator and lead.may_address("anything")
+    assert acme is not None and not acme.operator and acme.session_prefixes == ("acme-", "shared-acme")
+    assert acme.may_address("acme-1") and acme.may_address("shared-acme") and not acme.may_address("s1")
+
+
+def test_the_authorize_session_hook_and_body_limit_come_from_the_environment() -> None:
+    env = {"JUNE_GATEWAY_AGENTS": "ops", "JUNE_GATEWAY_INSECURE_DEV": "1"}
+    s = GatewaySettings.from_env(
+        {**env, "JUNE_GATEWAY_AUTHORIZE_SESSION": "tests.gateway.agents:ALL", "JUNE_GATEWAY_MAX_BODY_BYTES": "4096"}
+    )
+    assert s.authorize_session is not None and s.authorize_session.__name__ == "ALL" and s.max_body_bytes == 4096
+    with pytest.raises(ConfigError, match="JUNE_GATEWAY_AUTHORIZE_SESSION: cannot load 'tests.gateway.agents:nope'"):
+        GatewaySettings.from_env({**env, "JUNE_GATEWAY_AUTHORIZE_SESSION": "tests.gateway.agents:nope"})
+    with pytest.raises(ConfigError, match="must look like 'package.module:function'"):
+        GatewaySettings.from_env({**env, "JUNE_GATEWAY_AUTHORIZE_SESSION": "nocolon"})
+    with pytest.raises(ConfigError, match="JUNE_GATEWAY_MAX_BODY_BYTES must be at least 1024"):
+        GatewaySettings.from_env({**env, "JUNE_GATEWAY_MAX_BODY_BYTES": "10"})
+
+
 def test_tokens_from_a_toml_file(tmp_path: Path) -> None:
     path = tmp_path / "tokens.toml"
     path.write_text(f'[tokens."{digest(HASHED)}"]\nprincipal = "op-bob"\nagents = ["ops", "form"]\n')
@@ -72,6 +102,9 @@ def test_env_and_file_tokens_merge(tmp_path: Path) -> None:
         ({PLAIN: {"principal": "p", "agents": "*", "by": "x"}}, "unknown fields"),
         ({PLAIN: {"principal": "p", "agents": "*", "claims": {"id": "x"}}}, "without an 'id'"),
         ([PLAIN], "expected an object"),
+        ({PLAIN: {"principal": "p", "agents": "*", "role": "admin"}}, "'role' must be"),
+        ({PLAIN: {"principal": "p", "agents": "*", "sessions": []}}, "'sessions' must be"),
+        ({PLAIN: {"principal": "p", "agents": "*", "sessions": ["a b"]}}, "'sessions' must be"),
     ],
 )
 def test_a_bad_token_configuration_is_a_config_error_that_never_shows_the_token(config: Any, message: str) -> None:

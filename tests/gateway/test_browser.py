@@ -126,3 +126,27 @@ def test_the_page_watches_a_session_and_shows_its_pending_input(page: Page, gate
     expect(page.locator("#transcript")).to_contain_text("Asking.")
     page.get_by_role("button", name="Approve").click()
     expect(page.locator("#status")).to_have_text("completed")
+
+
+def test_switching_sessions_leaves_nothing_of_the_previous_one_on_the_page(page: Page) -> None:
+    first = start(page, "ops", "hello first")
+    expect(page.locator("#status")).to_have_text("completed")
+    expect(page.locator("#transcript")).to_contain_text("ok: hello first")
+    second = f"web-{uuid.uuid4().hex[:8]}"
+    page.fill("#session", second)
+    page.press("#session", "Tab")  # the field's change event: another session
+    expect(page.locator("#transcript")).to_have_text("")
+    expect(page.locator("#events")).to_have_text("")
+    expect(page.locator("#status")).to_have_text("idle")
+    expect(page.locator("#turn-id")).to_have_text("")
+    page.fill("#text", "hello second")
+    page.click("#start")
+    expect(page.locator("#status")).to_have_text("completed")
+    expect(page.locator("#transcript")).to_contain_text("ok: hello second")
+    expect(page.locator("#transcript")).not_to_contain_text("hello first")
+    page.fill("#session", first)  # back, without a change event: Watch session shows that session alone
+    page.click("#watch")
+    expect(page.locator("#transcript")).to_contain_text("ok: hello first")
+    expect(page.locator("#transcript")).not_to_contain_text("hello second")
+    page.select_option("#agent", "form")  # another agent: another session too
+    expect(page.locator("#transcript")).to_have_text("")

@@ -60,7 +60,7 @@ def test_resume_conflicts_and_bad_answers_leave_the_turn_parked(stack: Stack, se
     assert wrong_input["status"] == "conflict" and "waiting for input 'approve-refund'" in wrong_input["reason"]
     assert _resume(stack, session_id, "t_nope", True, by="op-ann")["status"] == "conflict"
     invalid = _resume(stack, session_id, turn_id, "yes", by="op-ann")
-    assert invalid["status"] == "invalid" and "is not of type 'boolean'" in invalid["reason"]
+    assert invalid["status"] == "invalid" and "does not satisfy the schema's 'type' rule" in invalid["reason"]
     assert stack.turn_row("ops", session_id, turn_id)["status"] == "suspended"  # type: ignore[index]
 
 
