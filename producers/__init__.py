@@ -17,6 +17,7 @@ from ._ulid import new_turn_id
 from .client import JuneProducer
 from .errors import (
     BrokerUnavailable,
+    DatabaseUnavailable,
     ProducerConfigError,
     ProducerError,
     ResultTimeout,
@@ -31,6 +32,7 @@ __all__ = [
     "DELTA_TYPES",
     "TERMINAL_TYPES",
     "BrokerUnavailable",
+    "DatabaseUnavailable",
     "FollowedEvent",
     "JuneProducer",
     "ProducerConfigError",

@@ -123,6 +123,7 @@ def _cmd_turn(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> in
         turn_id=args.turn_id,
         replace=args.replace,
         trigger=trigger,
+        durable=True if args.durable else None,
     )
     if args.no_follow:
         if out.json_mode:
@@ -182,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="june-produce",
         description="Send june turns and control messages, and follow their events. "
         "Configured by JUNE_REDIS_URL, CELERY_BROKER_URL, CELERY_RESULT_BACKEND, JUNE_QUEUE, "
-        "JUNE_CONTROL_QUEUE and JUNE_KEY_PREFIX.",
+        "JUNE_CONTROL_QUEUE, JUNE_KEY_PREFIX, JUNE_BROKER_QUEUE_TYPE, JUNE_PUBLISH_TIMEOUT_S, "
+        "JUNE_PUBLISH_RETRIES and (for --durable) JUNE_DATABASE_URL.",
         epilog="exit codes: 0 completed/accepted, 1 failed/cancelled/rejected/not accepted, 2 usage, "
         "3 suspended (waiting for input), 4 --timeout passed first, 5 broker/Redis/worker unavailable",
     )
@@ -215,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--event", type=_json_object, metavar="JSON", help="the inbound event, a JSON object")
     p.add_argument("--proactive-by", metavar="BY", help="a turn nobody typed, started by BY (e.g. cron:daily)")
     p.add_argument("--no-follow", action="store_true", help="print the turn id and return")
+    p.add_argument(
+        "--durable",
+        action="store_true",
+        help="record the turn in june's Postgres (JUNE_DATABASE_URL) before sending: it runs even if the broker "
+        "loses the message",
+    )
     follow_options(p)
 
     p = command("follow", _cmd_follow, "show a session's events (catch-up, then live)")
