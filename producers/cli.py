@@ -4,13 +4,16 @@
 
     june-produce turn ops s1 "refund order 42"          # enqueue, then show the turn live
     june-produce turn ops s1 "..." --no-follow           # print the turn id and return
+    june-produce turn ops s1 "..." --durable             # recorded in june's Postgres first
     june-produce follow ops s1 [--turn T] [--from ID]    # a session's (or a turn's) events
     june-produce resume ops s1 T approve-refund true --by U024BE7LH [--follow]
     june-produce cancel ops s1 [T]
     june-produce reset ops s1
 
 Configuration comes from the worker's variables (``JUNE_REDIS_URL``, ``CELERY_BROKER_URL``,
-``CELERY_RESULT_BACKEND``, ``JUNE_QUEUE``, ``JUNE_CONTROL_QUEUE``, ``JUNE_KEY_PREFIX``). With
+``CELERY_RESULT_BACKEND``, ``JUNE_QUEUE``, ``JUNE_CONTROL_QUEUE``, ``JUNE_KEY_PREFIX``,
+``JUNE_BROKER_QUEUE_TYPE``, ``JUNE_PUBLISH_TIMEOUT_S``, ``JUNE_PUBLISH_RETRIES``, and
+``JUNE_DATABASE_URL`` for ``--durable``). With
 ``--json``, or when stdout is not a terminal, stdout carries JSON lines only (one per event, with
 its ``stream_id``); messages for people go to stderr. Exit codes: see :mod:`producers.render`.
 

@@ -7,6 +7,7 @@ No worker runs: the turn's message is read back from the broker's queue.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import uuid
@@ -234,3 +235,29 @@ def test_the_store_records_a_turn_through_the_same_function(db: str, session_id:
     with psycopg.connect(db) as conn:
         statements = conn.execute("select count(*) from pg_proc where proname = 'june_enqueue_turn'").fetchone()
     assert statements == (1,)
+
+
+def test_the_cli_records_a_turn_with_durable_and_says_what_is_missing_without_a_database(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    redis_url: str,
+    db: str,
+    names: Names,
+    rclient: redis.Redis,
+    session_id: str,
+) -> None:
+    from producers.cli import main
+
+    for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "JUNE_DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in names.env(redis_url).items():
+        monkeypatch.setenv(name, value)
+
+    assert main(["turn", "ops", session_id, "hi", "--durable", "--no-follow", "--json"]) == 2
+    assert "durable=True needs database_url (JUNE_DATABASE_URL)" in capsys.readouterr().err
+
+    monkeypatch.setenv("JUNE_DATABASE_URL", db)
+    assert main(["turn", "ops", session_id, "hi", "--durable", "--no-follow", "--json"]) == 0
+    turn_id = json.loads(capsys.readouterr().out)["turn_id"]
+    assert [(t, s) for t, s, _ in _stored(db, session_id)] == [(turn_id, "queued")]
+    assert pop_message(rclient, names.queue).args[0]["turn_id"] == turn_id
