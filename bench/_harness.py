@@ -6,10 +6,15 @@ SIGTERM or an exception): its database ``june_bench_<random>`` on ``JUNE_DATABAS
 the processes it started, each in a process group of its own, stopped by that group's id and
 nothing else. Workers run the bench agents (``JUNE_AGENTS=bench.agents:ALL``) with
 ``-I bench.tasks`` (the ``bench.empty`` baseline task) at ``-l WARNING``.
+
+The broker is Redis (``JUNE_REDIS_URL``) or, with ``broker="amqp"``, RabbitMQ at
+``JUNE_BENCH_AMQP_URL`` (default ``amqp://guest:guest@127.0.0.1:5672//``): the stack's own
+queues are declared as the workers declare them (quorum) and deleted at the end.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import platform
@@ -32,11 +37,14 @@ import redis
 from celery import Celery
 
 from june_worker.stores import PostgresStore
+from june_worker.worker.broker import celery_options, publish_options
+from june_worker.worker.settings import WorkerSettings
 from producers import JuneProducer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DB = "postgresql://postgres@127.0.0.1:5432/test"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672//"
 T = TypeVar("T")
 
 # kombu's Redis transport: a queue is a list named after it (priority 0), bound in this set.
@@ -91,6 +99,27 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def listener_pid(port: int) -> int | None:
+    """The process listening on TCP ``port`` of this machine (from /proc; root sees every process)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    for fd in glob.glob("/proc/[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) in inodes:
+                return int(fd.split("/")[2])
+        except OSError:
+            continue
+    return None
+
+
 def machine_busy_s() -> float:
     """CPU seconds all CPUs of the machine spent busy (not idle, not waiting on I/O) since boot."""
     with open("/proc/stat") as f:
@@ -117,6 +146,7 @@ class Proc:
 
     def __init__(self, name: str, args: list[str], env: dict[str, str], log: Path) -> None:
         self.name = name
+        self.nodename = ""
         self.log = log
         self._out = log.open("ab")
         self.popen = subprocess.Popen(
@@ -162,11 +192,13 @@ class Proc:
 class BenchStack:
     """One bench's database, names, processes and Redis keys. Use as a context manager."""
 
-    def __init__(self, name: str, *, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, *, env: dict[str, str] | None = None, broker: str = "redis") -> None:
         self.tag = f"jb{secrets.token_hex(4)}"
         self.name = name
         self.admin_url = os.environ.get("JUNE_DATABASE_URL", DEFAULT_DB)
         self.redis_url = os.environ.get("JUNE_REDIS_URL", DEFAULT_REDIS)
+        self.broker = broker
+        self.broker_url = self.redis_url if broker == "redis" else os.environ.get("JUNE_BENCH_AMQP_URL", DEFAULT_AMQP)
         self.dbname = f"june_bench_{self.tag[2:]}"
         self.db_url = psycopg.conninfo.make_conninfo(self.admin_url, dbname=self.dbname)
         self.queue = f"june-bench-{self.tag}"
@@ -184,7 +216,7 @@ class BenchStack:
             "PYTHONPATH": str(ROOT),
             "JUNE_DATABASE_URL": self.db_url,
             "JUNE_REDIS_URL": self.redis_url,
-            "CELERY_BROKER_URL": self.redis_url,
+            "CELERY_BROKER_URL": self.broker_url,
             "CELERY_RESULT_BACKEND": self.redis_url,
             "JUNE_AGENTS": "bench.agents:ALL",
             "JUNE_QUEUE": self.queue,
@@ -193,14 +225,16 @@ class BenchStack:
             **(env or {}),
         }
         self.redis = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        self.settings = WorkerSettings.from_env(self.env)
         # Like JuneProducer: messages that are not waited for go through an app without a result
         # backend (one with a backend subscribes to every task's result channel as it sends).
         self.sender = self._celery("sender", None)
         self.client = self._celery("client", self.redis_url)
 
     def _celery(self, name: str, backend: str | None) -> Celery:
-        app = Celery(f"{self.tag}-{name}", broker=self.redis_url, backend=backend, set_as_current=False)
+        app = Celery(f"{self.tag}-{name}", broker=self.broker_url, backend=backend, set_as_current=False)
         app.conf.update(
+            **celery_options(self.settings),  # the queues as the workers declare them; confirms on RabbitMQ
             task_serializer="json",
             result_serializer="json",
             accept_content=["json"],
@@ -243,6 +277,8 @@ class BenchStack:
         self.procs.clear()
         try:
             self._clean_redis()
+            if self.broker == "amqp":
+                self._delete_queues()
         finally:
             if self._db_made:
                 with psycopg.connect(self.admin_url, autocommit=True) as admin:
@@ -283,6 +319,12 @@ class BenchStack:
             if members:
                 r.srem(key, *members)
 
+    def _delete_queues(self) -> None:
+        with self.sender.connection_for_write() as conn:
+            channel = conn.default_channel
+            for q in (self.queue, self.control_queue):
+                channel.queue_delete(q)
+
     # --- processes ---------------------------------------------------------------------------------
 
     def worker(
@@ -301,6 +343,7 @@ class BenchStack:
             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING",
         ]  # fmt: skip
         proc = Proc(name, args, {**self.env, **(env or {})}, self.tmp / f"{name}.log")
+        proc.nodename = f"{self.tag}-{name}@{platform.node()}"
         self.procs.append(proc)
         return proc
 
@@ -345,6 +388,7 @@ class BenchStack:
         """Send a task by name; ``wait``: through the app with a result backend, to read its result."""
         task_id = options.pop("task_id", None) or str(uuid.uuid4())
         self.sent.append(task_id)
+        options = {**publish_options(self.settings), **options}
         return (self.client if wait else self.sender).send_task(
             task, args=[payload], queue=queue or self.queue, task_id=task_id, kwargsrepr="", **options
         )
@@ -380,6 +424,23 @@ class BenchStack:
     def redis_cpu_s(self) -> float:
         info = self.redis.info("cpu")
         return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+    def broker_cpu_s(self) -> float:
+        """CPU seconds of the broker's server process: redis-server, or RabbitMQ's node (beam)."""
+        if self.broker == "redis":
+            return self.redis_cpu_s()
+        port = int(self.broker_url.split("@")[-1].split("/")[0].rsplit(":", 1)[1])
+        pid = listener_pid(port)
+        return cpu_s(pid) if pid is not None else 0.0
+
+    def consume(self, queue: str, on: bool) -> None:
+        """Make this stack's workers (and no one else's) start or stop consuming ``queue``."""
+        names = [p.nodename for p in self.procs if p.nodename and p.alive()]
+        control = self.client.control
+        call = control.add_consumer if on else control.cancel_consumer
+        replies = call(queue, destination=names, reply=True, timeout=10)
+        if len(replies) != len(names):
+            raise RuntimeError(f"{'add' if on else 'cancel'}_consumer({queue}): {len(replies)} of {len(names)} replied")
 
     def forget(self, task_ids: Iterable[str]) -> None:
         keys = [f"celery-task-meta-{t}" for t in task_ids]

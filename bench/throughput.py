@@ -1,6 +1,6 @@
 """Worker throughput, event latency through a worker, and recovery after SIGKILL, on real Celery workers.
 
-    .venv/bin/python bench/throughput.py [--quick] [--parts throughput,latency,recovery]
+    .venv/bin/python bench/throughput.py [--quick] [--parts throughput,latency,recovery] [--brokers redis,amqp]
 
 Every part starts its own ``celery -A june_worker worker`` processes (prefork, ``-l WARNING``,
 ``--without-gossip --without-mingle --without-heartbeat``, ``JUNE_AGENTS=bench.agents:ALL``,
@@ -8,21 +8,26 @@ Every part starts its own ``celery -A june_worker worker`` processes (prefork, `
 on ``JUNE_REDIS_URL`` (broker, result backend and streams) under a unique queue name and key
 prefix, and removes all of it at the end (see ``bench/_harness.py``).
 
-**throughput**: turns per second for the 3-step turn of the ``bench`` agent (scripted model
+**throughput**, on each broker of ``--brokers`` (Redis at ``JUNE_REDIS_URL``; RabbitMQ at
+``JUNE_BENCH_AMQP_URL``, default ``amqp://guest:guest@127.0.0.1:5672//``, with the shipped
+settings: quorum queues, publisher confirms; results and streams stay on Redis): turns per
+second for the 3-step turn of the ``bench`` agent (scripted model
 asks for the sync tool ``tick``, the tool runs, the model answers: 4 commits, 5 structural
 events), next to the rate of ``bench.empty``, a task that does nothing, run by the same workers
 under the same Celery settings. For each layout of worker processes (``1x1``: one worker
 ``-c 1``; ``2x1``: two workers ``-c 1``; ``1x2``: one worker ``-c 2``; on request ``2x2`` and
 ``1x4``, more pool processes than CPUs) and each round, a batch
 of each kind is sent to a staging queue nobody consumes and then moved into the workers' queue
-in one atomic Redis call, so the producer does not compete for the 2 CPUs while the workers
-drain it. The rate is the batch size over the time from that move to the last task's
+in one atomic Redis call (on RabbitMQ: sent to the workers' queue while they do not consume it,
+then released with one ``add_consumer`` control call to this stack's workers), so the producer
+does not compete for the 2 CPUs while the workers drain it. The rate is the batch size over the time from that move to the last task's
 ``date_done`` (stored by the worker with the result). Turn batches: each turn in its own
 session, and ``--per-session`` turns per session (sent back to back). Every turn of a batch is
 checked ``completed`` in Postgres. Figures: the median over rounds of each rate, and the median
 over rounds of turns/s divided by the empty-task rate of the same round. Next to them, the CPU
 time per task (from ``/proc``) of the worker processes, of the Postgres server processes of
-the bench database and of redis-server (shared with whatever else uses it), which the load of
+the bench database and of the broker's server (redis-server, or RabbitMQ's node; shared with
+whatever else uses it), which the load of
 other work on the machine (also printed) distorts far less than it distorts rates.
 
 **latency**: the ``stamp`` agent's turns on one worker ``-c 1``, one at a time, each in a new
@@ -97,7 +102,7 @@ class Batch:
     pg_ms: float
     """CPU of the Postgres server processes serving the bench database, per task"""
     redis_ms: float
-    """CPU of the Redis server per task (shared with whatever else uses it)"""
+    """CPU of the broker's server per task: redis-server or RabbitMQ's node (shared with whatever else uses it)"""
     others: float
     """share of the machine's CPUs busy with work not counted above, during the batch"""
 
@@ -106,7 +111,8 @@ def run_batch(stack: BenchStack, kind: str, n: int, per_session: int = 1) -> Bat
     """Send ``n`` tasks to the staging queue, release them at once, measure until the last one is done."""
     batch = uuid.uuid4().hex[:6]
     ids: list[str] = []
-    staging = stack.staging_queue
+    # Redis: a staging list moved into the queue at once; RabbitMQ: the queue itself, consumed on release.
+    staging = stack.staging_queue if stack.broker == "redis" else stack.queue
     if kind == "empty":
         for _ in range(n):
             ids.append(stack.send("bench.empty", {}, queue=staging).id)
@@ -118,14 +124,19 @@ def run_batch(stack: BenchStack, kind: str, n: int, per_session: int = 1) -> Bat
                 stack.turn("bench", session, queue=staging, task_id=task_id)
                 ids.append(task_id)
     workers, backends = stack.worker_pids(), stack.backend_pids()
-    w0, b0, r0, m0 = sum(map(cpu_s, workers)), sum(map(cpu_s, backends)), stack.redis_cpu_s(), machine_busy_s()
+    w0, b0, r0, m0 = sum(map(cpu_s, workers)), sum(map(cpu_s, backends)), stack.broker_cpu_s(), machine_busy_s()
     c0 = time.monotonic()
     t0 = time.time()
-    moved = stack.redis.eval(MOVE_LUA, 2, staging, stack.queue)
-    assert moved == len(ids), f"moved {moved} of {len(ids)} messages"
+    if stack.broker == "redis":
+        moved = stack.redis.eval(MOVE_LUA, 2, staging, stack.queue)
+        assert moved == len(ids), f"moved {moved} of {len(ids)} messages"
+    else:
+        stack.consume(stack.queue, True)
     results = wait_results(stack, ids, timeout_s=60 + len(ids) / 5)
     elapsed = time.monotonic() - c0
-    w1, b1, r1, m1 = sum(map(cpu_s, workers)), sum(map(cpu_s, backends)), stack.redis_cpu_s(), machine_busy_s()
+    if stack.broker != "redis":
+        stack.consume(stack.queue, False)
+    w1, b1, r1, m1 = sum(map(cpu_s, workers)), sum(map(cpu_s, backends)), stack.broker_cpu_s(), machine_busy_s()
     failed = [m for m in results.values() if m["status"] != "SUCCESS"]
     if failed:
         raise RuntimeError(f"{len(failed)} {kind} tasks failed, e.g. {failed[0]}")
@@ -152,6 +163,7 @@ def run_batch(stack: BenchStack, kind: str, n: int, per_session: int = 1) -> Bat
 
 @dataclass
 class LayoutResult:
+    broker: str
     layout: str
     empty: list[Batch] = field(default_factory=list)
     one: list[Batch] = field(default_factory=list)
@@ -169,10 +181,13 @@ def cpu_ms(batches: list[Batch]) -> float:
 
 def throughput(args: argparse.Namespace) -> list[LayoutResult]:
     results = []
-    for layout in args.layouts.split(","):
-        res = LayoutResult(layout)
-        with BenchStack("throughput") as stack:
-            procs = [stack.worker(f"w{i}", concurrency=c) for i, c in enumerate(LAYOUTS[layout])]
+    runs = [(broker, layout) for broker in args.brokers.split(",") for layout in args.layouts.split(",")]
+    for broker, layout in runs:
+        res = LayoutResult(broker, layout)
+        with BenchStack("throughput", broker=broker) as stack:
+            # on RabbitMQ the workers consume the turn queue only while a batch is released (run_batch)
+            queues = stack.control_queue if broker == "amqp" else None
+            procs = [stack.worker(f"w{i}", concurrency=c, queues=queues) for i, c in enumerate(LAYOUTS[layout])]
             stack.wait_ready(*procs)
             run_batch(stack, "empty", 40)  # warm-up: pool processes, connections, prepared statements
             run_batch(stack, "turns", 40)
@@ -183,9 +198,9 @@ def throughput(args: argparse.Namespace) -> list[LayoutResult]:
                     getattr(res, name).append(run_batch(stack, "empty" if name == "empty" else "turns", n, k))
                 e, o, m = res.empty[-1], res.one[-1], res.many[-1]
                 print(
-                    f"#   {layout} round {r + 1}: empty {e.rate:6.1f}/s  turns {o.rate:5.1f}/s  "
+                    f"#   {broker} {layout} round {r + 1}: empty {e.rate:6.1f}/s  turns {o.rate:5.1f}/s  "
                     f"turns ({args.per_session}/session) {m.rate:5.1f}/s  | CPU ms/task empty {e.worker_ms:.1f}+"
-                    f"{e.redis_ms:.1f}  turn {o.worker_ms:.1f}+{o.pg_ms:.1f}+{o.redis_ms:.1f} (worker+pg+redis)  "
+                    f"{e.redis_ms:.1f}  turn {o.worker_ms:.1f}+{o.pg_ms:.1f}+{o.redis_ms:.1f} (worker+pg+broker)  "
                     f"| others used {100 * median([e.others, o.others, m.others]):.0f}% of the CPUs",
                     flush=True,
                 )
@@ -193,26 +208,26 @@ def throughput(args: argparse.Namespace) -> list[LayoutResult]:
     k = args.per_session
     print()
     print(
-        f"| layout | empty task/s | turns/s, 1 per session | ratio | turns/s, {k} per session | ratio | "
+        f"| broker | layout | empty task/s | turns/s, 1 per session | ratio | turns/s, {k} per session | ratio | "
         "CPU ms per empty task | CPU ms per turn | CPU ratio |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for res in results:
         print(
-            f"| {res.layout} | {median(b.rate for b in res.empty):.0f} | {median(b.rate for b in res.one):.1f} | "
+            f"| {res.broker} | {res.layout} | {median(b.rate for b in res.empty):.0f} | {median(b.rate for b in res.one):.1f} | "
             f"{res.ratio('one'):.2f} | {median(b.rate for b in res.many):.1f} | {res.ratio('many'):.2f} | "
             f"{cpu_ms(res.empty):.2f} | {cpu_ms(res.one):.2f} | {cpu_ms(res.empty) / cpu_ms(res.one):.2f} |"
         )
     print(
         f"(medians over {args.rounds} rounds, batches of {args.empty} empty tasks and {args.turns} turns; ratio: median "
         "over rounds of turns/s / empty tasks/s of the same round; CPU: worker processes + Postgres server processes "
-        "of the bench database + redis-server (shared), per task; CPU ratio: empty / turn, what the ratio would be "
-        "if the CPUs were the only limit)"
+        "of the bench database + the broker's server (redis-server or RabbitMQ's node, shared), per task; CPU ratio: "
+        "empty / turn, what the ratio would be if the CPUs were the only limit)"
     )
     for res in results:
         ratio = res.ratio("one")
         print(
-            f"target turns/s >= 1/3 of the empty-task rate, {res.layout}: {'met' if ratio >= 1 / 3 else 'MISSED'} "
+            f"target turns/s >= 1/3 of the empty-task rate, {res.broker} {res.layout}: {'met' if ratio >= 1 / 3 else 'MISSED'} "
             f"({median(b.rate for b in res.one):.1f} turns/s, ratio {ratio:.2f})"
         )
     return results
@@ -405,6 +420,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small batches, few rounds, one recovery run each")
     parser.add_argument("--parts", default="throughput,latency,recovery")
     parser.add_argument("--layouts", default="1x1,2x1,1x2", help=f"of {', '.join(LAYOUTS)}")
+    parser.add_argument("--brokers", default="redis,amqp", help="throughput on these brokers: redis, amqp")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--turns", type=int, default=400, help="turns per batch")
     parser.add_argument("--empty", type=int, default=1000, help="empty tasks per batch")

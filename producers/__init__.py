@@ -17,6 +17,7 @@ from ._ulid import new_turn_id
 from .client import JuneProducer
 from .errors import (
     BrokerUnavailable,
+    DatabaseUnavailable,
     ProducerConfigError,
     ProducerError,
     ResultTimeout,
@@ -32,6 +33,7 @@ __all__ = [
     "DELTA_TYPES",
     "TERMINAL_TYPES",
     "BrokerUnavailable",
+    "DatabaseUnavailable",
     "FollowedEvent",
     "JuneProducer",
     "ProducerConfigError",

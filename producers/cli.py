@@ -4,6 +4,7 @@
 
     june-produce turn ops s1 "refund order 42"          # enqueue, then show the turn live
     june-produce turn ops s1 "..." --no-follow           # print the turn id and return
+    june-produce turn ops s1 "..." --durable             # recorded in june's Postgres first
     june-produce follow ops s1 [--turn T] [--from ID]    # a session's (or a turn's) events
     june-produce resume ops s1 T approve-refund true --by U024BE7LH [--follow]
     june-produce cancel ops s1 [T]
@@ -15,7 +16,9 @@ A turn typed here is a message from the person at the shell: it carries the inbo
 The speaker is attested as ``--by`` is trusted: whoever can reach the broker can send anything.
 
 Configuration comes from the worker's variables (``JUNE_REDIS_URL``, ``CELERY_BROKER_URL``,
-``CELERY_RESULT_BACKEND``, ``JUNE_QUEUE``, ``JUNE_CONTROL_QUEUE``, ``JUNE_KEY_PREFIX``). With
+``CELERY_RESULT_BACKEND``, ``JUNE_QUEUE``, ``JUNE_CONTROL_QUEUE``, ``JUNE_KEY_PREFIX``,
+``JUNE_BROKER_QUEUE_TYPE``, ``JUNE_PUBLISH_TIMEOUT_S``, ``JUNE_PUBLISH_RETRIES``, and
+``JUNE_DATABASE_URL`` for ``--durable``). With
 ``--json``, or when stdout is not a terminal, stdout carries JSON lines only (one per event, with
 its ``stream_id``); messages for people go to stderr. Exit codes: see :mod:`producers.render`.
 
@@ -175,6 +178,7 @@ def _cmd_turn(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> in
         turn_id=args.turn_id,
         replace=args.replace,
         trigger=trigger,
+        durable=True if args.durable else None,
     )
     if args.no_follow:
         if out.json_mode:
@@ -234,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="june-produce",
         description="Send june turns and control messages, and follow their events. "
         "Configured by JUNE_REDIS_URL, CELERY_BROKER_URL, CELERY_RESULT_BACKEND, JUNE_QUEUE, "
-        "JUNE_CONTROL_QUEUE and JUNE_KEY_PREFIX.",
+        "JUNE_CONTROL_QUEUE, JUNE_KEY_PREFIX, JUNE_BROKER_QUEUE_TYPE, JUNE_PUBLISH_TIMEOUT_S, "
+        "JUNE_PUBLISH_RETRIES and (for --durable) JUNE_DATABASE_URL.",
         epilog="exit codes: 0 completed/accepted, 1 failed/cancelled/rejected/not accepted, 2 usage, "
         "3 suspended (waiting for input), 4 --timeout passed first, 5 broker/Redis/worker unavailable",
     )
@@ -279,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--proactive-by", metavar="BY", help="a turn nobody typed, started by BY (e.g. cron:daily)")
     p.add_argument("--no-follow", action="store_true", help="print the turn id and return")
+    p.add_argument(
+        "--durable",
+        action="store_true",
+        help="record the turn in june's Postgres (JUNE_DATABASE_URL) before sending: it runs even if the broker "
+        "loses the message",
+    )
     follow_options(p)
 
     p = command("follow", _cmd_follow, "show a session's events (catch-up, then live)")

@@ -12,6 +12,12 @@ Every message is ONE positional JSON object (see ``docs/producers.md``). Its ``a
 Flower and worker logs show) is a short summary of ids, never the text, the inbound event, an
 answer's value or anything else that could hold a secret; ``kwargsrepr`` is empty.
 
+Sending waits at most ``publish_timeout_s`` per try (connect, write, and on RabbitMQ the
+broker's confirm) and tries ``publish_retries`` more times; then :class:`BrokerUnavailable`.
+On RabbitMQ the queues are declared as the workers declare them (durable, quorum by default).
+With ``durable=True`` a turn is first recorded in june's Postgres (:mod:`._durable`), so it
+runs even if the broker loses its message.
+
 The rule a reader must not break: **nothing under ``producers/`` imports ``june_worker``**.
 Services import this package to talk to june; pulling in the engine (and its dependencies)
 would defeat it. ``tests/producers/test_isolation.py`` enforces it.
@@ -20,6 +26,7 @@ would defeat it. ``tests/producers/test_isolation.py`` enforces it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import AsyncGenerator, Generator, Mapping
@@ -27,10 +34,13 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from amqp.exceptions import MessageNacked, PreconditionFailed  # py-amqp, kombu's RabbitMQ client
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
+from kombu.entity import Queue
 from kombu.exceptions import OperationalError
 
+from ._durable import DurableRecorder, check_event, turn_payload
 from ._follow import FollowState, safe_block_ms
 from ._gaps import SCAN, judge_start, queue_start_check
 from ._ulid import new_turn_id
@@ -50,7 +60,11 @@ _TURN_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 _STREAM_ID_RE = re.compile(r"^(\d+(-\d+)?|\$)$")
 _MAX_TEXT = 200_000
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^@/\s]*@")
-_SEND_ERRORS = (OperationalError, OSError, redis.RedisError)
+# MessageNacked: RabbitMQ refused to confirm a publish.
+_SEND_ERRORS = (OperationalError, OSError, redis.RedisError, MessageNacked)
+_QUEUE_TYPES = ("quorum", "classic")
+
+log = logging.getLogger("producers")
 
 
 def redact(url: str) -> str:
@@ -105,6 +119,20 @@ def _timeout(value: float) -> float:
     return value
 
 
+def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ProducerConfigError(f"{name}={raw!r} is not a number") from None
+
+
+def _is_amqp(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in ("amqp", "amqps", "pyamqp")
+
+
 def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {redact(str(exc)).strip()}"
 
@@ -121,7 +149,13 @@ class JuneProducer:
     ``result_backend`` default to it, as on the worker. ``queue`` / ``control_queue`` /
     ``key_prefix`` must match the worker's ``JUNE_QUEUE`` / ``JUNE_CONTROL_QUEUE`` /
     ``JUNE_KEY_PREFIX``. ``broker_transport_options`` must match the worker's when it sets
-    any that change key names (e.g. kombu's ``global_keyprefix``).
+    any that change key names (e.g. kombu's ``global_keyprefix``); on RabbitMQ,
+    ``broker_queue_type`` must match the worker's ``JUNE_BROKER_QUEUE_TYPE``.
+
+    ``publish_timeout_s`` / ``publish_retries``: how long one try to send may take and how many
+    more tries are made before :class:`BrokerUnavailable` (``JUNE_PUBLISH_TIMEOUT_S``,
+    ``JUNE_PUBLISH_RETRIES``, as on the worker). ``database_url`` (``JUNE_DATABASE_URL``) and
+    ``durable``: see :meth:`start_turn`.
 
     Safe to share between threads (Celery keeps a result backend per thread). :meth:`afollow`
     uses its own ``redis.asyncio`` connection per call, so it works from any event loop.
@@ -139,6 +173,11 @@ class JuneProducer:
         broker_transport_options: Mapping[str, Any] | None = None,
         socket_timeout_s: float = 10.0,
         connect_timeout_s: float = 5.0,
+        publish_timeout_s: float = 5.0,
+        publish_retries: int = 3,
+        broker_queue_type: str = "quorum",
+        database_url: str | None = None,
+        durable: bool = False,
     ) -> None:
         for name, value in (("queue", queue), ("control_queue", control_queue)):
             if not isinstance(value, str) or not value or any(c.isspace() for c in value):
@@ -150,6 +189,17 @@ class JuneProducer:
         for name, url in (("redis_url", redis_url), ("broker_url", broker_url), ("result_backend", result_backend)):
             if url is not None and (not isinstance(url, str) or "://" not in url):
                 raise ProducerConfigError(f"invalid {name}: expected a URL such as redis://host:6379/0")
+        if broker_queue_type not in _QUEUE_TYPES:
+            raise ProducerConfigError(
+                f"invalid broker_queue_type {broker_queue_type!r}: expected one of {_QUEUE_TYPES}"
+            )
+        if not publish_timeout_s > 0 or not isinstance(publish_retries, int) or publish_retries < 0:
+            raise ProducerConfigError(
+                f"invalid publish_timeout_s={publish_timeout_s!r} / publish_retries={publish_retries!r}: "
+                "expected a positive number of seconds and a count of 0 or more"
+            )
+        if durable and not database_url:
+            raise ProducerConfigError("durable=True needs database_url (JUNE_DATABASE_URL): june's Postgres")
         self.redis_url = redis_url
         self.broker_url = broker_url or redis_url
         self.result_backend = result_backend or redis_url
@@ -158,6 +208,11 @@ class JuneProducer:
         self.key_prefix = key_prefix
         self.socket_timeout_s = socket_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.publish_timeout_s = publish_timeout_s
+        self.publish_retries = publish_retries
+        self.broker_queue_type = broker_queue_type
+        self.durable = durable
+        self._recorder = DurableRecorder(database_url, timeout_s=publish_timeout_s) if database_url else None
         options = dict(broker_transport_options or {})
         # Turns are fire-and-forget: an app without a result backend does not subscribe to
         # every turn's result channel. Control calls wait, so their app has one.
@@ -174,7 +229,9 @@ class JuneProducer:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> JuneProducer:
         """A producer configured by the worker's variables: ``JUNE_REDIS_URL``, ``CELERY_BROKER_URL``,
         ``CELERY_RESULT_BACKEND`` (both default to ``JUNE_REDIS_URL``), ``JUNE_QUEUE`` (``june``),
-        ``JUNE_CONTROL_QUEUE`` (``june.control``) and ``JUNE_KEY_PREFIX`` (``june``).
+        ``JUNE_CONTROL_QUEUE`` (``june.control``), ``JUNE_KEY_PREFIX`` (``june``),
+        ``JUNE_BROKER_QUEUE_TYPE`` (``quorum``), ``JUNE_PUBLISH_TIMEOUT_S`` (5),
+        ``JUNE_PUBLISH_RETRIES`` (3) and ``JUNE_DATABASE_URL`` (only used for ``durable=True``).
 
         ``overrides`` are passed to the constructor on top of what the environment says.
         """
@@ -187,6 +244,10 @@ class JuneProducer:
             "JUNE_QUEUE",
             "JUNE_CONTROL_QUEUE",
             "JUNE_KEY_PREFIX",
+            "JUNE_BROKER_QUEUE_TYPE",
+            "JUNE_PUBLISH_TIMEOUT_S",
+            "JUNE_PUBLISH_RETRIES",
+            "JUNE_DATABASE_URL",
         ):
             if name in env and not env[name].strip():
                 raise ProducerConfigError(f"{name} is set but empty; unset it for the default or give a value")
@@ -198,6 +259,10 @@ class JuneProducer:
             "queue": env.get("JUNE_QUEUE", "june"),
             "control_queue": env.get("JUNE_CONTROL_QUEUE", "june.control"),
             "key_prefix": env.get("JUNE_KEY_PREFIX", "june"),
+            "broker_queue_type": env.get("JUNE_BROKER_QUEUE_TYPE", "quorum").strip().lower(),
+            "publish_timeout_s": _env_number(env, "JUNE_PUBLISH_TIMEOUT_S", 5.0),
+            "publish_retries": int(_env_number(env, "JUNE_PUBLISH_RETRIES", 3)),
+            "database_url": env.get("JUNE_DATABASE_URL"),
         }
         settings.update(overrides)
         return cls(**settings)
@@ -205,9 +270,28 @@ class JuneProducer:
     def _celery(self, main: str, backend: str | None, transport_options: dict[str, Any]) -> Any:
         app = Celery(main, broker=self.broker_url, backend=backend, set_as_current=False, fixups=[])
         options = dict(transport_options)
+        queue_arguments = None
         if self.broker_url.startswith(("redis://", "rediss://", "unix://")):
-            options.setdefault("socket_connect_timeout", self.connect_timeout_s)
+            options.setdefault("socket_connect_timeout", self.publish_timeout_s)
+            options.setdefault("socket_timeout", self.publish_timeout_s)  # a broker that never answers must not hang
+        elif _is_amqp(self.broker_url):
+            options.setdefault("confirm_publish", True)  # a send returns once the broker has the message
+            queue_arguments = {"x-queue-type": self.broker_queue_type}
         app.conf.update(
+            # The queues as the workers declare them (june_worker/worker/broker.py): RabbitMQ refuses a
+            # declaration of an existing queue with other arguments, and drops a message sent to no queue.
+            task_queues=[
+                Queue(name, routing_key=name, durable=True, queue_arguments=queue_arguments)  # type: ignore[no-untyped-call]
+                for name in (self.queue, self.control_queue)
+            ],
+            task_default_delivery_mode="persistent",
+            task_publish_retry=True,
+            task_publish_retry_policy={
+                "max_retries": self.publish_retries,
+                "interval_start": 0,
+                "interval_step": 0.2,
+                "interval_max": 1.0,
+            },
             task_serializer="json",
             result_serializer="json",
             accept_content=["json"],
@@ -216,7 +300,7 @@ class JuneProducer:
             # Flower shows a task from the moment it is sent; the event carries argsrepr, not the payload.
             task_send_sent_event=True,
             broker_transport_options=options,
-            broker_connection_timeout=self.connect_timeout_s,
+            broker_connection_timeout=self.publish_timeout_s,
             redis_socket_connect_timeout=self.connect_timeout_s,
             # Celery's default is 20 reconnects a second apart: a caller would wait 20 s to learn
             # that the result backend is down. Fail within about a second instead.
@@ -253,6 +337,8 @@ class JuneProducer:
         self._turn_app.close()
         self._control_app.close()
         self.redis.close()
+        if self._recorder is not None:
+            self._recorder.close()
 
     def __enter__(self) -> JuneProducer:
         return self
@@ -273,6 +359,7 @@ class JuneProducer:
         replace: bool = False,
         trigger: Mapping[str, Any] | None = None,
         target: Mapping[str, Any] | None = None,
+        durable: bool | None = None,
     ) -> str:
         """Enqueue a turn (``june.turn``) and return its id at once; follow its events with :meth:`follow`.
 
@@ -282,11 +369,20 @@ class JuneProducer:
         session's unfinished turns in favour of this one. ``trigger``:
         ``{"kind": "proactive", "by": "cron:daily"}`` when nobody typed ``text``. ``target``:
         where the agent's ``deliver`` hook renders the finished turn.
+
+        ``durable`` (default: the producer's ``durable``): record the turn in june's Postgres
+        first, then send its message. A turn that was recorded runs even if the broker loses the
+        message or is down right now (the sweeper sends it again within about a sweep period),
+        so then this returns the turn id and logs a warning instead of raising
+        :class:`BrokerUnavailable`. Not with ``replace``. A session parked on another turn's
+        input records nothing; the message is sent and the worker rejects the turn, as without
+        ``durable``. :class:`DatabaseUnavailable`: Postgres did not answer; nothing was sent.
         """
         tid = _turn_id(turn_id) if turn_id is not None else new_turn_id()
         opened_by = _json_object(trigger, "trigger")
         if opened_by is not None and not isinstance(opened_by.get("kind"), str):
             raise ValueError('invalid trigger: expected {"kind": "proactive", "by": "<who>"}')
+        durable = self.durable if durable is None else durable
         payload: dict[str, Any] = {
             "turn_id": tid,
             "agent": _agent(agent),
@@ -299,13 +395,25 @@ class JuneProducer:
         delivered_to = _json_object(target, "target")
         if delivered_to is not None:
             payload["target"] = delivered_to
-        self._send(
-            self._turn_app,
-            "june.turn",
-            payload,
-            queue=self.queue,
-            argsrepr=_summary(agent=agent, session=session, turn_id=tid),
-        )
+        recorded = None
+        if durable:
+            if replace:
+                raise ValueError(
+                    "replace=True cannot be durable: the worker cancels the running turn when it records one"
+                )
+            if opened_by is not None and (
+                opened_by.get("kind") != "proactive" or not isinstance(opened_by.get("by"), str)
+            ):
+                raise ValueError('invalid trigger: expected {"kind": "proactive", "by": "<who>"}')
+            check_event(payload["event"])
+            stored = turn_payload(
+                payload["text"],
+                event=payload["event"],
+                trigger_by=opened_by["by"] if opened_by is not None else None,
+                target=delivered_to,
+            )
+            recorded = self._record(payload["agent"], payload["session"], tid, stored)
+        self._send_turn("june.turn", payload, tid, recorded)
         return tid
 
     def proactive(
@@ -317,11 +425,12 @@ class JuneProducer:
         by: str,
         target: Mapping[str, Any] | None = None,
         turn_id: str | None = None,
+        durable: bool | None = None,
     ) -> str:
         """Enqueue a turn nobody typed (``june.proactive``), e.g. from a scheduler; returns its turn id.
 
         ``by`` says who started it (``cron:daily``); ``target`` is where the agent's delivery
-        hook renders the result (a channel, a thread...).
+        hook renders the result (a channel, a thread...). ``durable``: as for :meth:`start_turn`.
         """
         tid = _turn_id(turn_id) if turn_id is not None else new_turn_id()
         payload: dict[str, Any] = {
@@ -332,14 +441,27 @@ class JuneProducer:
             "by": _bounded(by, "by", low=1, high=256),
             "target": _json_object(target, "target"),
         }
-        self._send(
-            self._turn_app,
-            "june.proactive",
-            payload,
-            queue=self.queue,
-            argsrepr=_summary(agent=agent, session=session, turn_id=tid),
-        )
+        recorded = None
+        if self.durable if durable is None else durable:
+            stored = turn_payload(payload["text"], trigger_by=payload["by"], target=payload["target"])
+            recorded = self._record(payload["agent"], payload["session"], tid, stored)
+        self._send_turn("june.proactive", payload, tid, recorded)
         return tid
+
+    def _record(self, agent: str, session: str, turn_id: str, stored: str) -> bool | None:
+        if self._recorder is None:
+            raise ProducerConfigError("durable=True needs database_url (JUNE_DATABASE_URL): june's Postgres")
+        return self._recorder.record(agent, session, turn_id, stored)
+
+    def _send_turn(self, task: str, payload: dict[str, Any], turn_id: str, recorded: bool | None) -> None:
+        """Send a turn's message; if it was recorded first (durable), a broker that is down is only logged."""
+        argsrepr = _summary(agent=payload["agent"], session=payload["session"], turn_id=turn_id)
+        try:
+            self._send(self._turn_app, task, payload, queue=self.queue, argsrepr=argsrepr)
+        except BrokerUnavailable as exc:
+            if recorded is None:
+                raise
+            log.warning("%s; turn %s is recorded in Postgres, the sweeper will send it", exc, turn_id)
 
     # --- control: sent to the control queue, waited for ------------------------------------------
 
@@ -542,12 +664,20 @@ class JuneProducer:
     # --- sending ---------------------------------------------------------------------------------
 
     def _send(self, app: Any, task: str, payload: dict[str, Any], *, queue: str, argsrepr: str) -> Any:
+        options: dict[str, Any] = {}
+        if _is_amqp(self.broker_url):  # a socket write and the broker's confirm wait this long at most
+            options = {"timeout": self.publish_timeout_s, "confirm_timeout": self.publish_timeout_s}
         try:
-            return app.send_task(task, args=[payload], queue=queue, argsrepr=argsrepr, kwargsrepr="")
+            return app.send_task(task, args=[payload], queue=queue, argsrepr=argsrepr, kwargsrepr="", **options)
         except _SEND_ERRORS as exc:
             raise BrokerUnavailable(
                 f"could not send {task} {argsrepr} to queue {queue!r}: broker {redact(self.broker_url)} did not "
                 f"take it ({_cause(exc)}); is it running, and is CELERY_BROKER_URL right?"
+            ) from exc
+        except PreconditionFailed as exc:
+            raise ProducerConfigError(
+                f"broker {redact(self.broker_url)} refused queue {queue!r} as declared ({_cause(exc)}): it exists "
+                "with other arguments; set broker_queue_type (JUNE_BROKER_QUEUE_TYPE) to what the workers use"
             ) from exc
         except RuntimeError as exc:
             # Before publishing a waited task Celery subscribes to its result; when the result

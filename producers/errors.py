@@ -5,6 +5,7 @@
     ProducerError
      ├── ProducerConfigError     (also ValueError)       a setting is wrong; fix it, do not retry
      ├── BrokerUnavailable       (also ConnectionError)  the message was not sent; retry later
+ ├── DatabaseUnavailable     (also ConnectionError)  durable=True: Postgres did not record the turn; nothing sent
      ├── ResultUnavailable       (also ConnectionError)  sent, but the answer could not be read
      ├── ResultTimeout           (also TimeoutError)     sent, no answer in time: is a worker on the queue?
      ├── TaskFailed                                      the task raised on the worker
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 __all__ = [
     "BrokerUnavailable",
+    "DatabaseUnavailable",
     "ProducerConfigError",
     "ProducerError",
     "ResultTimeout",
@@ -42,6 +44,12 @@ class ProducerConfigError(ProducerError, ValueError):
 
 class BrokerUnavailable(ProducerError, ConnectionError):
     """The broker (or, for waited calls, the result backend) refused or did not answer: nothing was sent."""
+
+    retryable = True
+
+
+class DatabaseUnavailable(ProducerError, ConnectionError):
+    """A durable send could not record the turn in Postgres (down, or no answer in time): nothing was sent."""
 
     retryable = True
 

@@ -1,24 +1,25 @@
-"""Where the tests find Postgres and Redis, and how they get them when nobody provides them.
+"""Where the tests find Postgres, Redis and RabbitMQ, and how they get them when nobody provides them.
 
 The test command gets both services on its own, in this order, per service:
 
-1. ``JUNE_DATABASE_URL`` / ``JUNE_REDIS_URL``, when set and answering (checked with a real
-   connection, 3 s timeout);
+1. ``JUNE_DATABASE_URL`` / ``JUNE_REDIS_URL`` / ``JUNE_TEST_AMQP_URL``, when set and answering
+   (checked with a real connection, 3 s timeout);
 2. otherwise a **throwaway server** started from local binaries, when the machine has them:
    Postgres is ``initdb`` into a temp dir (as the ``postgres`` OS user via ``runuser`` when we
    run as root) and ``pg_ctl start`` on a free loopback port, fsync off (a killed server still
    keeps every commit it acknowledged: only an OS crash could lose them); Redis is
-   ``redis-server --port <free> --save '' --appendonly no``. Postgres' ``initdb`` (the slow
-   part, ~1 s) and Redis start in parallel, in the background, as soon as collection shows a
-   test needs them (see ``tests/conftest.py``);
+   ``redis-server --port <free> --save '' --appendonly no``; RabbitMQ is a node of its own
+   started from the machine's ``rabbitmq-server`` (:mod:`tests._rabbitmq`, ~5 s). They start in
+   parallel, in the background, as soon as collection shows a test needs them (see
+   ``tests/conftest.py``);
 3. otherwise the run fails with ONE line saying what to install. It never skips.
 
-The chosen URLs are exported to ``os.environ`` (``JUNE_DATABASE_URL``, ``JUNE_REDIS_URL``) so
-subprocesses started by tests (Celery workers) inherit them.
+The chosen URLs are exported to ``os.environ`` (``JUNE_DATABASE_URL``, ``JUNE_REDIS_URL``,
+``JUNE_TEST_AMQP_URL``) so subprocesses started by tests (Celery workers) inherit them.
 
-A test that kills or restarts a server uses :func:`private_postgres` / :func:`private_redis`
-(also fixtures of the same names): a separate throwaway instance on its own free port, with
-``.url``, ``.pid``, ``.stop()``, ``.start()``, ``.restart()`` and ``.kill()`` (SIGKILL). The
+A test that kills or restarts a server uses :func:`private_postgres` / :func:`private_redis` /
+:func:`private_rabbitmq` (also fixtures): a separate throwaway instance on its own free port,
+with ``.url``, ``.pid``, ``.stop()``, ``.start()``, ``.restart()`` and ``.kill()`` (SIGKILL). The
 shared instance is never touched. Private Postgres instances are copies of one ``initdb``
 template, so each costs a file copy and a start, not another ``initdb``.
 
@@ -30,7 +31,7 @@ pid's working directory is the leftover's own dir). Only the process that starte
 stops it (forked children inherit the registry but not the duty).
 
 Knobs: ``JUNE_PG_BIN`` (a directory holding ``initdb`` and ``pg_ctl``), ``JUNE_REDIS_SERVER``
-(the ``redis-server`` binary).
+(the ``redis-server`` binary), ``JUNE_RABBITMQ_SERVER`` / ``JUNE_EPMD`` (see :mod:`tests._rabbitmq`).
 """
 
 from __future__ import annotations
@@ -53,15 +54,20 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests._rabbitmq import RabbitMQServer
 
 __all__ = [
     "PostgresServer",
     "RedisServer",
     "ServiceUnavailable",
+    "amqp_url",
     "describe",
     "postgres_url",
     "private_postgres",
+    "private_rabbitmq",
     "private_redis",
     "redis_url",
     "shutdown",
@@ -330,19 +336,20 @@ def _reap_leftovers() -> None:
         if owner is not None and _alive(owner):
             continue
         for child in root.iterdir():
-            pid = _leftover_pid(child)
-            if pid is not None and _alive(pid) and _cwd_of(pid) in (str(child), str(child / "data")):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-                _wait_gone(pid, 5)
+            for pid in _leftover_pids(child):
+                if _alive(pid) and _cwd_of(pid) in (str(child), str(child / "data")):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                    _wait_gone(pid, 5)
         _rmtree(root)
 
 
-def _leftover_pid(d: Path) -> int | None:
-    for pidfile in (d / "data" / "postmaster.pid", d / "redis.pid"):
+def _leftover_pids(d: Path) -> list[int]:
+    pids = []
+    for name in ("data/postmaster.pid", "redis.pid", "rabbitmq.pid", "beam.pid", "epmd.pid"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            return int(pidfile.read_text().split()[0])
-    return None
+            pids.append(int((d / name).read_text().split()[0]))
+    return pids
 
 
 _workspace = _Workspace()
@@ -449,11 +456,12 @@ class PostgresServer:
 
 
 class RedisServer:
-    """A throwaway ``redis-server`` on a free loopback port, no persistence."""
+    """A throwaway ``redis-server`` on a free loopback port; no persistence, or AOF (``appendfsync everysec``)."""
 
-    def __init__(self, binary: str, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, binary: str, workdir: Path, port: int | None = None, *, persistent: bool = False) -> None:
         self.binary = binary
         self.workdir = workdir
+        self.persistent = persistent
         self.port = port or _free_port()
         self.logfile = workdir / "redis.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -480,7 +488,9 @@ class RedisServer:
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes" if self.persistent else "no",
+            "--appendfsync",
+            "everysec",
             "--dir",
             str(self.workdir),
             "--logfile",
@@ -531,27 +541,29 @@ class RedisServer:
 
 # --- the registry: everything started here is stopped at exit ------------------------------------------
 
-_servers: list[PostgresServer | RedisServer] = []
+_servers: list[PostgresServer | RedisServer | RabbitMQServer] = []
 _servers_lock = threading.Lock()
 
 
-def _register(server: PostgresServer | RedisServer) -> None:
+def _register(server: PostgresServer | RedisServer | RabbitMQServer) -> None:
     with _servers_lock:
         _servers.append(server)
 
 
-def _unregister(server: PostgresServer | RedisServer) -> None:
+def _unregister(server: PostgresServer | RedisServer | RabbitMQServer) -> None:
     with _servers_lock:
         with contextlib.suppress(ValueError):
             _servers.remove(server)
 
 
-def _stop_quietly(server: PostgresServer | RedisServer) -> None:
+def _stop_quietly(server: PostgresServer | RedisServer | RabbitMQServer) -> None:
     with contextlib.suppress(Exception):
         if isinstance(server, PostgresServer):
             server.stop(mode="immediate")  # throwaway data: no shutdown checkpoint needed
-        else:
+        elif isinstance(server, RedisServer):
             server.stop()
+        else:
+            server.close()  # the node and its epmd
 
 
 def shutdown() -> None:
@@ -611,14 +623,32 @@ def _start_postgres(*, private: bool) -> PostgresServer:
     return server
 
 
-def _start_redis() -> RedisServer:
+def _start_redis(*, persistent: bool = False) -> RedisServer:
     binary = _find_redis_server()
     if binary is None:
         raise ServiceUnavailable(f"no Redis for the tests: {_INSTALL_REDIS}")
-    server = RedisServer(binary, _workspace.new_dir("redis"))
+    server = RedisServer(binary, _workspace.new_dir("redis"), persistent=persistent)
     _register(server)
     server.start()
     return server
+
+
+def _start_rabbitmq() -> RabbitMQServer:
+    from tests import _rabbitmq
+
+    found = _rabbitmq.find_binaries()
+    if found is None:
+        raise ServiceUnavailable(f"no RabbitMQ for the tests: {_rabbitmq.INSTALL}")
+    server = _rabbitmq.RabbitMQServer(*found, _workspace.new_dir("rabbitmq"))
+    _register(server)
+    server.start()
+    return server
+
+
+def _amqp_answers(url: str) -> bool:
+    from tests import _rabbitmq
+
+    return _rabbitmq.amqp_answers(url)
 
 
 # --- the shared services --------------------------------------------------------------------------------
@@ -631,7 +661,7 @@ class _Service:
         self,
         env: str,
         answers: Callable[[str], bool],
-        start: Callable[[], PostgresServer | RedisServer],
+        start: Callable[[], PostgresServer | RedisServer | RabbitMQServer],
     ) -> None:
         self.env = env
         self._answers = answers
@@ -670,18 +700,23 @@ class _Service:
         return self._future.result()
 
 
-_executor = ThreadPoolExecutor(max_workers=3, thread_name_prefix="june-services")
+_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="june-services")
 _postgres = _Service("JUNE_DATABASE_URL", _postgres_answers, lambda: _start_postgres(private=False))
 _redis = _Service("JUNE_REDIS_URL", _redis_answers, _start_redis)
+_amqp = _Service("JUNE_TEST_AMQP_URL", _amqp_answers, _start_rabbitmq)
 
 
-def start_in_background(*, postgres: bool = True, redis: bool = True, private_postgres: bool = False) -> None:
+def start_in_background(
+    *, postgres: bool = True, redis: bool = True, amqp: bool = False, private_postgres: bool = False
+) -> None:
     """Begin resolving the services now (in parallel, without waiting); the URL functions then just wait."""
     _install_sigterm_handler()
     if postgres:
         _postgres.start(_executor)
     if redis:
         _redis.start(_executor)
+    if amqp:
+        _amqp.start(_executor)
     if private_postgres:
         bindir = _find_pg_bin()
         if bindir is not None:
@@ -700,9 +735,16 @@ def redis_url() -> str:
     return _redis.url(_executor)
 
 
+def amqp_url() -> str:
+    """A RabbitMQ URL that answers, also exported as ``JUNE_TEST_AMQP_URL``; raises :class:`ServiceUnavailable`."""
+    _install_sigterm_handler()
+    return _amqp.url(_executor)
+
+
 def describe() -> list[str]:
     """Where each resolved service came from, for the end-of-run summary."""
-    return [f"{name}: {s.source}" for name, s in (("postgres", _postgres), ("redis", _redis)) if s.source]
+    services = (("postgres", _postgres), ("redis", _redis), ("rabbitmq", _amqp))
+    return [f"{name}: {s.source}" for name, s in services if s.source]
 
 
 @contextlib.contextmanager
@@ -719,10 +761,26 @@ def private_postgres() -> Iterator[PostgresServer]:
 
 
 @contextlib.contextmanager
-def private_redis() -> Iterator[RedisServer]:
-    """A Redis of the test's own, on a free port: kill it, restart it; it is gone afterwards."""
+def private_redis(*, persistent: bool = False) -> Iterator[RedisServer]:
+    """A Redis of the test's own, on a free port: kill it, restart it; it is gone afterwards.
+
+    ``persistent``: with AOF (``appendonly yes``, ``appendfsync everysec``), as docker-compose.yml runs it.
+    """
     _install_sigterm_handler()
-    server = _start_redis()
+    server = _start_redis(persistent=persistent)
+    try:
+        yield server
+    finally:
+        _unregister(server)
+        _stop_quietly(server)
+        _rmtree(server.workdir)
+
+
+@contextlib.contextmanager
+def private_rabbitmq() -> Iterator[RabbitMQServer]:
+    """A RabbitMQ node of the test's own, on free ports: stop, kill, restart or wipe it; it is gone afterwards."""
+    _install_sigterm_handler()
+    server = _start_rabbitmq()
     try:
         yield server
     finally:

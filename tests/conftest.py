@@ -1,9 +1,9 @@
 """Shared fixtures: the services integration tests talk to, and unique session names.
 
-Postgres and Redis come from :mod:`tests._services`: the URLs in ``JUNE_DATABASE_URL`` /
-``JUNE_REDIS_URL`` when they answer, else throwaway servers from local binaries, else the run
-stops with one line saying what to install. Servers start in the background as soon as
-collection shows a test needs them, and stop when the run ends.
+Postgres, Redis and RabbitMQ come from :mod:`tests._services`: the URLs in ``JUNE_DATABASE_URL``
+/ ``JUNE_REDIS_URL`` / ``JUNE_TEST_AMQP_URL`` when they answer, else throwaway servers from local
+binaries, else the run stops with one line saying what to install. Servers start in the
+background as soon as collection shows a test needs them, and stop when the run ends.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ T = TypeVar("T")
 
 _PG_FIXTURES = {"database_url"}
 _REDIS_FIXTURES = {"redis_url"}
+_AMQP_FIXTURES = {"amqp_url"}
 
 
 def _or_exit(get: Callable[[], T]) -> T:
@@ -36,10 +37,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     needs: set[str] = set()
     for item in session.items:
         needs.update(getattr(item, "fixturenames", ()))
-    if needs & (_PG_FIXTURES | _REDIS_FIXTURES | {"private_postgres"}):
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("stack") == "amqp":
+            needs.add("amqp_url")  # a test parametrized over the brokers (tests/integration/conftest.py)
+    if needs & (_PG_FIXTURES | _REDIS_FIXTURES | _AMQP_FIXTURES | {"private_postgres"}):
         _services.start_in_background(
             postgres=bool(needs & _PG_FIXTURES),
             redis=bool(needs & _REDIS_FIXTURES),
+            amqp=bool(needs & _AMQP_FIXTURES),
             private_postgres="private_postgres" in needs,
         )
 
@@ -66,6 +71,12 @@ def database_url() -> str:
 def redis_url() -> str:
     """A Redis URL that answers (the run fails, never skips, when there is none)."""
     return _or_exit(_services.redis_url)
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> str:
+    """A RabbitMQ URL that answers (the run fails, never skips, when there is none)."""
+    return _or_exit(_services.amqp_url)
 
 
 @pytest.fixture

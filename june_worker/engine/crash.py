@@ -28,6 +28,7 @@ CRASH_POINTS = frozenset(
         "after-tool-commit",
         "before-publish",
         "before-deliver",  # the worker host, after a turn with a target ended, with its turn id as the step
+        "before-intake",  # the worker, a june.turn message received and not yet recorded; its turn id as the step
     }
 )
 
@@ -51,10 +52,16 @@ class CrashAt:
         point, _, step = spec.partition("@")
         return cls(point=point, step=step or None, kill=kill)
 
-    def __call__(self, point: str, step: str) -> None:
+    def fires(self, point: str, step: str) -> bool:
+        """True (once) when ``point`` at ``step`` is where to crash; for callers that die their own way."""
         if self.fired or point != self.point or (self.step is not None and step != self.step):
-            return
+            return False
         self.fired = True
+        return True
+
+    def __call__(self, point: str, step: str) -> None:
+        if not self.fires(point, step):
+            return
         if self.kill:
             os.kill(os.getpid(), signal.SIGKILL)
         raise CrashInjected(point, step)

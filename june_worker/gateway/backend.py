@@ -91,6 +91,9 @@ class GatewayBackend:
                 queue=s.queue,
                 control_queue=s.control_queue,
                 key_prefix=s.key_prefix,
+                broker_queue_type=s.broker_queue_type,
+                publish_timeout_s=s.publish_timeout_s,
+                publish_retries=s.publish_retries,
             )
         )
 

@@ -13,6 +13,9 @@ CELERY_RESULT_BACKEND          where control tasks' answers come back           
 JUNE_QUEUE                     queue of ``june.turn``                           june
 JUNE_CONTROL_QUEUE             queue of resume / cancel / reset                 june.control
 JUNE_KEY_PREFIX                prefix of every Redis key                        june
+JUNE_BROKER_QUEUE_TYPE         RabbitMQ queue type, as the workers declare it   quorum
+JUNE_PUBLISH_TIMEOUT_S         one try to send a task (connect, write, confirm) 5
+JUNE_PUBLISH_RETRIES           more tries before a 503                          3
 JUNE_AGENTS                    agents the workers serve (``module:attr``)       june_worker.demo:build_agent
 JUNE_GATEWAY_AGENTS            agent names, comma-separated (skips importing    (from JUNE_AGENTS)
                                JUNE_AGENTS)
@@ -133,6 +136,9 @@ class GatewaySettings:
     queue: str = "june"
     control_queue: str = "june.control"
     key_prefix: str = "june"
+    broker_queue_type: str = "quorum"
+    publish_timeout_s: float = 5.0
+    publish_retries: int = 3
     host: str = "127.0.0.1"
     port: int = 8080
     heartbeat_s: float = 15.0
@@ -195,6 +201,9 @@ class GatewaySettings:
             queue=env.get("JUNE_QUEUE", cls.queue),
             control_queue=env.get("JUNE_CONTROL_QUEUE", cls.control_queue),
             key_prefix=env.get("JUNE_KEY_PREFIX", cls.key_prefix),
+            broker_queue_type=env.get("JUNE_BROKER_QUEUE_TYPE", cls.broker_queue_type).strip().lower(),
+            publish_timeout_s=_number(env, "JUNE_PUBLISH_TIMEOUT_S", cls.publish_timeout_s, low=0.1),
+            publish_retries=int(_number(env, "JUNE_PUBLISH_RETRIES", cls.publish_retries, low=0)),
             host=env.get("JUNE_GATEWAY_HOST", cls.host),
             port=int(_number(env, "JUNE_GATEWAY_PORT", cls.port, low=1)),
             heartbeat_s=_number(env, "JUNE_GATEWAY_HEARTBEAT_S", cls.heartbeat_s, low=0.05),
@@ -218,5 +227,6 @@ class GatewaySettings:
 
 _SHARED = frozenset(
     {"JUNE_DATABASE_URL", "JUNE_REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "JUNE_QUEUE",
-     "JUNE_CONTROL_QUEUE", "JUNE_KEY_PREFIX", "JUNE_AGENTS"}
+     "JUNE_CONTROL_QUEUE", "JUNE_KEY_PREFIX", "JUNE_AGENTS", "JUNE_BROKER_QUEUE_TYPE", "JUNE_PUBLISH_TIMEOUT_S",
+     "JUNE_PUBLISH_RETRIES"}
 )  # fmt: skip

@@ -208,6 +208,34 @@ _MIGRATIONS: list[str] = [
     create index june_sessions_park_expiry on june_sessions (park_expires_at) where park_expires_at is not null;
     create index june_sessions_unrelayed on june_sessions (agent, session) where event_seq > relayed_seq;
     """,
+    # 5: recording a queued turn, as ONE function that the store (enqueue_turn) and producers that
+    # record a turn before sending its message (durable=True, producers/_durable.py) both call.
+    # A row back: (true, the turn) recorded now, (false, the turn) recorded before; no row: not
+    # recorded, because p_unless_parked and the session is parked on a turn's input (the worker
+    # rejects such a turn when its message comes), or a concurrent call recorded the same turn
+    # id first (ask again: its row is visible now).
+    """
+    create function june_enqueue_turn(
+        p_agent text, p_session text, p_turn_id text, p_payload json, p_unless_parked boolean default false
+    ) returns table (recorded boolean, turn june_turns)
+    language sql volatile as $$
+    with existing as (
+        select t from june_turns t where t.agent = p_agent and t.session = p_session and t.turn_id = p_turn_id
+    ), sess as (
+        insert into june_sessions as s (agent, session, next_position)
+        select p_agent, p_session, 2 where not exists (select 1 from existing)
+        on conflict (agent, session) do update set next_position = s.next_position + 1
+           where not (p_unless_parked and s.suspended is not null)
+        returning s.next_position - 1 as position, s.generation
+    ), ins as (
+        insert into june_turns as t (agent, session, turn_id, position, status, payload, generation)
+        select p_agent, p_session, p_turn_id, sess.position, 'queued', p_payload, sess.generation from sess
+        on conflict do nothing
+        returning t
+    )
+    select true, ins.t from ins union all select false, existing.t from existing
+    $$;
+    """,
 ]
 
 _WHY_NOT = """
@@ -252,21 +280,10 @@ TURN_WIDTH = len(TURN_COLUMNS.split(","))
 """How many columns :data:`TURN_COLUMNS` selects."""
 
 _ENQUEUE = f"""
-with existing as (
-    select {TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s
-), sess as (
-    insert into june_sessions as s (agent, session, next_position)
-    select %(agent)s, %(session)s, 2 where not exists (select 1 from existing)
-    on conflict (agent, session) do update set next_position = s.next_position + 1
-    returning s.next_position - 1 as position, s.generation
-), ins as (
-    insert into june_turns (agent, session, turn_id, position, status, payload, generation)
-    select %(agent)s, %(session)s, %(turn_id)s, sess.position, 'queued', %(payload)s::json, sess.generation from sess
-    on conflict do nothing
-    returning {TURN_COLUMNS}
-)
-select true, * from ins union all select false, * from existing
+select e.recorded, {turn_columns("(e.turn).")}
+  from june_enqueue_turn(%(agent)s, %(session)s, %(turn_id)s, %(payload)s::json) e
 """
+"""Record a queued turn (migration 4's function, which durable producers call too)."""
 
 _SESSION_EXISTS = "select exists (select 1 from june_sessions where agent = %(agent)s and session = %(session)s)"
 _GET_TURN = (

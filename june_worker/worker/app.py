@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 from typing import Any
 
 from celery import Celery
 from celery.concurrency import get_implementation
 from celery.signals import worker_init
 
-__all__ = ["SUPPORTED_POOLS", "app"]
+__all__ = ["SUPPORTED_POOLS", "app", "kill_worker"]
 
 log = logging.getLogger("june_worker.worker")
 
@@ -33,6 +34,21 @@ def _config() -> Any:
         return defaultconfig
 
 
+_main_pid: int | None = None
+"""The worker's main process (the one that talks to the broker); set in it before the pool forks."""
+
+
+def kill_worker() -> None:
+    """SIGKILL the worker's main process, then this one: a machine dying while a pool process runs a task.
+
+    For crash tests (``JUNE_CRASH_AT``): the main process holds the task's message, so the broker,
+    not the pool, must hand it out again.
+    """
+    if _main_pid is not None and _main_pid != os.getpid():
+        os.kill(_main_pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 app = Celery("june_worker")
 app.config_from_object(_config())
 app.autodiscover_tasks(["june_worker.worker"], related_name="tasks", force=True)
@@ -42,6 +58,13 @@ app.autodiscover_tasks(["june_worker.worker"], related_name="tasks", force=True)
 # connection (worker/host.py): the pools that run tasks in separate processes, or one at a time,
 # are the ones that keep that true. Threads or greenlets would share one host between tasks.
 SUPPORTED_POOLS = ("prefork", "solo")
+
+
+@worker_init.connect  # type: ignore[untyped-decorator]
+def _remember_main_process(sender: Any = None, **_: Any) -> None:
+    global _main_pid
+    if getattr(sender, "app", None) is app:
+        _main_pid = os.getpid()
 
 
 @worker_init.connect  # type: ignore[untyped-decorator]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from .broker import celery_options
 from .settings import WorkerSettings
 
 _s = WorkerSettings.from_env()
@@ -14,6 +15,18 @@ _s = WorkerSettings.from_env()
 broker_url = _s.broker_url
 result_backend = _s.result_backend
 broker_connection_retry_on_startup = True
+
+# Per broker (june_worker/worker/broker.py): the queues (durable; quorum on RabbitMQ), persistent
+# messages, publisher confirms on RabbitMQ, the Redis visibility timeout tied to the lease, and a
+# publish that gives up after a bounded time instead of hanging.
+_broker = celery_options(_s)
+task_queues = _broker["task_queues"]
+task_create_missing_queue_type = _broker["task_create_missing_queue_type"]
+task_default_delivery_mode = _broker["task_default_delivery_mode"]
+broker_transport_options = _broker["broker_transport_options"]
+broker_connection_timeout = _broker["broker_connection_timeout"]
+task_publish_retry = _broker["task_publish_retry"]
+task_publish_retry_policy = _broker["task_publish_retry_policy"]
 
 # JSON only: a pickled message is refused before it reaches a task.
 task_serializer = "json"

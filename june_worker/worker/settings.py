@@ -5,7 +5,7 @@ variable                    meaning                                  default
 ==========================  =======================================  ==========================
 JUNE_DATABASE_URL           Postgres, the source of truth            postgresql://postgres@127.0.0.1:5432/june
 JUNE_REDIS_URL              Redis for event streams (and results)    redis://127.0.0.1:6379/0
-CELERY_BROKER_URL           the broker                               JUNE_REDIS_URL
+CELERY_BROKER_URL           the broker: redis:// or amqp://          JUNE_REDIS_URL
 CELERY_RESULT_BACKEND       where task summaries go                  JUNE_REDIS_URL
 JUNE_AGENTS                 agents to serve, ``module:attr`` list    june_worker.demo:build_agent
 JUNE_QUEUE                  queue of turn messages                   june
@@ -26,6 +26,13 @@ JUNE_STREAM_MAXLEN          approximate cap of a session stream      10000
 JUNE_STREAM_MAX_AGE_S       drop stream entries older than this      0 (keep)
 JUNE_FIREHOSE_PARTITIONS    partitions of the all-sessions stream    1
 JUNE_TASK_EVENTS            Celery task events (Flower); 0 = off     1
+JUNE_BROKER_QUEUE_TYPE      RabbitMQ queue type: quorum or classic   quorum
+JUNE_BROKER_VISIBILITY_S    Redis broker: a delivered message not    3 x JUNE_LEASE_S
+                            acknowledged for this long is handed
+                            out again (Celery's default is 1 h)
+JUNE_PUBLISH_TIMEOUT_S      connect / send / confirm timeout of a    5
+                            publish to the broker
+JUNE_PUBLISH_RETRIES        publish retries before it raises         3
 ==========================  =======================================  ==========================
 
 Crash injection for tests is honoured only when ``JUNE_ENABLE_TEST_HOOKS=1``:
@@ -41,6 +48,11 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 
 __all__ = ["WorkerSettings"]
+
+_VISIBILITY_LEASES = 3
+"""The Redis broker's visibility timeout, in lease lengths: long enough that a running turn's message is
+rarely handed out twice (the copy is harmless), short enough that an unrecorded message of a dead worker
+comes back within a few leases, not Celery's hour."""
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -74,6 +86,10 @@ class WorkerSettings:
     stream_maxlen: int = 10_000
     stream_max_age_s: float = 0.0
     firehose_partitions: int = 1
+    broker_queue_type: str = "quorum"
+    broker_visibility_s: float = 90.0
+    publish_timeout_s: float = 5.0
+    publish_retries: int = 3
     crash_at: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -87,6 +103,9 @@ class WorkerSettings:
         lease_s = _float(env, "JUNE_LEASE_S", cls.lease_s)
         if lease_s < 0.5:
             raise ConfigError("JUNE_LEASE_S must be at least 0.5 seconds")
+        queue_type = env.get("JUNE_BROKER_QUEUE_TYPE", cls.broker_queue_type).strip().lower()
+        if queue_type not in ("quorum", "classic"):
+            raise ConfigError(f"JUNE_BROKER_QUEUE_TYPE={queue_type!r}: expected quorum or classic")
         return cls(
             database_url=env.get("JUNE_DATABASE_URL", cls.database_url),
             redis_url=redis_url,
@@ -104,5 +123,9 @@ class WorkerSettings:
             stream_maxlen=int(_float(env, "JUNE_STREAM_MAXLEN", cls.stream_maxlen)),
             stream_max_age_s=_float(env, "JUNE_STREAM_MAX_AGE_S", cls.stream_max_age_s),
             firehose_partitions=int(_float(env, "JUNE_FIREHOSE_PARTITIONS", cls.firehose_partitions)),
+            broker_queue_type=queue_type,
+            broker_visibility_s=max(_float(env, "JUNE_BROKER_VISIBILITY_S", _VISIBILITY_LEASES * lease_s), 1.0),
+            publish_timeout_s=max(_float(env, "JUNE_PUBLISH_TIMEOUT_S", cls.publish_timeout_s), 0.1),
+            publish_retries=int(_float(env, "JUNE_PUBLISH_RETRIES", cls.publish_retries)),
             crash_at=env.get("JUNE_CRASH_AT") if env.get("JUNE_ENABLE_TEST_HOOKS") == "1" else None,
         )

@@ -18,7 +18,8 @@ from ..engine.storable import storable_text
 from ..engine.store import SessionRef, TurnPayload
 from ..errors import PayloadError, StoreUnavailableError
 from . import control
-from .app import app
+from .app import app, kill_worker
+from .broker import publish_options
 from .host import get_host
 from .payloads import (
     CancelMessage,
@@ -52,6 +53,7 @@ def dispatch(rec: Any) -> None:
         queue=app.conf.task_default_queue,
         argsrepr=f"{{agent={rec.agent} session={rec.session} turn_id={rec.turn_id}}}",
         kwargsrepr="",
+        **publish_options(get_host().settings),
     )
 
 
@@ -95,7 +97,10 @@ def turn_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
         msg.trigger_by()
     except PayloadError as exc:
         return _rejected("june.turn", args, exc)
-    return control.intake(get_host(), msg)
+    host = get_host()
+    if host.crash is not None and host.crash.fires("before-intake", msg.turn_id):
+        kill_worker()  # tests only: the message is taken, the turn not recorded
+    return control.intake(host, msg)
 
 
 @app.task(name="june.proactive", bind=True, **_RETRY)

@@ -3,6 +3,10 @@
 Each test module gets its own database and its own queue names and Redis key prefix, so
 modules never see each other's messages or streams. Workers start once per module (fixture
 ``stack``) with short leases and sweep periods; a test that kills a worker starts its own.
+
+The broker is Redis unless a test (or its module) is marked ``@pytest.mark.brokers("redis",
+"amqp")``: it then runs once per broker, on a stack per broker (``amqp``: RabbitMQ, from
+``tests._services``). Events and results stay on Redis either way.
 """
 
 from __future__ import annotations
@@ -36,6 +40,20 @@ def wait_for(predicate: Callable[[], T], *, timeout_s: float = 20.0, every_s: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
         time.sleep(every_s)
+
+
+BROKERS = ("redis", "amqp")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``@pytest.mark.brokers(...)``: run the test once per broker, each on its own module-wide stack."""
+    marker = metafunc.definition.get_closest_marker("brokers")
+    if marker is None or "stack" not in metafunc.fixturenames:
+        return
+    unknown = set(marker.args) - set(BROKERS)
+    if unknown or not marker.args:
+        raise pytest.UsageError(f"@pytest.mark.brokers takes some of {BROKERS}, not {marker.args}")
+    metafunc.parametrize("stack", marker.args, indirect=True, scope="module")
 
 
 def _admin_url(url: str, dbname: str) -> str:
@@ -104,10 +122,12 @@ class Proc:
 class Stack:
     """Workers, beat, a broker client and the database of one test module."""
 
-    def __init__(self, db_url: str, redis_url: str, tmp: Path) -> None:
+    def __init__(self, db_url: str, redis_url: str, tmp: Path, broker_url: str | None = None) -> None:
         tag = uuid.uuid4().hex[:8]
         self.db_url = db_url
         self.redis_url = redis_url
+        self.broker_url = broker_url or redis_url
+        self.broker = "amqp" if self.broker_url.startswith("amqp") else "redis"
         self.tmp = tmp
         self.queue = f"june-it-{tag}"
         self.control_queue = f"june-it-{tag}.control"
@@ -117,7 +137,7 @@ class Stack:
             "PYTHONPATH": str(ROOT),
             "JUNE_DATABASE_URL": db_url,
             "JUNE_REDIS_URL": redis_url,
-            "CELERY_BROKER_URL": redis_url,
+            "CELERY_BROKER_URL": self.broker_url,
             "CELERY_RESULT_BACKEND": redis_url,
             "JUNE_AGENTS": "tests.integration.agents:ALL",
             "JUNE_QUEUE": self.queue,
@@ -133,8 +153,14 @@ class Stack:
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
         from celery import Celery
 
-        self.client = Celery("june-it-client", broker=redis_url, backend=redis_url)
+        from june_worker.worker.broker import celery_options
+        from june_worker.worker.settings import WorkerSettings
+
+        # The queues, confirms and publish timeouts a worker with this environment declares and uses.
+        self.settings = WorkerSettings.from_env(self.env)
+        self.client = Celery("june-it-client", broker=self.broker_url, backend=redis_url)
         self.client.conf.update(
+            **celery_options(self.settings),
             task_serializer="json",
             accept_content=["json"],
             result_accept_content=["json"],
@@ -162,8 +188,12 @@ class Stack:
             sys.executable, "-m", "celery", "-A", "june_worker", "worker",
             "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h",
             "-Q", queues or f"{self.queue},{self.control_queue}",
-            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+            "--without-gossip", "--without-mingle", "-l", "INFO",
         ]  # fmt: skip
+        if self.broker == "redis":
+            # On RabbitMQ the worker's event loop sleeps up to 10 s when idle, and a SIGTERM does not wake
+            # it; the worker-heartbeat event (every 2 s) does, so an idle worker stops quickly.
+            args.append("--without-heartbeat")
         proc = Proc(name, args, {**self.env, **(env or {})}, self.tmp / f"{name}.log")
         self.procs.append(proc)
         self._wait_ready(proc)
@@ -179,7 +209,7 @@ class Stack:
 
     def beat(self, env: dict[str, str] | None = None) -> Proc:
         args = [
-            sys.executable, "-m", "celery", "-A", "june_worker", "beat", "-l", "INFO",
+            sys.executable, "-m", "celery", "-A", "june_worker", "beat", "-l", os.environ.get("IT_LOGLEVEL", "INFO"),
             "-s", str(self.tmp / "beat-schedule"), "--pidfile=",
         ]  # fmt: skip
         proc = Proc("beat", args, {**self.env, **(env or {})}, self.tmp / "beat.log")
@@ -192,21 +222,36 @@ class Stack:
             proc.stop()
         self.procs.clear()
 
+    def close(self) -> None:
+        """Stop the processes and close the clients."""
+        self.stop()
+        self.client.close()
+        self.redis.close()
+
     # --- sending and reading ---------------------------------------------------------------------
 
     def send(self, task: str, payload: Any, **options: Any) -> Any:
-        return self.client.send_task(task, args=[payload], **options)
+        from june_worker.worker.broker import publish_options
+
+        return self.client.send_task(task, args=[payload], **{**publish_options(self.settings), **options})
 
     def turn(self, agent: str, session: str, text: str, turn_id: str | None = None, **fields: Any) -> str:
         turn_id = turn_id or f"t_{uuid.uuid4().hex}"
         self.send("june.turn", {"turn_id": turn_id, "agent": agent, "session": session, "text": text, **fields})
         return turn_id
 
-    def producer(self) -> Any:
-        """A producers.JuneProducer wired to this stack's queues and key prefix."""
+    def producer(self, **options: Any) -> Any:
+        """A producers.JuneProducer wired to this stack's broker, queues and key prefix."""
         from producers import JuneProducer
 
-        return JuneProducer(self.redis_url, queue=self.queue, control_queue=self.control_queue, key_prefix=self.prefix)
+        return JuneProducer(
+            self.redis_url,
+            broker_url=self.broker_url,
+            queue=self.queue,
+            control_queue=self.control_queue,
+            key_prefix=self.prefix,
+            **options,
+        )
 
     def stream_key(self, agent: str, session: str) -> str:
         return f"{self.prefix}:events:{{{agent}:{session}}}"
@@ -250,11 +295,16 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(fresh_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(fresh_db, redis_url, tmp_path_factory.mktemp("stack"))
+def stack(
+    request: pytest.FixtureRequest, fresh_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """The module's stack; on RabbitMQ when parametrized with ``"amqp"`` (see :func:`pytest_generate_tests`)."""
+    broker = getattr(request, "param", "redis")
+    broker_url = request.getfixturevalue("amqp_url") if broker == "amqp" else redis_url
+    s = Stack(fresh_db, redis_url, tmp_path_factory.mktemp("stack"), broker_url)
     # the app table the ops agent's create_order writes (made here, not raced by two workers)
-    s.sql("create table it_orders (turn_id text not null, call_id text not null, item text, qty integer)")
+    s.sql("create table if not exists it_orders (turn_id text not null, call_id text not null, item text, qty integer)")
     try:
         yield s
     finally:
-        s.stop()
+        s.close()

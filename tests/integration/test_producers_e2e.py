@@ -1,4 +1,4 @@
-"""The producer client and the june-produce CLI against real workers: the README's worked example."""
+"""The producer client and the june-produce CLI against real workers: the README's worked example. On both brokers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from .conftest import ROOT, Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -24,7 +24,7 @@ def _cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "JUNE_REDIS_URL": stack.redis_url,
-        "CELERY_BROKER_URL": stack.redis_url,
+        "CELERY_BROKER_URL": stack.broker_url,
         "CELERY_RESULT_BACKEND": stack.redis_url,
         "JUNE_QUEUE": stack.queue,
         "JUNE_CONTROL_QUEUE": stack.control_queue,

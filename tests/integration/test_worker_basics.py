@@ -1,16 +1,19 @@
-"""A turn sent by task name runs on a real Celery worker; its events are read back from Redis."""
+"""A turn sent by task name runs on a real Celery worker; its events are read back from Redis. On both brokers."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from june_worker.stores.postgres import PostgresStore
+
 from .conftest import Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,14 +23,16 @@ def workers(stack: Stack) -> None:
 
 
 def test_a_turn_enqueued_by_name_from_a_process_without_june_worker_completes(stack: Stack, session_id: str) -> None:
-    # Given a producer process that imports celery and redis only
+    # Given a producer process that imports celery and redis only (on RabbitMQ it declares the
+    # turn queue as the workers do: a quorum queue; Redis ignores the setting)
     script = textwrap.dedent(
         f"""
         import json, sys, uuid
         from celery import Celery
         import redis
-        app = Celery(broker={stack.redis_url!r})
+        app = Celery(broker={stack.broker_url!r})
         app.conf.task_serializer = "json"
+        app.conf.task_create_missing_queue_type = "quorum"
         turn_id = "t_" + uuid.uuid4().hex
         app.send_task("june.turn", args=[{{"turn_id": turn_id, "agent": "ops", "session": {session_id!r},
                       "text": "order 3 widget"}}], queue={stack.queue!r})
@@ -97,6 +102,25 @@ def test_the_same_message_delivered_twice_gives_one_turn_and_one_row(stack: Stac
     assert users == [(1,)]
     started = [e for e in stack.structural("ops", session_id) if e["type"] == "turn.started"]
     assert len(started) == 1
+
+
+def test_a_turn_a_producer_recorded_and_delivered_twice_runs_once(stack: Stack, session_id: str) -> None:
+    # Given a turn recorded in Postgres by a durable producer (the schema migrated, as `june migrate` does)
+    PostgresStore(stack.db_url).close()
+    with contextlib.closing(stack.producer(database_url=stack.db_url)) as producer:
+        turn_id = producer.start_turn("ops", session_id, "order 2 sprocket", durable=True)
+    # When the same message is delivered twice more
+    payload = {"turn_id": turn_id, "agent": "ops", "session": session_id, "text": "order 2 sprocket"}
+    for result in [stack.send("june.turn", payload), stack.send("june.turn", payload)]:
+        result.get(timeout=30)
+    # Then it ran once: one order row, one opening, one start
+    wait_for(lambda: (stack.turn_row("ops", session_id, turn_id) or {}).get("status") == "completed")
+    assert stack.sql("select count(*) from it_orders where turn_id = %s", turn_id) == [(1,)]
+    users = stack.sql(
+        "select count(*) from june_messages where agent = 'ops' and session = %s and role = 'user'", session_id
+    )
+    assert users == [(1,)]
+    assert [e["type"] for e in stack.structural("ops", session_id)].count("turn.started") == 1
 
 
 def test_a_worker_on_a_pool_that_shares_the_process_refuses_to_start(stack: Stack) -> None:

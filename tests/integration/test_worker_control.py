@@ -9,7 +9,7 @@ import pytest
 
 from .conftest import Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp")]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,8 +1,11 @@
 """Workers die at any line; the turn still ends as one clean run would (JUNE_LEASE_S=2, JUNE_SWEEP_S=0.5).
 
 Each test kills workers it started itself: SIGKILL of the whole process group, as a machine
-dying would. Recovery goes through the lease expiring and the sweeper (Celery beat)
-re-sending the turn, never through the broker's visibility timeout (an hour).
+dying would. A turn already recorded is recovered through the lease expiring and the sweeper
+(Celery beat) re-sending it. A message taken but not yet recorded can only come back from the
+broker: RabbitMQ hands it out again when the dead worker's connection drops, Redis after the
+visibility timeout, which is three lease lengths (not Celery's hour). Tests marked
+``brokers`` run on both.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ pytestmark = pytest.mark.integration
 
 LEASE_S, SWEEP_S = 2.0, 0.5
 RECOVERY_BOUND_S = LEASE_S + SWEEP_S + 10.0  # generous for a loaded CI machine; the benchmark measures it
+# A message nobody recorded: the Redis broker's visibility timeout (3 leases) plus one look for it (a sixth of that).
+UNRECORDED_BOUND_S = 3 * LEASE_S + LEASE_S / 2 + 10.0
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,6 +50,7 @@ def _assert_clean_stream(stack: Stack, agent: str, session: str) -> list[dict[st
     return events
 
 
+@pytest.mark.brokers("redis", "amqp")
 @pytest.mark.parametrize("pool", ["prefork", "solo"])
 def test_sigkill_mid_tool_step_another_worker_finishes_within_the_lease_bound(stack: Stack, pool: str) -> None:
     session, key = f"kill-tool-{pool}-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
@@ -64,6 +70,30 @@ def test_sigkill_mid_tool_step_another_worker_finishes_within_the_lease_bound(st
     events = _assert_clean_stream(stack, "ops", session)
     assert [e["type"] for e in events].count("turn.completed") == 1
     assert recovered_s < RECOVERY_BOUND_S
+
+
+@pytest.mark.brokers("redis", "amqp")
+def test_a_prefork_parent_killed_between_taking_a_message_and_recording_it_loses_no_turn(stack: Stack) -> None:
+    # Given a prefork worker whose main process dies (SIGKILL, with its pool) after a pool process
+    # received a june.turn message and before the turn was recorded
+    session = f"intake-kill-{uuid.uuid4().hex[:6]}"
+    doomed = stack.worker(f"doomed-{session[-6:]}", pool="prefork", env={"JUNE_CRASH_AT": "before-intake"})
+    turn_id = stack.turn("ops", session, "order 3 washer")
+    wait_for(lambda: doomed.popen.poll() is not None, what="the worker's main process to be killed")
+    doomed.kill()  # whatever is left of its process group
+    killed_at = time.monotonic()
+    assert stack.turn_row("ops", session, turn_id) is None  # Postgres never heard of it: only the broker has it
+    # When another worker is up
+    rescuer = stack.worker(f"rescuer-{session[-6:]}")
+    try:
+        wait_for(lambda: _completed(stack, "ops", session, turn_id), timeout_s=UNRECORDED_BOUND_S, what="recovery")
+        recovered_s = time.monotonic() - killed_at
+    finally:
+        rescuer.stop()
+    # Then the broker handed the message out again within a few leases, and the turn ran once
+    assert recovered_s < UNRECORDED_BOUND_S
+    assert stack.sql("select qty from it_orders where turn_id = %s", turn_id) == [(3,)]
+    assert [e["type"] for e in _assert_clean_stream(stack, "ops", session)].count("turn.started") == 1
 
 
 def test_sigkill_mid_model_stream_replays_the_model_step_on_another_worker(stack: Stack) -> None:
@@ -138,6 +168,7 @@ def test_postgres_connections_killed_mid_turn_reconnect_and_nothing_is_duplicate
     _assert_clean_stream(stack, "ops", session)
 
 
+@pytest.mark.brokers("redis", "amqp")
 def test_twenty_sessions_times_five_turns_run_in_order_one_at_a_time(stack: Stack) -> None:
     workers = [stack.worker(f"load-{i}", concurrency=2) for i in range(2)]
     try:

@@ -246,3 +246,22 @@ def test_an_unreachable_redis_exits_5_with_one_clear_line(
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and all(line.startswith("june-produce: ") for line in err)
     assert "could not send june.turn" in err[0] and ":pw@" not in err[0]
+
+
+@pytest.mark.timeout(60)  # a CLI that hangs on a silent broker fails here
+def test_a_silent_rabbitmq_exits_5_with_one_clear_line_within_the_publish_timeout(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # takes connections, never answers
+        port = silent.getsockname()[1]
+        monkeypatch.setenv("CELERY_BROKER_URL", f"amqp://guest:pw@127.0.0.1:{port}//")
+        monkeypatch.setenv("JUNE_PUBLISH_TIMEOUT_S", "0.5")
+        monkeypatch.setenv("JUNE_PUBLISH_RETRIES", "1")
+
+        assert main(["turn", "ops", "s1", "hi", "--no-follow", "--json"]) == 5
+
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("june-produce: could not send june.turn")
+    assert f"amqp://***@127.0.0.1:{port}//" in err[0] and ":pw@" not in err[0]

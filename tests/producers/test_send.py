@@ -7,9 +7,10 @@ No worker consumes these queues: each test has queues of its own and pops its me
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -223,6 +224,35 @@ def test_a_broker_that_is_down_raises_broker_unavailable_with_the_cause_and_no_p
     assert "result backend" in str(cancel_error.value)
     for error in (turn_error.value, cancel_error.value):
         assert SECRET not in str(error) and "***@" in str(error)
+
+
+@contextlib.contextmanager
+def silent_port() -> Iterator[int]:
+    """A port that takes TCP connections and never says a word: a hung broker, or one behind a dead link."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(60)  # a publish that hangs fails here instead of blocking the run
+@pytest.mark.parametrize("down", ["refused", "silent"])
+@pytest.mark.parametrize("scheme", ["redis", "amqp"])
+def test_a_broker_that_is_down_or_silent_raises_broker_unavailable_instead_of_hanging(scheme: str, down: str) -> None:
+    with contextlib.ExitStack() as stack:
+        port = stack.enter_context(silent_port()) if down == "silent" else closed_port()
+        url = f"redis://:{SECRET}@127.0.0.1:{port}/0" if scheme == "redis" else f"amqp://u:{SECRET}@127.0.0.1:{port}//"
+        producer = stack.enter_context(
+            JuneProducer(
+                f"redis://127.0.0.1:{closed_port()}/0", broker_url=url, publish_timeout_s=0.5, publish_retries=2
+            )
+        )
+        with pytest.raises(BrokerUnavailable) as raised:
+            producer.start_turn("ops", "s1", "hi")
+
+    message = str(raised.value)
+    assert message.startswith("could not send june.turn {agent=ops session=s1 turn_id=t_")
+    assert f"{scheme}://***@127.0.0.1:{port}" in message and SECRET not in message
 
 
 def test_the_task_sent_event_for_flower_carries_the_summary_not_the_payload(

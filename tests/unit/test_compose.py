@@ -85,6 +85,23 @@ def test_urls_point_at_the_stacks_own_postgres_and_redis(compose: dict[str, Any]
         }
 
 
+def test_redis_the_broker_keeps_what_it_acknowledged_across_a_restart(compose: dict[str, Any]) -> None:
+    # Redis carries the turn messages: without AOF a restart loses every message not yet taken
+    redis = compose["services"]["redis"]
+    argv = redis["command"] if isinstance(redis["command"], list) else shlex.split(redis["command"])
+    options = dict(zip(argv[1::2], argv[2::2], strict=False))
+    assert argv[0] == "redis-server"
+    assert options["--appendonly"] == "yes"
+    assert options["--appendfsync"] in ("everysec", "always")
+    assert "/data" in _mount_points(redis)  # a named volume: the AOF outlives the container
+    for svc in _june_services(compose).values():
+        assert urlparse(svc["environment"]["CELERY_BROKER_URL"]).hostname == "redis"
+
+
+def _mount_points(service: dict[str, Any]) -> set[str]:
+    return {v["target"] if isinstance(v, dict) else str(v).split(":")[1] for v in service.get("volumes", [])}
+
+
 def test_the_worker_consumes_the_queues_the_tasks_are_routed_to(compose: dict[str, Any]) -> None:
     worker = compose["services"]["worker"]
     argv = worker["command"]

@@ -1,0 +1,263 @@
+"""``durable=True``: the producer records the turn in june's Postgres before it sends the message.
+
+What it records must be what a worker would record for the same message (the worker's own
+models read it back here), once per turn id, and never something a worker could not read.
+No worker runs: the turn's message is read back from the broker's queue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from pydantic import ValidationError
+
+from june_worker.engine.store import SessionRef, TurnPayload
+from june_worker.engine.types import InboundEvent
+from june_worker.stores.postgres import PostgresStore
+from june_worker.worker.payloads import ProactiveMessage, TurnMessage
+from producers import BrokerUnavailable, DatabaseUnavailable, JuneProducer, ProducerConfigError
+from producers._durable import check_event
+
+from .conftest import Names
+from .kit import pop_message
+
+pytestmark = pytest.mark.integration
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def db(database_url: str) -> Iterator[str]:
+    """A migrated database of this module's own (as `june migrate` leaves it)."""
+    name = f"june_durable_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'create database "{name}"')
+    info = psycopg.conninfo.conninfo_to_dict(database_url)
+    url = psycopg.conninfo.make_conninfo(**{**info, "dbname": name})
+    PostgresStore(url).close()
+    try:
+        yield url
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'drop database if exists "{name}" with (force)')
+
+
+@pytest.fixture
+def durable(redis_url: str, db: str, names: Names) -> Iterator[JuneProducer]:
+    p = JuneProducer(
+        redis_url,
+        queue=names.queue,
+        control_queue=names.control_queue,
+        key_prefix=names.prefix,
+        database_url=db,
+        durable=True,
+    )
+    yield p
+    p.close()
+
+
+def _stored(db: str, session: str) -> list[tuple[str, str, TurnPayload]]:
+    with psycopg.connect(db) as conn:
+        rows = conn.execute(
+            "select turn_id, status, payload::text from june_turns where agent = 'ops' and session = %s "
+            "order by position",
+            (session,),
+        ).fetchall()
+    return [(t, s, TurnPayload.model_validate_json(p)) for t, s, p in rows]
+
+
+def test_a_durable_turn_is_recorded_queued_and_then_sent(
+    durable: JuneProducer, db: str, names: Names, rclient: redis.Redis, session_id: str
+) -> None:
+    turn_id = durable.start_turn("ops", session_id, "order 2 widget")
+
+    assert [(t, s) for t, s, _ in _stored(db, session_id)] == [(turn_id, "queued")]
+    assert pop_message(rclient, names.queue).args[0]["turn_id"] == turn_id
+
+
+def test_what_is_recorded_is_what_a_worker_records_for_the_same_message(
+    durable: JuneProducer, db: str, names: Names, rclient: redis.Redis, session_id: str
+) -> None:
+    event = {"source": "slack", "user": {"id": "U1", "attested": True}, "thread": "T9", "raw": {"ts": "1.2"}}
+    turn_id = durable.start_turn(
+        "ops", session_id, "daily digest", event=event, trigger={"kind": "proactive", "by": "cron"}, target={"c": 1}
+    )
+    proactive_id = durable.proactive("ops", session_id, "post it", by="cron:daily", target={"channel": "C1"})
+
+    turn = TurnMessage.model_validate(pop_message(rclient, names.queue).args[0])
+    proactive = ProactiveMessage.model_validate(pop_message(rclient, names.queue).args[0])
+    # the worker's intake (june_worker/worker/control.py) stores these payloads for these messages
+    expected = [
+        (turn_id, TurnPayload(text=turn.text, event=turn.event, trigger_by=turn.trigger_by(), target=turn.target)),
+        (proactive_id, TurnPayload(text=proactive.text, trigger_by=proactive.by, target=proactive.target)),
+    ]
+    assert [(t, p) for t, _, p in _stored(db, session_id)] == expected
+
+
+def test_a_turn_id_sent_again_is_recorded_once(durable: JuneProducer, db: str, session_id: str) -> None:
+    first = durable.start_turn("ops", session_id, "one")
+    again = durable.start_turn("ops", session_id, "one", turn_id=first)
+    second = durable.start_turn("ops", session_id, "two")
+
+    assert again == first
+    assert [t for t, _, _ in _stored(db, session_id)] == [first, second]
+
+
+def test_a_parked_session_records_nothing_and_the_message_still_goes_out(
+    durable: JuneProducer, db: str, names: Names, rclient: redis.Redis, session_id: str
+) -> None:
+    with psycopg.connect(db, autocommit=True) as conn:
+        conn.execute(
+            "insert into june_sessions (agent, session, suspended) values ('ops', %s, '{}'::json)", (session_id,)
+        )
+
+    turn_id = durable.start_turn("ops", session_id, "while parked")
+
+    assert _stored(db, session_id) == []  # the worker rejects it, with its reason, when the message comes
+    assert pop_message(rclient, names.queue).args[0]["turn_id"] == turn_id
+
+
+def test_with_the_broker_down_a_recorded_turn_is_returned_and_the_sweeper_will_send_it(
+    redis_url: str, db: str, session_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = f"redis://127.0.0.1:{closed_port()}/0"
+    with JuneProducer(redis_url, broker_url=broker, database_url=db, publish_timeout_s=0.5, publish_retries=1) as p:
+        with caplog.at_level(logging.WARNING, logger="producers"):
+            turn_id = p.start_turn("ops", session_id, "accepted anyway", durable=True)
+        with pytest.raises(BrokerUnavailable):  # without durable the same send is an error
+            p.start_turn("ops", f"{session_id}-plain", "not accepted")
+
+    assert [(t, s) for t, s, _ in _stored(db, session_id)] == [(turn_id, "queued")]
+    assert f"turn {turn_id} is recorded in Postgres, the sweeper will send it" in caplog.text
+
+
+def test_with_postgres_down_nothing_is_recorded_or_sent(
+    redis_url: str, names: Names, rclient: redis.Redis, session_id: str
+) -> None:
+    url = f"postgresql://postgres@127.0.0.1:{closed_port()}/june"
+    with JuneProducer(redis_url, queue=names.queue, database_url=url, durable=True, publish_timeout_s=1) as p:
+        with pytest.raises(DatabaseUnavailable, match="nothing was recorded or sent") as raised:
+            p.start_turn("ops", session_id, "hi")
+
+    assert isinstance(raised.value, ConnectionError)
+    assert rclient.llen(names.queue) == 0
+
+
+def test_a_database_that_was_never_migrated_is_named(redis_url: str, database_url: str, session_id: str) -> None:
+    name = f"june_bare_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'create database "{name}"')
+    url = psycopg.conninfo.make_conninfo(**{**psycopg.conninfo.conninfo_to_dict(database_url), "dbname": name})
+    try:
+        with JuneProducer(redis_url, database_url=url, durable=True) as p:
+            with pytest.raises(ProducerConfigError, match="june migrate"):
+                p.start_turn("ops", session_id, "hi")
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'drop database if exists "{name}" with (force)')
+
+
+def test_durable_needs_a_database_and_refuses_replace(durable: JuneProducer, redis_url: str) -> None:
+    with pytest.raises(ProducerConfigError, match="database_url"):
+        JuneProducer(redis_url, durable=True)
+    with JuneProducer(redis_url) as plain:
+        with pytest.raises(ProducerConfigError, match="database_url"):
+            plain.start_turn("ops", "s1", "hi", durable=True)
+    with pytest.raises(ValueError, match="replace"):
+        durable.start_turn("ops", "s1", "hi", replace=True)
+
+
+EVENTS: list[tuple[dict[str, Any], bool]] = [  # (an inbound event, whether a durable producer records it)
+    ({"source": "slack"}, True),
+    ({"source": "slack", "user": {"id": "U1", "attested": True, "team": "T1"}, "principal": {"id": "a", "x": 1}}, True),
+    ({"source": "cli", "kind": "message", "thread": "t", "text": "hi", "raw": {"any": [1, 2]}, "extra": True}, True),
+    ({"source": "slack", "user": None, "principal": None, "kind": None}, True),
+    ({}, False),
+    ({"source": 7}, False),
+    ({"source": "slack", "user": {"id": 5}}, False),
+    ({"source": "slack", "user": {"name": "ann"}}, False),
+    ({"source": "slack", "user": {"id": "U1", "attested": "yes"}}, False),  # stricter than the worker: fine
+    ({"source": "slack", "user": "U1"}, False),
+    ({"source": "slack", "principal": {"name": "acct"}}, False),
+    ({"source": "slack", "thread": 12}, False),
+    ({"source": "slack", "text": ["a"]}, False),
+]
+
+
+@pytest.mark.parametrize(("event", "recorded"), EVENTS)
+def test_an_event_is_recorded_only_if_a_worker_can_read_it(event: dict[str, Any], recorded: bool) -> None:
+    try:
+        check_event(event)
+        accepted = True
+    except ValueError:
+        accepted = False
+    try:
+        InboundEvent.model_validate(event)
+        readable = True
+    except ValidationError:
+        readable = False
+    assert accepted == recorded
+    assert readable or not accepted, f"the producer would record {event}, which a worker cannot read"
+
+
+def test_an_unreadable_event_is_refused_before_anything_is_recorded_or_sent(
+    durable: JuneProducer, db: str, names: Names, rclient: redis.Redis, session_id: str
+) -> None:
+    with pytest.raises(ValueError, match="user"):
+        durable.start_turn("ops", session_id, "hi", event={"source": "slack", "user": {"id": 5}})
+
+    assert _stored(db, session_id) == []
+    assert rclient.llen(names.queue) == 0
+
+
+def test_the_store_records_a_turn_through_the_same_function(db: str, session_id: str) -> None:
+    # the worker's store and the durable producer share june_enqueue_turn: one rule for both
+    store = PostgresStore(db)
+    try:
+        rec, recorded = store.enqueue_turn(SessionRef("ops", session_id), "t_store", TurnPayload(text="hi"))
+        again = store.enqueue_turn(SessionRef("ops", session_id), "t_store", TurnPayload(text="hi"))
+    finally:
+        store.close()
+    assert (rec.turn_id, rec.status, rec.position, recorded) == ("t_store", "queued", 1, True)
+    assert (again[0].position, again[1]) == (1, False)
+    with psycopg.connect(db) as conn:
+        statements = conn.execute("select count(*) from pg_proc where proname = 'june_enqueue_turn'").fetchone()
+    assert statements == (1,)
+
+
+def test_the_cli_records_a_turn_with_durable_and_says_what_is_missing_without_a_database(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    redis_url: str,
+    db: str,
+    names: Names,
+    rclient: redis.Redis,
+    session_id: str,
+) -> None:
+    from producers.cli import main
+
+    for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "JUNE_DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in names.env(redis_url).items():
+        monkeypatch.setenv(name, value)
+
+    assert main(["turn", "ops", session_id, "hi", "--durable", "--no-follow", "--json"]) == 2
+    assert "durable=True needs database_url (JUNE_DATABASE_URL)" in capsys.readouterr().err
+
+    monkeypatch.setenv("JUNE_DATABASE_URL", db)
+    assert main(["turn", "ops", session_id, "hi", "--durable", "--no-follow", "--json"]) == 0
+    turn_id = json.loads(capsys.readouterr().out)["turn_id"]
+    assert [(t, s) for t, s, _ in _stored(db, session_id)] == [(turn_id, "queued")]
+    assert pop_message(rclient, names.queue).args[0]["turn_id"] == turn_id
