@@ -16,6 +16,9 @@ no I/O of its own, so what a bench measures is the worker, not the model.
   pushes its pid to ``<JUNE_KEY_PREFIX>:hold:<turn_id>:pids``.
 * ``dribble``: a model that streams ``JUNE_BENCH_DELTAS`` deltas 2 ms apart, so that a cancel
   lands mid-stream.
+* ``chaos``: the chaos turn: the model streams a few deltas, calls the sync tool ``record``, which
+  writes ``(turn_id, call_id)`` to ``chaos_writes`` through the step's transaction, then answers;
+  each step first waits ``JUNE_BENCH_PAUSE_MS``, so that kills land in the middle of turns.
 """
 
 from __future__ import annotations
@@ -144,10 +147,33 @@ class DribblingModel:
         yield Done(reply=ModelReply(text=f"streamed {n}"))
 
 
+# --- chaos: a turn with a sync write, killed anywhere ---------------------------------------------------
+
+
+@tool
+def record(ctx: ToolContext) -> dict[str, bool]:
+    """Write this call's row through the step's transaction: exactly once, whatever is killed when."""
+    time.sleep(_pause_s())
+    ctx.store.execute("insert into chaos_writes (turn_id, call_id) values (?, ?)", ctx.turn_id, ctx.call.id)
+    return {"written": True}
+
+
+class ChaosModel:
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelDelta]:
+        await asyncio.sleep(_pause_s())
+        for word in ("working", "on", "it"):
+            yield TextChunk(text=f"{word} ")
+        if isinstance(request.messages[-1], ToolMessage):
+            yield Done(reply=ModelReply(text="recorded"))
+        else:
+            yield Done(reply=ModelReply(tool_calls=[ToolCall(id="c1", name="record", input={})]))
+
+
 def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
     return [
         Agent(name="bench", model=ScriptedModel(_three_steps), tools=[tick]),
         Agent(name="stamp", model=StampModel(), tools=[pause]),
         Agent(name="hold", model=ScriptedModel(_hold_script), tools=[hold]),
         Agent(name="dribble", model=DribblingModel()),
+        Agent(name="chaos", model=ChaosModel(), tools=[record]),
     ]

@@ -443,9 +443,12 @@ class WorkerHost:
 
     def close(self) -> None:
         self._stop.set()
+        for t in self._threads:
+            t.join(5)
         self._turn_sink.close()
         self.store.close()
         self.redis.close()
+        self.loop.close()
 
 
 _HOST: WorkerHost | None = None
