@@ -141,6 +141,7 @@ class AgentSession:
         self._drainer: asyncio.Task[None] | None = None
         self._reset_pending = False
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._looked = False
 
     @property
     def store(self) -> SessionStore:
@@ -193,9 +194,12 @@ class AgentSession:
             replace=replace,
             target=target,
         )
+        self._look()
         if self.store.get_turn(self.ref, turn_id) is None:
             parked = self.store.pending(self.ref)
-            if parked is not None:
+            if parked is not None and self._expire_due(parked):
+                parked = None  # it expired unanswered: it goes on without an answer, this turn queues behind it
+            if parked is not None and not self._reset_pending:  # a pending reset ends the park: S90, queue behind it
                 reason = parked_reason(self.ref, parked)
                 reject_turn(self.store, self.runtime.fanout, self.ref, turn_id, reason, payload=payload, new_only=True)
                 raise TurnRejectedError(reason)
@@ -207,6 +211,7 @@ class AgentSession:
 
     async def result(self, turn_id: str) -> TurnResult:
         """The turn's result, waiting while it is queued or running. ``suspended`` counts as a result."""
+        self._look()
         rec = self.store.get_turn(self.ref, turn_id)
         if rec is None:
             raise TurnError(f"no turn {turn_id} in session {self.ref}")
@@ -281,7 +286,13 @@ class AgentSession:
         exactly this turn and input (or a reset is pending), and
         :class:`~june_worker.errors.InvalidAnswerError` when the answer fails the request's schema.
         """
-        parked = check_parked(self.store.pending(self.ref), turn_id, input_id, reset_pending=self._reset_pending)
+        pending = self.store.pending(self.ref)
+        if pending is not None and self._expire_due(pending):
+            raise ResumeConflictError(
+                f"input {pending.request.id!r} of turn {pending.turn_id} expired before this answer came; "
+                "the turn went on without it"
+            )
+        parked = check_parked(pending, turn_id, input_id, reset_pending=self._reset_pending)
         if granted is None:
             granted = await grant_answer(self.agent, parked, session=self.ref.session, by=by, principal=principal)
         self._apply(resume_commit(parked, value, by=by, granted=granted))
@@ -423,6 +434,31 @@ class AgentSession:
         delay = max(0.01, parked.request.expires_at - time.time())
         loop = asyncio.get_running_loop()
         self._timers[turn_id] = loop.call_later(delay, lambda: loop.create_task(self._expire()))
+
+    def _look(self) -> None:
+        """This runtime's first look at the session: a park left by another process gets its expiry armed here
+        (no timer of the process that parked survives it), answered at once if it expired meanwhile."""
+        if self._looked:
+            return
+        self._looked = True
+        parked = self.store.pending(self.ref)
+        if parked is not None and parked.turn_id not in self._timers:
+            self._arm(parked.turn_id)
+
+    def _expire_due(self, parked: SuspendedCheckpoint) -> bool:
+        """Answer ``parked`` with a timeout now if its (stored) expiry has passed; True if it did."""
+        if parked.request.expires_at is None or parked.request.expires_at > time.time():
+            return False
+        commit = timeout_commit(parked)
+        if commit is None:
+            return False
+        try:
+            self._apply(commit)
+        except ResumeConflictError:
+            return False
+        self._disarm(parked.turn_id)
+        self._kick()
+        return True
 
     def _disarm(self, turn_id: str) -> None:
         timer = self._timers.pop(turn_id, None)

@@ -190,7 +190,7 @@ def _sql(shape: _Shape) -> str:
         sets.append("suspended = null, park_expires_at = null")
     if shape.release:
         free = (
-            "not exists (select 1 from june_turns t where t.agent = s.agent and t.session = s.session"
+            "not s.reset_pending and not exists (select 1 from june_turns t where t.agent = s.agent and t.session = s.session"
             f" and t.status in ('queued', 'running') and t.turn_id <> %(t_id)s::text) and {NOTHING_NEW}"
         )
         sets.append(f"lease_owner = case when {free} then null else s.lease_owner end")

@@ -8,13 +8,12 @@ input: a refusal is a result, recorded where the turn id is known, never a retry
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 from ..engine.events import TurnResult
 from ..engine.loop import reject_turn
-from ..engine.resume import check_parked, grant_answer, reset_park_commit, resume_commit
+from ..engine.resume import check_parked, grant_answer, resume_commit
 from ..engine.session import parked_reason
 from ..engine.store import UNFINISHED_TURN_STATUSES, SessionRef, TurnPayload, TurnRecord
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
@@ -94,12 +93,18 @@ def intake(host: WorkerHost, msg: TurnMessage | ProactiveMessage, *, turn_id: st
     if agent is not None and not replace and (payload.target is None or agent.deliver is not None):
         # The common case: record the turn and take the session's lease in one statement.
         got, ran = host.intake(ref, turn_id, payload)
+        if not got.recorded and got.existing is None and got.parked is not None and host.expire_park(ref, got.parked):
+            # The park it found had expired (no sweeper came by yet): it goes on without an answer, and this
+            # turn queues behind it.
+            got, ran = host.intake(ref, turn_id, payload)
         if got.recorded or (got.existing is not None and got.existing.status in UNFINISHED_TURN_STATUSES):
             # A turn to run: ours if the lease was free (it ran), else its holder's (nothing to do here).
             return _after_drain(host, ref, turn_id, ran)
         existing, parked = got.existing, got.parked  # a finished turn, a park, or a copy recorded concurrently
     else:
         existing, parked = host.queue.intake_view(ref, turn_id)  # get_turn and pending, in one round trip
+        if existing is None and parked is not None and parked.turn_id != turn_id and host.expire_park(ref, parked):
+            parked = None  # it expired: it goes on without an answer, this turn queues behind it
     if existing is None:
         if agent is None:
             return _reject(
@@ -150,9 +155,16 @@ def resume(host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch) -> dict[str
     if agent is None:
         return {**out, "status": "rejected", "reason": f"unknown agent {ref.agent!r}"}
     try:
-        parked = check_parked(
-            host.store.pending(ref), msg.turn_id, msg.input_id, reset_pending=host.queue.reset_pending(ref)
-        )
+        pending = host.store.pending(ref)
+        if pending is not None and host.expire_park(ref, pending):
+            rec = host.store.get_turn(ref, pending.turn_id)
+            if rec is not None:
+                dispatch(rec)
+            raise ResumeConflictError(
+                f"input {pending.request.id!r} of turn {pending.turn_id} expired before this answer came; "
+                "the turn went on without it"
+            )
+        parked = check_parked(pending, msg.turn_id, msg.input_id, reset_pending=host.queue.reset_pending(ref))
         granted = host.run_async(grant_answer(agent, parked, session=ref.session, by=msg.by, principal=msg.principal))
         events = host.store.commit(ref, resume_commit(parked, msg.value, by=msg.by, granted=granted))
     except ResumeAuthorizationError as exc:
@@ -179,37 +191,20 @@ def cancel(host: WorkerHost, msg: CancelMessage) -> dict[str, Any]:
     return {"status": "cancel-requested" if ids else "nothing-to-cancel", "turn_ids": ids, "turn_id": msg.turn_id}
 
 
-def reset(host: WorkerHost, msg: ResetMessage, dispatch: Dispatch, *, wait_s: float = 30.0) -> dict[str, Any]:
-    """Cancel unfinished turns (reason reset), wait for the session's lease, then archive and start a generation."""
+def reset(host: WorkerHost, msg: ResetMessage, dispatch: Dispatch) -> dict[str, Any]:
+    """Make the reset pending and cancel unfinished turns (reason reset); perform it now if the session is free.
+
+    Answers at once: ``reset`` (performed, with the archived address) or ``pending`` (the session is busy:
+    its holder performs the reset when the running turn ends, or the sweeper if the holder dies). A
+    pending reset is durable work in Postgres; no control process waits for it.
+    """
     ref = SessionRef(msg.agent, msg.session)
-    host.queue.set_reset_pending(ref, True)
-    ids = host.store.request_cancel(ref, "reset")
+    ids = host.queue.request_reset(ref)
     if ids:
         host.signal_cancel(ref, ids, "reset")
-    deadline = time.monotonic() + wait_s
-    fence = host.queue.acquire(ref, host.owner)
-    while fence is None:
-        if time.monotonic() > deadline:
-            return {"status": "pending", "reason": "the session is still busy; the reset happens when it is free"}
-        time.sleep(0.02)
-        fence = host.queue.acquire(ref, host.owner)
-    try:
-        # End the turns the reset cancelled (each closes without running), then the park.
-        while True:
-            rec, _ = host.queue.next_turn(ref)
-            if rec is None or rec.cancel_reason is None:
-                break
-            host.run_turn(ref, rec, fence)
-        parked = host.store.pending(ref)
-        if parked is not None:
-            host.sink.publish(ref, host.store.commit(ref, reset_park_commit(parked), fence=fence))
-        result = host.store.reset(ref, fence=fence)
-        host.queue.set_reset_pending(ref, False)
-    finally:
-        if not host.queue.release(ref, fence):
-            # Turns queued while the reset waited: hand them to a turn worker.
-            host.queue.release(ref, fence, force=True)
-            rec, _ = host.queue.next_turn(ref)
-            if rec is not None:
-                dispatch(rec)
+    held, result = host.reset_now(ref, dispatch)
+    if not held:
+        return {"status": "pending", "reason": "the session is busy; the reset happens when its running turn ends"}
+    if result is None:
+        return {"status": "reset", "reason": "performed meanwhile by the process that held the session"}
     return {"status": "reset", "previous_session": result.previous_session, "generation": result.generation}

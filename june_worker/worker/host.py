@@ -32,16 +32,19 @@ from ..engine.crash import CrashAt
 from ..engine.events import TurnEvent, TurnResult
 from ..engine.failures import backoff_s
 from ..engine.loop import TurnRunner, reject_turn
+from ..engine.resume import reset_park_commit, timeout_commit
 from ..engine.store import (
     UNFINISHED_TURN_STATUSES,
     Commit,
     CommitBuilder,
+    ResetResult,
     SessionRef,
     SessionSnapshot,
+    SuspendedCheckpoint,
     TurnPayload,
     TurnRecord,
 )
-from ..errors import ConfigError, LeaseLostError, TransientError
+from ..errors import ConfigError, LeaseLostError, ResumeConflictError, TransientError
 from ..events.keys import EventKeys
 from ..events.redis_stream import RedisStreamSink, Trim
 from ..stores.postgres import PostgresStore
@@ -253,22 +256,84 @@ class WorkerHost:
                 self.sink.relay(self.store, ref)
             rec, reset_pending, snapshot = lease.turn, lease.reset_pending, lease.snapshot
             while True:
+                if reset_pending and (rec is None or rec.cancel_reason is None):
+                    # Every turn the reset cancelled has ended: perform it, then run what queued behind it.
+                    self.reset_session(ref, fence)
+                    reset_pending, rec, snapshot = False, None, None
                 if rec is None:
-                    # Release only if the queue is empty, else take the next turn: one statement.
+                    # Release only if the queue is empty (and no reset waits), else take the next turn: one statement.
                     outcome, rec, reset_pending = self.queue.release_or_next(ref, fence)
                     if outcome != "next":
                         return
                     continue
-                if reset_pending and rec.cancel_reason is None:
-                    # A reset waits for the session: stop here; it runs what is queued after it.
-                    self.queue.release(ref, fence, force=True)
-                    return
                 ran[rec.turn_id], released = self._run_turn(ref, rec, fence, snapshot=snapshot, release=True)
                 if released:
                     return  # the turn's last commit gave the lease up: nothing else was queued
                 rec, snapshot = None, None  # the next turn reads the session as that one left it
         except LeaseLostError:
             log.warning("lease on %s was taken over; this worker stops working on it", ref)
+        finally:
+            self._stop_listening()
+
+    # --- expired parks and resets ------------------------------------------------------------------------
+
+    def expire_park(self, ref: SessionRef, parked: SuspendedCheckpoint) -> bool:
+        """Answer ``parked`` with a timeout if its expiry (stamped by the database) has passed; the database's
+        clock decides, in the commit. True if it did: the turn is queued again to go on without an answer."""
+        commit = timeout_commit(parked)
+        if commit is None:
+            return False
+        try:
+            events = self.store.commit(ref, commit)
+        except ResumeConflictError:
+            return False  # not expired yet, or answered meanwhile
+        self.sink.publish(ref, events)
+        return True
+
+    # --- resets -----------------------------------------------------------------------------------------
+
+    def reset_session(self, ref: SessionRef, fence: int) -> ResetResult:
+        """Perform the session's reset under our lease: end its park (cancelled, reason reset), archive the
+        history under its generation, start the next one (this also clears ``reset_pending``)."""
+        parked = self.store.pending(ref)
+        if parked is not None:
+            self.sink.publish(ref, self.store.commit(ref, reset_park_commit(parked), fence=fence))
+        result = self.store.reset(ref, fence=fence)
+        log.info("reset %s: history archived as %s", ref, result.previous_session)
+        return result
+
+    def reset_now(self, ref: SessionRef, dispatch: Callable[[TurnRecord], None]) -> tuple[bool, ResetResult | None]:
+        """Perform a pending reset if nobody holds the session (the ``june.reset`` task, the sweeper).
+
+        Ends the turns the reset cancelled (each closes at once, without a model call), performs the
+        reset, and hands what queued behind it to a turn worker (``dispatch``): a control process never
+        runs a turn's steps. Returns whether we held the session, and the reset if we performed it (None:
+        it was performed already). When another process holds the session it performs the reset when its
+        running turn ends (:meth:`drain`); nobody waits for it here.
+        """
+        self._listen_to(ref)
+        try:
+            lease = self.queue.take(ref, self.owner)
+            if lease is None:
+                return False, None
+            fence = lease.fence
+            with self._lock:
+                if self._running is not None:
+                    self._running.fence = fence
+            rec, pending, result = lease.turn, lease.reset_pending, None
+            while rec is not None and rec.cancel_reason is not None:
+                self._run_turn(ref, rec, fence)
+                rec, pending = self.queue.next_turn(ref)
+            if pending:
+                result = self.reset_session(ref, fence)
+            if not self.queue.release(ref, fence):  # turns queued behind the reset: a turn worker runs them
+                self.queue.release(ref, fence, force=True)
+                queued, _ = self.queue.next_turn(ref)
+                if queued is not None:
+                    dispatch(queued)
+            return True, result
+        except LeaseLostError:
+            return True, None
         finally:
             self._stop_listening()
 

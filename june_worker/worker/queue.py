@@ -59,13 +59,13 @@ _TAKE = f"""(s.lease_owner = excluded.lease_owner or {_LEASE_IS_FREE.format(s="s
             and s.xmin = (select snap.version from snap)"""
 _INTAKE = one_line(f"""
 with snap as (
-    select s.xmin as version, s.fence, s.generation, s.status, s.suspended::text as suspended
+    select s.xmin as version, s.fence, s.generation, s.status, s.suspended::text as suspended, s.reset_pending
       from june_sessions s where s.agent = %(agent)s and s.session = %(session)s
 ), existing as (
     select {TURN_COLUMNS} from june_turns
      where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s
 ), plan as (
-    select not exists (select 1 from existing) and not exists (select 1 from snap where suspended is not null) as record,
+    select not exists (select 1 from existing) and not exists (select 1 from snap where suspended is not null and not reset_pending) as record,
            exists (select 1 from existing where status in ('queued', 'running')) as rerun
 ), sess as (
     insert into june_sessions as s (agent, session, next_position, lease_owner, lease_expires, fence)
@@ -280,11 +280,15 @@ class SessionQueue:
             return bool(cur.rowcount == 1)
 
     def intake_view(self, ref: SessionRef, turn_id: str) -> tuple[TurnRecord | None, SuspendedCheckpoint | None]:
-        """The turn's row if it was recorded, and the session's parked checkpoint, in one round trip."""
+        """The turn's row if it was recorded, and the session's parked checkpoint, in one round trip.
+
+        A park a pending reset is about to end does not count: a new turn queues behind the reset.
+        """
         with pooled(self.pool) as conn:
             row = conn.execute(
                 f"""
-                select (select suspended::text from june_sessions where agent = %(agent)s and session = %(session)s),
+                select (select suspended::text from june_sessions
+                         where agent = %(agent)s and session = %(session)s and not reset_pending),
                        {turn_columns("t.")}
                   from (select 1) one
                   left join june_turns t on t.agent = %(agent)s and t.session = %(session)s and t.turn_id = %(t)s
@@ -310,6 +314,7 @@ class SessionQueue:
                 with released as (
                     update june_sessions s set lease_owner = null, lease_expires = null
                      where s.agent = %(agent)s and s.session = %(session)s and s.fence = %(f)s
+                       and not s.reset_pending
                        and not exists (
                             select 1 from june_turns t
                              where t.agent = s.agent and t.session = s.session
@@ -352,13 +357,38 @@ class SessionQueue:
         reset_pending, *turn = rows[0]
         return (turn_from_row(ref, turn) if turn[0] is not None else None), bool(reset_pending)
 
-    def set_reset_pending(self, ref: SessionRef, pending: bool) -> None:
+    def request_reset(self, ref: SessionRef) -> list[str]:
+        """Make a reset of the session pending and ask every unfinished turn to cancel (reason ``reset``), in
+        one statement; return the turns asked. The reset is durable work from now on: whoever holds the session
+        next performs it (the holder of a busy session when its running turn ends, the next intake, the sweeper).
+        """
         with pooled(self.pool) as conn:
-            conn.execute(
-                "insert into june_sessions (agent, session, reset_pending) values (%s, %s, %s) "
-                "on conflict (agent, session) do update set reset_pending = excluded.reset_pending",
-                (ref.agent, ref.session, pending),
-            )
+            rows = conn.execute(
+                """
+                with pending as (
+                    insert into june_sessions as s (agent, session, reset_pending) values (%(agent)s, %(session)s, true)
+                    on conflict (agent, session) do update set reset_pending = true
+                    returning 1
+                ), marked as (
+                    update june_turns set cancel_reason = coalesce(cancel_reason, 'reset')
+                     where agent = %(agent)s and session = %(session)s and status in ('queued', 'running')
+                    returning turn_id, position
+                )
+                select turn_id from marked, (select count(*) from pending) p order by position
+                """,
+                {"agent": ref.agent, "session": ref.session},
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def pending_resets(self, *, limit: int) -> list[SessionRef]:
+        """Sessions with a reset pending that nobody holds (its holder died, or gave the lease up)."""
+        with pooled(self.pool) as conn:
+            rows = conn.execute(
+                f"select s.agent, s.session from june_sessions s where s.reset_pending and {_LEASE_IS_FREE.format(s='s')}"
+                " limit %(limit)s",
+                {"limit": limit},
+            ).fetchall()
+        return [SessionRef(a, s) for a, s in rows]
 
     def reset_pending(self, ref: SessionRef) -> bool:
         with pooled(self.pool) as conn:

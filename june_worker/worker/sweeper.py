@@ -7,6 +7,7 @@ It finds, in Postgres:
   (Redis restarted). It re-sends ``june.turn`` for the session's first unfinished turn;
   intake is idempotent, so a duplicate is harmless;
 * parks whose ``timeout_s`` passed: it answers them with a timeout and re-sends the turn;
+* resets left pending by a holder that died: it performs them;
 * sessions whose stream may miss events (a worker died between commit and publish, Redis was
   unreachable when they were published), however long ago: it relays them from the outbox.
   Only sessions nobody holds, so it never races a holder.
@@ -21,9 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.resume import timeout_commit
 from ..engine.store import TurnRecord
-from ..errors import ResumeConflictError
 from .host import WorkerHost
 
 __all__ = ["sweep"]
@@ -36,17 +35,16 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
     expired = 0
     for ref in host.queue.expired_parks(limit=limit):
         parked = host.store.pending(ref)
-        commit = timeout_commit(parked) if parked is not None else None
-        if parked is None or commit is None:
-            continue
-        try:
-            host.sink.publish(ref, host.store.commit(ref, commit))
-        except ResumeConflictError:
+        if parked is None or not host.expire_park(ref, parked):
             continue  # answered meanwhile
         expired += 1
         rec = host.store.get_turn(ref, parked.turn_id)
         if rec is not None:
             dispatch(rec)
+    resets = 0
+    for ref in host.queue.pending_resets(limit=limit):  # their holder died, or a reset found them busy
+        held, _ = host.reset_now(ref, dispatch)
+        resets += held
     redispatched = 0
     # A turn just recorded is given one sweep period to be picked up normally before we step in.
     for stranded in host.queue.stranded(grace_s=max(period, 1.0), limit=limit):
@@ -59,9 +57,21 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
         redispatched += 1
     relayed = _relay(host, limit=limit)
     host.queue.forget_dead_workers(older_than_s=24 * 3600)
-    if redispatched or expired or relayed:
-        log.info("sweep: %d turns re-sent, %d parks expired, %d events relayed", redispatched, expired, relayed)
-    return {"status": "swept", "redispatched": redispatched, "expired_parks": expired, "relayed": relayed}
+    if redispatched or expired or relayed or resets:
+        log.info(
+            "sweep: %d turns re-sent, %d parks expired, %d resets performed, %d events relayed",
+            redispatched,
+            expired,
+            resets,
+            relayed,
+        )
+    return {
+        "status": "swept",
+        "redispatched": redispatched,
+        "expired_parks": expired,
+        "resets": resets,
+        "relayed": relayed,
+    }
 
 
 def _relay(host: WorkerHost, *, limit: int) -> int:

@@ -172,9 +172,16 @@ def test_reset_while_a_turn_streams_cancels_it_with_reason_reset(stack: Stack, s
     turn_id = stack.turn("dribble", session_id, "long")
     _streaming(stack, session_id)
     out = stack.send("june.reset", {"agent": "dribble", "session": session_id}).get(timeout=60)
-    assert out["status"] == "reset"
+    assert out["status"] == "pending"  # answered at once: the worker running the turn performs it
     end = stack.wait_terminal("dribble", session_id, turn_id)
     assert (end["type"], end["reason"]) == ("turn.cancelled", "reset")
+    wait_for(
+        lambda: (
+            stack.sql("select generation, reset_pending from june_sessions where session = %s", session_id)
+            == [(1, False)]
+        ),
+        what="the reset",
+    )
 
 
 def test_a_proactive_turn_opens_with_a_trigger_and_is_delivered(stack: Stack, session_id: str) -> None:
