@@ -7,8 +7,6 @@
   ``-l WARNING``, where Celery's own ``ready.`` line is not printed).
 * With ``JUNE_BENCH_PROBE=1``: :data:`bench.agents.PROBE` becomes the host's crash hook in each
   pool process, to time commits for the ``stamp`` agent (it never crashes anything).
-* ``june.sweep`` results are deleted after they are stored: nobody reads them, and beat sends
-  one every ``JUNE_SWEEP_S``; without this a bench would leave them in Redis for a day.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import logging
 import os
 from typing import Any
 
-from celery.signals import task_postrun, worker_process_init, worker_ready
+from celery.signals import worker_process_init, worker_ready
 
 from june_worker.worker.app import app
 
@@ -42,12 +40,3 @@ def _install_probe(**_: Any) -> None:
         from .agents import PROBE
 
         get_host().crash = PROBE
-
-
-@task_postrun.connect
-def _forget_sweeps(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    if getattr(sender, "name", None) == "june.sweep" and task_id:
-        try:
-            app.backend.forget(task_id)
-        except Exception:  # best effort: it expires anyway
-            log.debug("could not forget sweep result %s", task_id, exc_info=True)

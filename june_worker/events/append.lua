@@ -2,16 +2,21 @@
 --
 -- KEYS[1]  the stream
 -- KEYS[2]  its marker: a string key (ARGV[1] == '') or a hash (field ARGV[1]), same hash slot
+-- KEYS[3]  with a hash marker: a sorted set, same slot, field -> when it last appended (ms), so that
+--          fields of sessions gone quiet can be dropped (the hash stays bounded)
 -- ARGV[1]  hash field of the marker ('' for a string marker)
 -- ARGV[2]  '1' lenient: append past a gap in seq; '0' strict: stop at the first gap
 -- ARGV[3]  MAXLEN ('' for none)     ARGV[4]  '~' approximate or '=' exact trimming
 -- ARGV[5]  MINID ('' for none)
--- ARGV[6..] triples: seq, type, data (the event as JSON), in seq order
+-- ARGV[6]  with a string marker: the stream's and the marker's time to live after this append,
+--          in ms ('' or '0' for none); the session's keys go once it has been quiet that long
+-- ARGV[7..] triples: seq, type, data (the event as JSON), in seq order
 --
 -- Returns {appended, marker after, seq of the first event refused for a gap or 0}.
 local stream, marker_key = KEYS[1], KEYS[2]
 local field, lenient = ARGV[1], ARGV[2] == '1'
 local maxlen, op, minid = ARGV[3], ARGV[4], ARGV[5]
+local ttl = tonumber(ARGV[6]) or 0
 
 local function recover()
   -- The marker is gone but the stream is not (evicted, deleted by hand): the newest
@@ -55,7 +60,7 @@ local n = #xadd
 xadd[n + 1], xadd[n + 2], xadd[n + 4] = '*', 'type', 'data'
 
 local appended, gap = 0, 0
-for i = 6, #ARGV, 3 do
+for i = 7, #ARGV, 3 do
   local seq = tonumber(ARGV[i])
   if seq > marker then
     if seq > marker + 1 and not lenient then
@@ -74,6 +79,15 @@ if appended > 0 or recovered then
     redis.call('SET', marker_key, marker)
   else
     redis.call('HSET', marker_key, field, marker)
+  end
+end
+if appended > 0 then
+  if field == '' and ttl > 0 then
+    redis.call('PEXPIRE', stream, ttl)
+    redis.call('PEXPIRE', marker_key, ttl)
+  elseif field ~= '' and KEYS[3] then
+    local now = redis.call('TIME')
+    redis.call('ZADD', KEYS[3], now[1] * 1000 + math.floor(now[2] / 1000), field)
   end
 end
 if appended > 0 and maxlen ~= '' and minid ~= '' then

@@ -9,6 +9,7 @@ Cluster hash tag: only the text between them picks the slot)::
     june:gateway:sent:{<agent>:<session>}     set      turn ids the HTTP gateway sent (kept one day)
     june:events:all:<n>                       stream   firehose partition n: every session's structural events
     june:firehose:relayed:{june:events:all:<n>}  hash  session key -> highest seq appended to partition n
+    june:firehose:seen:{june:events:all:<n>}     zset  session key -> when it last appended there (ms)
 
 The rule a reader must not break: **a marker lives in the same hash slot as the stream it
 guards**, because the script that compares and appends touches both in one call. A session's
@@ -80,6 +81,11 @@ class EventKeys:
     def firehose_marker(self, partition: int) -> str:
         """Hash ``<agent>:<session>`` -> highest ``seq`` of that session appended to the partition."""
         return f"{self.prefix}:firehose:relayed:{{{self.firehose_stream(partition)}}}"
+
+    def firehose_seen(self, partition: int) -> str:
+        """Sorted set ``<agent>:<session>`` -> when that session last appended to the partition (ms): the
+        firehose marker's fields of sessions gone quiet are dropped by it (see :meth:`firehose_marker`)."""
+        return f"{self.prefix}:firehose:seen:{{{self.firehose_stream(partition)}}}"
 
     def firehose_streams(self) -> list[str]:
         return [self.firehose_stream(p) for p in range(self.firehose_partitions)]

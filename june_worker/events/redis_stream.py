@@ -40,7 +40,12 @@ Limits, all of them the price of keeping the markers in Redis beside the streams
   deltas fill all of those 1000 entries.
 * Only the firehose's hash lost: each session's history is appended to the firehose again as
   it next publishes. Firehose consumers dedupe by (agent, session, seq).
-* The firehose hash keeps one small field per session ever published, until deleted.
+* The firehose hash keeps one small field per session that published lately: the sweeper drops the
+  fields of sessions quiet for longer than the session keys' time to live
+  (:meth:`RedisStreamSink.forget_quiet_sessions`); a session that publishes again after that has what
+  the store still holds appended to the firehose again (consumers dedupe by session and seq).
+* With ``session_ttl_s`` a session's stream and marker expire once it has been quiet that long; the
+  next publish rebuilds the stream from what the store still holds (see the outbox retention).
 * Trimming drops entries, never markers: a reader that was away longer than the stream keeps
   cannot get what was trimmed from the stream. It is told (:mod:`.reader` raises
   ``StreamGapError``), and reloads those events from the store.
@@ -72,6 +77,16 @@ __all__ = ["EventLog", "RedisStreamSink", "Trim", "encode_event", "redact"]
 log = logging.getLogger("june_worker.events.redis")
 
 _APPEND_LUA = resources.files(__package__).joinpath("append.lua").read_text(encoding="utf-8")
+# Drop the marker fields (KEYS[2]) of sessions whose last append (KEYS[1], ms) is before ARGV[1]; at most ARGV[2].
+# Atomic, so an append landing meanwhile is either kept whole or seen after (its field gone, its history re-sent).
+_FORGET_LUA = """
+local quiet = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+for _, field in ipairs(quiet) do
+  redis.call('HDEL', KEYS[2], field)
+  redis.call('ZREM', KEYS[1], field)
+end
+return #quiet
+"""
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^@/\s]*@")
 
 
@@ -138,6 +153,8 @@ class RedisStreamSink:
 
     ``store``: where to fill a gap from (see the module docstring); pass the same store the
     engine commits to. ``session_trim`` / ``firehose_trim``: applied on every append.
+    ``session_ttl_s``: a session's stream and marker expire once the session published nothing for
+    that long (each structural append renews it); a later publish rebuilds the stream from the store.
     ``firehose=False`` leaves the firehose out (each publish is then one script call).
     ``pipelined``: publishes do not wait for Redis's reply (see the module docstring); needs
     ``store``, to fill from it whatever a late-read reply says is missing.
@@ -155,6 +172,7 @@ class RedisStreamSink:
         retry_after_s: float = 1.0,
         relay_batch: int = 500,
         pipelined: bool = False,
+        session_ttl_s: float | None = None,
     ) -> None:
         if relay_batch < 1:
             raise ValueError(f"relay_batch must be at least 1, not {relay_batch}")
@@ -164,6 +182,7 @@ class RedisStreamSink:
         self.keys = keys
         self.store = store
         self.session_trim = session_trim
+        self.session_ttl_ms = str(int(session_ttl_s * 1000)) if session_ttl_s else ""
         self.firehose = firehose
         self.firehose_trim = firehose_trim
         self.retry_after_s = retry_after_s
@@ -287,6 +306,19 @@ class RedisStreamSink:
         width = 2 if self.firehose else 1
         return [min(values[i : i + width]) for i in range(0, len(values), width)]
 
+    def forget_quiet_sessions(self, *, quiet_s: float, limit: int = 1000) -> int:
+        """Drop the firehose marker fields of sessions that appended nothing for ``quiet_s``, so the marker
+        hash stays bounded; return how many. A session that publishes again afterwards finds no marker and
+        has what its store still holds appended to the firehose again (consumers dedupe by session and seq)."""
+        if not self.firehose:
+            return 0
+        cutoff_ms = int((time.time() - quiet_s) * 1000)
+        dropped = 0
+        for p in range(self.keys.firehose_partitions):
+            keys = [self.keys.firehose_seen(p), self.keys.firehose_marker(p)]
+            dropped += int(self.client.eval(_FORGET_LUA, 2, *keys, cutoff_ms, limit))
+        return dropped
+
     # --- internals -------------------------------------------------------------------------------
 
     def _append(self, ref: SessionRef, events: Sequence[TurnEvent], *, lenient: bool, count: bool = False) -> int:
@@ -312,15 +344,15 @@ class RedisStreamSink:
         calls: list[tuple[list[str], list[str | int]]] = [
             (
                 [self.keys.session_stream(ref), self.keys.session_marker(ref)],
-                ["", mode, *self.session_trim.script_args(), *triples],
+                ["", mode, *self.session_trim.script_args(), self.session_ttl_ms, *triples],
             )
         ]
         if self.firehose:
             p = self.keys.partition(ref)
             calls.append(
                 (
-                    [self.keys.firehose_stream(p), self.keys.firehose_marker(p)],
-                    [ref.key, mode, *self.firehose_trim.script_args(), *triples],
+                    [self.keys.firehose_stream(p), self.keys.firehose_marker(p), self.keys.firehose_seen(p)],
+                    [ref.key, mode, *self.firehose_trim.script_args(), "", *triples],
                 )
             )
         return calls

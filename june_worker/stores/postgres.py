@@ -236,6 +236,17 @@ _MIGRATIONS: list[str] = [
     select true, ins.t from ins union all select false, existing.t from existing
     $$;
     """,
+    # 6: retention: relayed outbox events by age, ended turns by when they ended, archived generations
+    # by when they were archived (june_worker/worker/retention.py prunes along these indexes)
+    """
+    create index june_events_created on june_events (created_at);
+    create index june_turns_ended on june_turns (finished_at)
+        where status in ('completed', 'failed', 'cancelled', 'rejected');
+    alter table june_archived_messages add column archived_at double precision not null default extract(epoch from now());
+    alter table june_archived_steps add column archived_at double precision not null default extract(epoch from now());
+    create index june_archived_messages_at on june_archived_messages (archived_at);
+    create index june_archived_steps_at on june_archived_steps (archived_at);
+    """,
 ]
 
 _WHY_NOT = """

@@ -165,11 +165,12 @@ class WorkerHost:
             settings.redis_url, health_check_interval=30, socket_timeout=5, socket_connect_timeout=2
         )
         trim = Trim(maxlen=settings.stream_maxlen or None, max_age_s=settings.stream_max_age_s or None)
-        self.sink = RedisStreamSink(self.redis, keys=self.keys, store=self.store, session_trim=trim)
+        ttl = settings.stream_ttl_s or None
+        self.sink = RedisStreamSink(self.redis, keys=self.keys, store=self.store, session_trim=trim, session_ttl_s=ttl)
         # A running turn's steps publish without waiting for Redis (the next step overlaps the append);
         # _run_turn flushes it when the turn ends. Everything else publishes through self.sink.
         self._turn_sink = RedisStreamSink(
-            self.redis, keys=self.keys, store=self.store, session_trim=trim, pipelined=True
+            self.redis, keys=self.keys, store=self.store, session_trim=trim, pipelined=True, session_ttl_s=ttl
         )
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.loop = asyncio.new_event_loop()

@@ -21,6 +21,21 @@ JUNE_MAX_ATTEMPTS           starts of one turn (a killed process, a  5
                             transient fault that outlasts a step's
                             retries) before it ends ``failed`` as
                             poison and the session moves on
+JUNE_OUTBOX_RETENTION_S     relayed outbox events older than this    86400 (a day)
+                            are deleted (a follower catches up on
+                            the stream; /log and relays read the
+                            outbox)
+JUNE_TURN_RETENTION_S       ended turns' rows, and their step        604800 (a week)
+                            records, are deleted this long after
+                            they ended (a message redelivered later
+                            would run again)
+JUNE_ARCHIVE_RETENTION_S    archived generations (resets) are        2592000 (30 days)
+                            deleted this long after the reset
+JUNE_STREAM_TTL_S           a session's Redis stream and marker      604800 (a week)
+                            expire once it was quiet this long, and
+                            its firehose marker field is dropped
+                            (0: never)
+JUNE_PRUNE_BATCH            rows deleted per statement and sweep     1000
 JUNE_KEY_PREFIX             prefix of every Redis key                june
 JUNE_STREAM_MAXLEN          approximate cap of a session stream      10000
 JUNE_STREAM_MAX_AGE_S       drop stream entries older than this      0 (keep)
@@ -82,6 +97,11 @@ class WorkerSettings:
     sweep_s: float = 10.0
     delivery_attempts: int = 5
     max_attempts: int = 5
+    outbox_retention_s: float = 86400.0
+    turn_retention_s: float = 604800.0
+    archive_retention_s: float = 2592000.0
+    stream_ttl_s: float = 604800.0
+    prune_batch: int = 1000
     key_prefix: str = "june"
     stream_maxlen: int = 10_000
     stream_max_age_s: float = 0.0
@@ -119,6 +139,11 @@ class WorkerSettings:
             sweep_s=_float(env, "JUNE_SWEEP_S", cls.sweep_s),
             delivery_attempts=max(int(_float(env, "JUNE_DELIVERY_ATTEMPTS", cls.delivery_attempts)), 1),
             max_attempts=max(int(_float(env, "JUNE_MAX_ATTEMPTS", cls.max_attempts)), 1),
+            outbox_retention_s=_float(env, "JUNE_OUTBOX_RETENTION_S", cls.outbox_retention_s),
+            turn_retention_s=_float(env, "JUNE_TURN_RETENTION_S", cls.turn_retention_s),
+            archive_retention_s=_float(env, "JUNE_ARCHIVE_RETENTION_S", cls.archive_retention_s),
+            stream_ttl_s=_float(env, "JUNE_STREAM_TTL_S", cls.stream_ttl_s),
+            prune_batch=max(int(_float(env, "JUNE_PRUNE_BATCH", cls.prune_batch)), 1),
             key_prefix=env.get("JUNE_KEY_PREFIX", cls.key_prefix),
             stream_maxlen=int(_float(env, "JUNE_STREAM_MAXLEN", cls.stream_maxlen)),
             stream_max_age_s=_float(env, "JUNE_STREAM_MAX_AGE_S", cls.stream_max_age_s),

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..engine.store import TurnRecord
 from .host import WorkerHost
+from .retention import prune
 
 __all__ = ["sweep"]
 
@@ -56,6 +57,7 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
         dispatch(turn)
         redispatched += 1
     relayed = _relay(host, limit=limit)
+    pruned = prune(host.store.pool, host.sink, host.settings)
     host.queue.forget_dead_workers(older_than_s=24 * 3600)
     if redispatched or expired or relayed or resets:
         log.info(
@@ -71,6 +73,7 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
         "expired_parks": expired,
         "resets": resets,
         "relayed": relayed,
+        "pruned": {"events": pruned.events, "turns": pruned.turns, "archived": pruned.archived},
     }
 
 

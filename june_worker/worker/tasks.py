@@ -1,7 +1,9 @@
 """The Celery tasks: thin shells. Validate the one JSON object, call the host, return a small summary.
 
-A payload that cannot be used is rejected once: the reason is in the task result, in the
-log, and, when the message names a turn, in the turn's row and stream (``turn.failed``).
+A payload that cannot be used is rejected once: the reason is in the log and, when the message
+names a turn, in the turn's row and stream (``turn.failed``); control tasks also return it as
+their result. Turn, proactive and sweep tasks store no result (``ignore_result``): nobody reads
+them, the turn's row and stream say everything, and storage stays bounded.
 Nothing is retried for bad input; only the database being unavailable (the failure policy's
 transient class) is retried, with backoff.
 """
@@ -68,7 +70,8 @@ def _rejected(task: str, args: tuple[Any, ...], exc: PayloadError, task_id: str 
     turn_id, agent, session = raw.get("turn_id"), raw.get("agent"), raw.get("session")
     if task == "june.proactive" and turn_id is None and task_id:
         turn_id = control.proactive_turn_id(task_id)
-    out["turn_id"] = turn_id
+    # echoed only when printable: the summary is logged as it is (no line breaks or escapes of ours in a log)
+    out["turn_id"] = turn_id if not isinstance(turn_id, str) or turn_id.isprintable() else repr(turn_id)[:300]
     if task not in ("june.turn", "june.proactive"):
         return out
     if not all(isinstance(v, str) and 0 < len(v) <= 256 for v in (turn_id, agent, session)):
@@ -90,7 +93,7 @@ def _rejected(task: str, args: tuple[Any, ...], exc: PayloadError, task_id: str 
     return out
 
 
-@app.task(name="june.turn", bind=True, **_RETRY)
+@app.task(name="june.turn", bind=True, ignore_result=True, **_RETRY)
 def turn_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     try:
         msg = parse_payload(TurnMessage, args, kwargs)
@@ -103,7 +106,7 @@ def turn_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return control.intake(host, msg)
 
 
-@app.task(name="june.proactive", bind=True, **_RETRY)
+@app.task(name="june.proactive", bind=True, ignore_result=True, **_RETRY)
 def proactive_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     try:
         msg = parse_payload(ProactiveMessage, args, kwargs)
@@ -139,7 +142,7 @@ def reset_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return control.reset(get_host(), msg, dispatch)
 
 
-@app.task(name="june.sweep", bind=True, **_RETRY)
+@app.task(name="june.sweep", bind=True, ignore_result=True, **_RETRY)
 def sweep_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     try:
         msg = parse_payload(SweepMessage, args or ({},), kwargs)

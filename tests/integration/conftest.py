@@ -11,13 +11,16 @@ The broker is Redis unless a test (or its module) is marked ``@pytest.mark.broke
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -280,6 +283,23 @@ class Stack:
         with psycopg.connect(self.db_url, autocommit=True) as conn:
             cur = conn.execute(query, params)  # type: ignore[arg-type]
             return cur.fetchall() if cur.description else []
+
+    def outcome(self, result: Any, timeout_s: float = 30) -> dict[str, Any]:
+        """The summary a turn or proactive task returned. Those tasks store no result (``ignore_result``):
+        it is read where the worker logged it (``Task june.turn[<id>] succeeded in <s>s: {...}``)."""
+        needle = f"[{result.id}] succeeded in "
+
+        def found() -> dict[str, Any] | None:
+            for proc in self.procs:
+                text = proc.log.read_text(errors="replace")
+                if needle in text:  # the value runs to the next log record (it may hold a line break)
+                    value = re.split(r"\n\[\d{4}-", text.split(needle, 1)[1].split(": ", 1)[1], maxsplit=1)[0]
+                    with warnings.catch_warnings():  # Celery's saferepr keeps a regex's "\-" as it is
+                        warnings.simplefilter("ignore")
+                        return ast.literal_eval(value.rstrip("\n"))  # type: ignore[no-any-return]
+            return None
+
+        return wait_for(found, timeout_s=timeout_s, what=f"task {result.id} to succeed")
 
     def turn_row(self, agent: str, session: str, turn_id: str) -> dict[str, Any] | None:
         rows = self.sql(

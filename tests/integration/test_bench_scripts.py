@@ -23,6 +23,8 @@ SCRIPTS = {
     "turn_cost.py": (["-n", "5"], "a whole turn (wall)"),
     "event_latency.py": (["-n", "20", "--warmup", "5"], "target p99 < 1.5 ms"),
     "step_overhead.py": (["--steps", "2", "--rounds", "1"], "tables+indexes grew per step"),
+    "storage.py": (["--turns", "3"], "after relay and pruning"),
+    "chaos.py": (["--turns", "6", "--sessions", "2", "--rate", "20", "--kill-every", "0.5", "1"], "stuck sessions"),
 }
 
 

@@ -85,8 +85,8 @@ def test_two_resumes_racing_for_one_park_apply_once(stack: Stack, session_id: st
 def test_a_new_turn_is_rejected_while_the_session_is_parked(stack: Stack, session_id: str) -> None:
     _parked(stack, session_id)
     other = f"t_{uuid.uuid4().hex}"
-    out = stack.send("june.turn", {"turn_id": other, "agent": "ops", "session": session_id, "text": "hi"}).get(
-        timeout=30
+    out = stack.outcome(
+        stack.send("june.turn", {"turn_id": other, "agent": "ops", "session": session_id, "text": "hi"})
     )
     assert out["status"] == "rejected" and "suspended awaiting input" in out["reason"]
     assert _types(stack, "ops", session_id, other) == ["turn.failed"]
@@ -136,10 +136,12 @@ def test_replace_cancels_the_running_turn_and_the_new_one_completes(stack: Stack
 
 def test_replace_never_cancels_a_parked_approval(stack: Stack, session_id: str) -> None:
     parked = _parked(stack, session_id)
-    out = stack.send(
-        "june.turn",
-        {"turn_id": f"t_{uuid.uuid4().hex}", "agent": "ops", "session": session_id, "text": "x", "replace": True},
-    ).get(timeout=30)
+    out = stack.outcome(
+        stack.send(
+            "june.turn",
+            {"turn_id": f"t_{uuid.uuid4().hex}", "agent": "ops", "session": session_id, "text": "x", "replace": True},
+        )
+    )
     assert out["status"] == "rejected"
     assert stack.turn_row("ops", session_id, parked)["status"] == "suspended"  # type: ignore[index]
 
@@ -185,16 +187,18 @@ def test_reset_while_a_turn_streams_cancels_it_with_reason_reset(stack: Stack, s
 
 
 def test_a_proactive_turn_opens_with_a_trigger_and_is_delivered(stack: Stack, session_id: str) -> None:
-    out = stack.send(
-        "june.proactive",
-        {
-            "agent": "ops",
-            "session": session_id,
-            "text": "daily digest",
-            "by": "cron:daily",
-            "target": {"channel": "C-ops"},
-        },
-    ).get(timeout=30)
+    out = stack.outcome(
+        stack.send(
+            "june.proactive",
+            {
+                "agent": "ops",
+                "session": session_id,
+                "text": "daily digest",
+                "by": "cron:daily",
+                "target": {"channel": "C-ops"},
+            },
+        )
+    )
     assert out["status"] == "completed"
     started = stack.structural("ops", session_id)[0]
     assert started["trigger"] == {"kind": "proactive", "by": "cron:daily"}
@@ -213,6 +217,10 @@ def test_a_proactive_turn_opens_with_a_trigger_and_is_delivered(stack: Stack, se
 def test_a_proactive_message_delivered_twice_is_one_turn(stack: Stack, session_id: str) -> None:
     payload = {"agent": "ops", "session": session_id, "text": "digest", "by": "cron:daily"}
     task_id = str(uuid.uuid4())
-    stack.client.send_task("june.proactive", args=[payload], task_id=task_id).get(timeout=30)
-    stack.client.send_task("june.proactive", args=[payload], task_id=task_id).get(timeout=30)
+    for _ in range(2):
+        stack.client.send_task("june.proactive", args=[payload], task_id=task_id)
+    wait_for(
+        lambda: sum(p.log.read_text().count(f"[{task_id}] succeeded in ") for p in stack.procs) == 2,
+        what="both copies to be handled",
+    )
     assert _types(stack, "ops", session_id).count("turn.started") == 1

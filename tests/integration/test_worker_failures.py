@@ -109,7 +109,7 @@ def test_a_turn_whose_payload_cannot_be_stored_is_rejected_recorded_and_ends_its
     stack: Stack, session_id: str, field: str, value: dict[str, Any]
 ) -> None:
     turn_id = f"t_{uuid.uuid4().hex}"
-    out = stack.send("june.turn", {"turn_id": turn_id, "agent": "ops", "session": session_id, **value}).get(timeout=30)
+    out = stack.outcome(stack.send("june.turn", {"turn_id": turn_id, "agent": "ops", "session": session_id, **value}))
     assert out["status"] == "rejected" and "cannot be stored" in out["reason"] and field in out["reason"]
     row = stack.turn_row("ops", session_id, turn_id)
     assert row is not None and row["status"] == "rejected"
