@@ -20,6 +20,7 @@ from june_worker.models import Reply, ScriptedModel
 from tests.unit import kit
 from tests.unit.test_failure_policy import (  # noqa: F401 - collected here, on Postgres
     test_a_rejected_turn_is_recorded_rejected_in_one_write_with_its_event,
+    test_a_sync_tool_that_catches_a_failed_statement_keeps_the_steps_transaction_usable,
     test_a_turn_that_ended_keeps_its_status_whatever_commits_later,
     test_a_turn_whose_process_dies_every_time_ends_failed_after_max_attempts,
     test_the_opening_commit_refuses_a_turn_whose_cancel_is_stored,
@@ -84,33 +85,6 @@ async def test_a_throwing_sync_tool_has_its_writes_rolled_back_on_postgres() -> 
 
 
 # --- the failure policy on Postgres: a tool's failed statement, a lost connection, one clock (issue 10) ---
-
-
-async def test_a_sync_tool_that_catches_a_failed_statement_keeps_the_steps_transaction_usable() -> None:
-    runs = kit.Counter()
-
-    @tool
-    def lookup(ctx: ToolContext, item: str) -> dict[str, Any]:
-        """Writes, tries a table that does not exist, carries on, writes again."""
-        runs.runs += 1
-        store_write(ctx, "create table if not exists orders (item text)")
-        store_write(ctx, "insert into orders (item) values (?)", item)
-        try:
-            ctx.store.query("select price from missing_table where item = ?", item)
-            found = "yes"
-        except Exception as exc:  # the tool's own decision: carry on without a price
-            found = type(exc).__name__
-        store_write(ctx, "insert into orders (item) values (?)", item + "-2")
-        return {"item": item, "price": found}
-
-    store = kit.make_store("postgres")
-    script = [Reply("", calls=[{"id": "c1", "name": "lookup", "input": {"item": "w"}}]), Reply("after"), Reply("next")]
-    s = kit.runtime_with(store, ScriptedModel(script), [lookup]).session("ops", "s1")
-    assert await asyncio.wait_for(s.turn("go"), 20) == "after"
-    assert await asyncio.wait_for(s.turn("again"), 20) == "next"  # the session serves its next turn
-    assert runs.runs == 1 and kit.count_orders(store) == 2  # both writes, once: only the failed statement rolled back
-    results = [e.result for e in store.events(s.ref) if e.type == "action.completed"]
-    assert results == [{"item": "w", "price": "UndefinedTable"}]
 
 
 async def test_a_tool_that_swallows_a_failed_statement_on_the_raw_connection_fails_its_turn_not_the_session() -> None:

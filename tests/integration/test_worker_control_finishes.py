@@ -5,6 +5,7 @@ No beat runs in this module: what happens here happens without the sweeper.
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -16,6 +17,8 @@ from june_worker.worker.queue import SessionQueue
 from .conftest import Stack, wait_for
 
 pytestmark = pytest.mark.integration
+
+OLD_RESET_WAIT_S = 30  # how long june.reset used to wait for a busy session before giving up for good
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,11 +37,18 @@ def test_a_reset_of_a_busy_session_answers_pending_at_once_and_happens_when_the_
     key = uuid.uuid4().hex
     busy = stack.turn("ops", session_id, f"slow {key}")
     wait_for(lambda: stack.redis.llen(f"it:hold:{key}:log") == 1, what="the tool to hold its worker")
+    started = time.monotonic()
     # The reset is answered while the tool still runs (the old reset waited 30 s, then gave up for good).
     out = stack.send("june.reset", {"agent": "ops", "session": session_id}).get(timeout=10)
     assert out["status"] == "pending", out
     assert _status(stack, session_id, busy) == "running"
     after = stack.turn("ops", session_id, "order 2 nut")  # queues behind the reset
+    # The tool runs on past the old reset's 30 s wait; the reset stays pending meanwhile, nobody waiting on it.
+    wait_for(lambda: time.monotonic() - started > OLD_RESET_WAIT_S + 1, timeout_s=60, every_s=0.5, what="the long tool")
+    assert stack.sql("select generation, reset_pending from june_sessions where session = %s", session_id) == [
+        (0, True)
+    ]
+    assert _status(stack, session_id, busy) == "running"
     stack.redis.set(f"it:hold:{key}:release", 1)
     end = stack.wait_terminal("ops", session_id, busy)
     assert (end["type"], end["reason"]) == ("turn.cancelled", "reset")

@@ -162,6 +162,36 @@ def test_a_payload_the_store_cannot_hold_is_refused_before_anything_is_recorded(
     asyncio.run(go())
 
 
+# --- a sync tool that catches a failed statement (item 1) ----------------------------------------
+
+
+async def test_a_sync_tool_that_catches_a_failed_statement_keeps_the_steps_transaction_usable(sql_kind: str) -> None:
+    runs = kit.Counter()
+
+    @tool
+    def lookup(ctx: ToolContext, item: str) -> dict[str, Any]:
+        """Writes, tries a table that does not exist, carries on, writes again."""
+        runs.runs += 1
+        ctx.store.execute("create table if not exists orders (item text)")
+        ctx.store.execute("insert into orders (item) values (?)", item)
+        try:
+            ctx.store.query("select price from missing_table where item = ?", item)
+            found = "yes"
+        except Exception as exc:  # the tool's own decision: carry on without a price
+            found = type(exc).__name__
+        ctx.store.execute("insert into orders (item) values (?)", item + "-2")
+        return {"item": item, "price": found}
+
+    store = kit.make_store(sql_kind)
+    script = [Reply("", calls=[{"id": "c1", "name": "lookup", "input": {"item": "w"}}]), Reply("after"), Reply("next")]
+    s = kit.runtime_with(store, ScriptedModel(script), [lookup]).session("ops", "s1")
+    assert await asyncio.wait_for(s.turn("go"), 20) == "after"
+    assert await asyncio.wait_for(s.turn("again"), 20) == "next"  # the session serves its next turn
+    assert runs.runs == 1 and kit.count_orders(store) == 2  # both writes, once: only the failed statement rolled back
+    results = [e.result for e in store.events(s.ref) if e.type == "action.completed"]
+    assert results == [{"item": "w", "price": {"postgres": "UndefinedTable", "sqlite": "OperationalError"}[sql_kind]}]
+
+
 # --- guarded writes (item 6) ----------------------------------------------------------------------------
 
 
