@@ -85,8 +85,7 @@ class MemoryStore:
     def commit(self, ref: SessionRef, commit: Commit | CommitBuilder, *, fence: int | None = None) -> list[TurnEvent]:
         with self._lock:
             s = self._get(ref)
-            if fence is not None and fence != s.fence:
-                raise LeaseLostError(f"session {ref} is leased under fence {s.fence}, not {fence}")
+            _check_fence(ref, s, fence)
             if not isinstance(commit, Commit):
                 commit = commit(NoTransactionHandle("the memory store has no transaction for a tool to write in"))
             self._check(ref, s, commit)
@@ -149,17 +148,7 @@ class MemoryStore:
             existing = s.turns.get(turn_id)
             if existing is not None:
                 return existing, False
-            rec = TurnRecord(
-                turn_id=turn_id,
-                agent=ref.agent,
-                session=ref.session,
-                position=s.next_position,
-                payload=payload,
-                generation=s.generation,
-                created_at=time.time(),
-            )
-            s.next_position += 1
-            s.turns[turn_id] = rec
+            rec = s.turns[turn_id] = _new_turn(ref, s, turn_id, payload)
             return rec, True
 
     def reject_turn(
@@ -174,22 +163,12 @@ class MemoryStore:
     ) -> tuple[TurnRecord, list[TurnEvent]]:
         with self._lock:
             s = self._get(ref)
-            if fence is not None and fence != s.fence:
-                raise LeaseLostError(f"session {ref} is leased under fence {s.fence}, not {fence}")
+            _check_fence(ref, s, fence)
             rec = s.turns.get(turn_id)
             if rec is not None and (new_only or rec.status not in UNFINISHED_TURN_STATUSES):
                 return rec, []
             if rec is None:
-                rec = TurnRecord(
-                    turn_id=turn_id,
-                    agent=ref.agent,
-                    session=ref.session,
-                    position=s.next_position,
-                    payload=payload,
-                    generation=s.generation,
-                    created_at=time.time(),
-                )
-                s.next_position += 1
+                rec = _new_turn(ref, s, turn_id, payload)
             event = rejection_event(turn_id, reason).model_copy(update={"seq": len(s.events) + 1})
             s.events.append(event)
             rec = s.turns[turn_id] = rec.model_copy(
@@ -237,8 +216,7 @@ class MemoryStore:
     def reset(self, ref: SessionRef, *, fence: int | None = None) -> ResetResult:
         with self._lock:
             s = self._get(ref)
-            if fence is not None and fence != s.fence:
-                raise LeaseLostError(f"session {ref} is leased under fence {s.fence}, not {fence}")
+            _check_fence(ref, s, fence)
             generation = s.generation
             self.archives.append(
                 {
@@ -272,3 +250,23 @@ def _attempts(attempts: int, status: str) -> int:
     if status == "running":
         return attempts + 1
     return 0 if status == "queued" else attempts
+
+
+def _check_fence(ref: SessionRef, s: _Session, fence: int | None) -> None:
+    if fence is not None and fence != s.fence:
+        raise LeaseLostError(f"session {ref} is leased under fence {s.fence}, not {fence}")
+
+
+def _new_turn(ref: SessionRef, s: _Session, turn_id: str, payload: TurnPayload) -> TurnRecord:
+    """A turn recorded at the session's next position (the caller stores it)."""
+    rec = TurnRecord(
+        turn_id=turn_id,
+        agent=ref.agent,
+        session=ref.session,
+        position=s.next_position,
+        payload=payload,
+        generation=s.generation,
+        created_at=time.time(),
+    )
+    s.next_position += 1
+    return rec

@@ -54,6 +54,7 @@ from ..engine.endings import rejection_event
 from ..engine.events import Rejected, TurnEvent, TurnResultAdapter
 from ..engine.store import (
     ENDED_TURN_STATUSES,
+    UNFINISHED_TURN_STATUSES,
     Commit,
     CommitBuilder,
     ResetResult,
@@ -772,12 +773,11 @@ class PostgresStore:
         with self._connection() as conn, conn.transaction():
             row = conn.execute(_LOCK_SESSION, key).fetchone()  # creates and locks the session row
             assert row is not None
-            current_fence, event_seq = int(row[0]), int(row[1])
-            if fence is not None and fence != current_fence:
-                raise LeaseLostError(f"session {ref} is leased under fence {current_fence}, not {fence}")
+            _check_fence(ref, int(row[0]), fence)
+            event_seq = int(row[1])
             found = conn.execute(_GET_TURN + " for update", key).fetchone()
             existing = turn_from_row(ref, found) if found else None
-            if existing is not None and (new_only or existing.status in ENDED_TURN_STATUSES):
+            if existing is not None and (new_only or existing.status not in UNFINISHED_TURN_STATUSES):
                 return existing, []
             seq = event_seq + 1
             params = {
@@ -797,8 +797,7 @@ class PostgresStore:
         with self._connection() as conn, conn.transaction():
             row = conn.execute(_LOCK_SESSION, key).fetchone()  # creates and locks the session row
             assert row is not None
-            if fence is not None and fence != int(row[0]):
-                raise LeaseLostError(f"session {ref} is leased under fence {row[0]}, not {fence}")
+            _check_fence(ref, int(row[0]), fence)
             generation = int(row[2])
             conn.execute(_RESET, {**key, "generation": generation})
         return ResetResult(previous_session=f"{ref.session}#g{generation}", generation=generation)
@@ -813,6 +812,11 @@ class PostgresStore:
     def close(self) -> None:
         if self._owns_pool:
             self._pool.close()
+
+
+def _check_fence(ref: SessionRef, current: int, fence: int | None) -> None:
+    if fence is not None and fence != current:
+        raise LeaseLostError(f"session {ref} is leased under fence {current}, not {fence}")
 
 
 def session_snapshot(

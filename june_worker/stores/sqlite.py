@@ -26,6 +26,7 @@ from ..engine.endings import rejection_event
 from ..engine.events import Rejected, TurnEvent, TurnEventAdapter, TurnResultAdapter
 from ..engine.store import (
     ENDED_TURN_STATUSES,
+    UNFINISHED_TURN_STATUSES,
     Commit,
     CommitBuilder,
     ResetResult,
@@ -311,8 +312,7 @@ class SQLiteStore:
                 key,
             ).fetchone()
             current_fence, suspended, event_seq, park_expires_at = row
-            if fence is not None and fence != current_fence:
-                raise LeaseLostError(f"session {ref} is leased under fence {current_fence}, not {fence}")
+            _check_fence(ref, current_fence, fence)
             now = time.time()
             if commit.expect_suspended is not None:
                 parked = SuspendedCheckpoint.model_validate_json(suspended) if suspended else None
@@ -402,10 +402,9 @@ class SQLiteStore:
             current_fence, event_seq = conn.execute(
                 "select fence, event_seq from june_sessions where agent = ? and session = ?", key
             ).fetchone()
-            if fence is not None and fence != current_fence:
-                raise LeaseLostError(f"session {ref} is leased under fence {current_fence}, not {fence}")
+            _check_fence(ref, current_fence, fence)
             existing = self._turn_row(conn, ref, turn_id)
-            if existing is not None and (new_only or existing.status not in ("queued", "running")):
+            if existing is not None and (new_only or existing.status not in UNFINISHED_TURN_STATUSES):
                 return existing, []
             now = time.time()
             result = Rejected(turn_id=turn_id, reason=reason).model_dump_json()
@@ -500,8 +499,7 @@ class SQLiteStore:
             generation, current_fence = conn.execute(
                 "select generation, fence from june_sessions where agent = ? and session = ?", key
             ).fetchone()
-            if fence is not None and fence != current_fence:
-                raise LeaseLostError(f"session {ref} is leased under fence {current_fence}, not {fence}")
+            _check_fence(ref, current_fence, fence)
             conn.execute(
                 "insert into june_archived_messages select agent, session, ?, idx, turn_id, role, body "
                 "from june_messages where agent = ? and session = ?",
@@ -543,6 +541,11 @@ _TURN_COLUMNS = (
     "turn_id, position, status, payload, cancel_reason, attempts, result, generation, created_at, finished_at, "
     "last_error"
 )
+
+
+def _check_fence(ref: SessionRef, current: int, fence: int | None) -> None:
+    if fence is not None and fence != current:
+        raise LeaseLostError(f"session {ref} is leased under fence {current}, not {fence}")
 
 
 def _parked(suspended: str | None, expires_at: float | None) -> SuspendedCheckpoint | None:
