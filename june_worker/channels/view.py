@@ -153,27 +153,39 @@ class Segment:
         """The words as a stream shows them (tool calls go to the stream's timeline), note included."""
         return "\n\n".join(p for p in (self.text, self.note) if p)
 
-    def body(self) -> str:
-        """The whole run as one message: words and tool calls in the order they came, then the note."""
+    def body(self, *, committed: bool = False) -> str:
+        """The whole run as one message: words and tool calls in the order they came, then the note.
+
+        ``committed``: only what the store holds, without the note (a step's live text that never
+        committed, as when the run failed or was cancelled mid-step, left out)."""
         parts: list[str] = []
+        words = False
         for item in self.order:
             if isinstance(item, Task):
                 parts.append(task_line(item))
-            else:
+            elif not committed or self.steps[item].committed:
                 text = self.steps[item].text.strip()
                 if text:
                     parts.append(text)
-        if not any(isinstance(i, str) and self.steps[i].text.strip() for i in self.order) and self.final_text.strip():
+                    words = True
+        if not words and self.final_text.strip():
             parts.append(self.final_text.strip())
-        if not self.text and self.ending != "failed":
+            words = True
+        if not words and self.ending != "failed":
             parts = []  # tool calls alone are not worth a message
-        if self.note:
+        if self.note and not committed:
             parts.append(self.note)
         return "\n".join(parts)
 
     def digest(self) -> str:
-        """What the finished run shows, as a short hash: equal digests, nothing to re-render."""
-        shown = {"body": self.body(), "ending": self.ending, "prompt": self.prompt.id if self.prompt else None}
+        """What the finished run is, from its committed events only, as a short hash: the live renderer and
+        the delivery compute the same one, so a run the live render showed is not shown again."""
+        shown = {
+            "body": self.body(committed=True),
+            "ending": self.ending,
+            "cancel_reason": self.cancel_reason,
+            "prompt": self.prompt.id if self.prompt else None,
+        }
         return hashlib.sha256(json.dumps(shown, sort_keys=True).encode()).hexdigest()[:32]
 
 

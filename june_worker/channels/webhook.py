@@ -70,6 +70,7 @@ class WebhookChannel:
             with urllib.request.urlopen(request, timeout=self.timeout_s):  # noqa: S310 - a configured http(s) URL
                 return
         except urllib.error.HTTPError as exc:
+            exc.close()  # the error holds the response open
             retryable = exc.code >= 500 or exc.code == 429
             log.warning("webhook POST answered %d%s", exc.code, "; a later attempt may succeed" if retryable else "")
             raise ChannelError(f"webhook POST answered {exc.code}", "POST", str(exc.code), retryable) from None

@@ -108,7 +108,7 @@ class SlackRenderer:
         fold([event], self.segments)
 
     def push(self) -> None:
-        if not self.segments or self.segments[-1].key is None:
+        if not self.live or not self.segments or self.segments[-1].key is None:
             return
         seg = self.segments[-1]
         try:
