@@ -99,9 +99,9 @@ class Segment:
                 self.tasks[task.id] = task
                 self.order.append(task)
         elif isinstance(event, ActionCompleted):
-            task = self.tasks.get(event.call.id)
-            if task is not None:  # a call made in an earlier run (the one that parked) is on that run's timeline
-                task.status, task.error = ("error", event.error) if event.error is not None else ("complete", None)
+            done = self.tasks.get(event.call.id)
+            if done is not None:  # a call made in an earlier run (the one that parked) is on that run's timeline
+                done.status, done.error = ("error", event.error) if event.error is not None else ("complete", None)
         elif isinstance(event, InputRequested):
             self.ending, self.prompt = "parked", event.request
         elif isinstance(event, TurnCompleted):
