@@ -9,6 +9,7 @@ coalesce; the scenarios below say each reply in one model chunk, which makes the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -42,6 +43,7 @@ class Slack:
     fake: FakeSlack
     url: str
     turn_worker: Proc
+    settings: GatewaySettings
 
     def __post_init__(self) -> None:
         self.http = httpx.Client(base_url=self.url, timeout=10)
@@ -137,7 +139,7 @@ def slack(fresh_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFactor
         turns = stack.worker("slack-turns", concurrency=2, queues=stack.queue)
         stack.beat()
         served = ServedApp(create_app(settings), access_log=False)
-        s = Slack(stack=stack, fake=fake, url=served.url, turn_worker=turns)
+        s = Slack(stack=stack, fake=fake, url=served.url, turn_worker=turns, settings=settings)
         yield s
         s.http.close()
     finally:
@@ -165,6 +167,7 @@ def test_message_live_reply_approval_refused_click_then_the_right_click_resumes_
     status_on, start, timeline, _stop, prompt, status_off = (b for _, b in first)
     assert status_on["status"] == "is thinking…" and status_off["status"] == ""
     assert start["markdown_text"] == "Let me check." and start["thread_ts"] == "100.1"
+    assert (start["recipient_user_id"], start["recipient_team_id"]) == ("U1", "T1")
     assert timeline["chunks"] == [
         {"type": "task_update", "id": "c1", "title": "approve_refund", "status": "in_progress"}
     ]
@@ -212,6 +215,15 @@ def test_the_same_event_delivered_three_times_starts_one_turn(slack: Slack) -> N
         "assistant.threads.setStatus", "chat.startStream", "chat.stopStream", "assistant.threads.setStatus",
     ]  # fmt: skip
     assert [m.text for m in slack.fake.thread(c, "200.1")] == ["did: hello there"]
+    # S167: what the gateway sent, for the worker to run and render (the gateway holds no token: no Slack call)
+    (payload,) = slack.stack.sql("select payload::text from june_turns where turn_id = %s", tid)
+    sent = json.loads(payload[0])
+    assert sent["text"] == "hello there"
+    assert sent["target"] == {"channel": "slack", "channel_id": c, "thread_ts": "200.1", "team_id": "T1", "user": "U1"}
+    event = sent["event"]
+    assert (event["source"], event["kind"], event["channel_id"], event["thread_ts"]) == ("slack", "message", c, "200.1")
+    assert event["user"] == {"id": "U1", "attested": True, "team": "T1"}
+    assert slack.fake.tokens == {f"Bearer {TOKEN}"}
 
 
 def test_a_bad_or_old_signature_does_nothing_and_a_malformed_payload_is_a_400(slack: Slack) -> None:
@@ -352,3 +364,26 @@ def test_a_proactive_turn_from_beat_is_delivered_to_a_slack_channel(slack: Slack
     finally:
         beat.stop()
     assert posts[0]["text"] == "Three threads are open." and "thread_ts" not in posts[0]
+
+
+def test_s169_when_the_turn_cannot_be_enqueued_slack_gets_an_error_and_its_retry_is_sent(slack: Slack) -> None:
+    # Given a gateway whose broker is down: the event is not acknowledged (503), so Slack retries it
+    settings = dataclasses.replace(
+        slack.settings, broker_url="redis://127.0.0.1:1/0", publish_timeout_s=0.5, publish_retries=0
+    )
+    down = ServedApp(create_app(settings), access_log=False)
+    c = channel_id()
+    payload = message(c, "950.1", "still there?")
+    try:
+        with httpx.Client(base_url=down.url, timeout=30) as http:
+            body = json.dumps(payload).encode()
+            answer = http.post("/slack/events", content=body, headers={"Content-Type": "application/json",
+                                                                         **signed(SECRET, body)})  # fmt: skip
+    finally:
+        down.stop()
+    assert answer.status_code == 503
+    # When Slack retries to a gateway that can send: the turn runs once
+    assert slack.event(payload, retry=1).status_code == 200
+    session, tid = f"slack:{c}:950.1", turn_id(c, "950.1")
+    wait_for(lambda: slack.delivered(session, tid), what="the retried event's turn")
+    assert [m.text for m in slack.fake.thread(c, "950.1")] == ["did: still there?"]

@@ -90,6 +90,10 @@ class SlackRenderer:
         self.options = options
         self.channel_id = channel_id
         self.thread_ts = thread_ts if isinstance(thread_ts, str) and thread_ts else None
+        user, team = target.get("user"), target.get("team_id")
+        # Slack wants the person a stream is for, and their team, when it streams into a channel's thread.
+        self.recipient = {"recipient_user_id": user if isinstance(user, str) else None,
+                          "recipient_team_id": team if isinstance(team, str) else None}  # fmt: skip
         self.live = options.live
         self.interval_s = options.interval_s
         self.segments = fold(ctx.history)
@@ -183,7 +187,7 @@ class SlackRenderer:
         text = seg.stream_text()
         try:
             data = self.api.call("chat.startStream", channel=self.channel_id, thread_ts=self.thread_ts,
-                                 markdown_text=text)  # fmt: skip
+                                 markdown_text=text, **self.recipient)  # fmt: skip
         except ChannelError as exc:
             if classify(exc, phase="channel") is Failure.TRANSIENT:
                 raise
