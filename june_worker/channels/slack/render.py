@@ -125,11 +125,13 @@ class SlackRenderer:
                 self._post_prompt(seg)
             if seg.ended:
                 self._clear_status()
-        except ChannelError as exc:
-            # Live rendering is best effort: what it could not show, finish() shows when the run ends.
+        except Exception as exc:
+            # Live rendering is best effort: what it could not show (Slack failed, or the render state could not
+            # be recorded, so going on might post twice), finish() shows when the run ends.
             kind = classify(exc, phase="channel")
+            what = exc.method if isinstance(exc, ChannelError) and exc.method else type(exc).__name__
             log.warning("live rendering of turn %s stopped on %s (%s); the delivery finishes it",
-                        self.ctx.turn_id, exc.method or "a call", kind.value)  # fmt: skip
+                        self.ctx.turn_id, what, kind.value)  # fmt: skip
             self.live = False
 
     def _status(self, seg: Segment) -> None:
