@@ -30,6 +30,7 @@ attempt (:class:`~june_worker.errors.ChannelError` with ``retryable``), which ke
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -49,6 +50,9 @@ __all__ = [
     "Renderer",
 ]
 
+
+_MEMORY_TURNS = 10_000
+"""Turns whose render state an in-process ``Channels`` hook keeps (the oldest are forgotten)."""
 
 # --- inbound ----------------------------------------------------------------------------------------
 
@@ -171,7 +175,7 @@ class Channels:
             if channel.name in self.channels:
                 raise ConfigError(f"two channels are named {channel.name!r}")
             self.channels[channel.name] = channel
-        self._memory: dict[tuple[str, str], MemoryRenderState] = {}
+        self._memory: OrderedDict[tuple[str, str], MemoryRenderState] = OrderedDict()
 
     def channel(self, target: Mapping[str, JsonValue]) -> Channel:
         name = target.get("channel")
@@ -191,6 +195,10 @@ class Channels:
 
     def __call__(self, *, target: Mapping[str, JsonValue], result: TurnResult, events: list[Any], session: str) -> None:
         """The plain ``deliver`` hook: converge the turn on ``target``, state in this process's memory."""
-        state = self._memory.setdefault((session, result.turn_id), MemoryRenderState())
+        key = (session, result.turn_id)
+        state = self._memory.pop(key, None) or MemoryRenderState()
+        self._memory[key] = state
+        while len(self._memory) > _MEMORY_TURNS:
+            self._memory.popitem(last=False)
         ctx = RenderContext(agent="", session=session, turn_id=result.turn_id, state=state)
         self.renderer(target, ctx).finish(events, result)
