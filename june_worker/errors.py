@@ -29,6 +29,7 @@
     │   └── InvalidAnswerError        the answer does not match the request's JSON schema (HTTP 422)
     ├── InputTimeoutError             a parked input expired before anyone answered
     ├── StreamGapError                a follower's position was trimmed from a session stream, or a seq is missing
+    ├── ChannelError                  a channel (Slack, a webhook) refused or failed a call (``retryable`` says which)
     └── PayloadError                  a task payload failed validation (never retried)
 
 Exceptions that cross a process boundary (Celery results) must survive pickling, so every
@@ -44,6 +45,7 @@ from __future__ import annotations
 __all__ = [
     "AgentDefinitionError",
     "CancelRequestedError",
+    "ChannelError",
     "ConfigError",
     "FatalToolError",
     "InputTimeoutError",
@@ -253,3 +255,17 @@ class StreamGapError(JuneError):
 
 class PayloadError(JuneError):
     """A message payload failed validation; it is rejected once and never retried."""
+
+
+class ChannelError(JuneError):
+    """A channel refused or failed a call: ``method`` and ``code`` name it; ``retryable`` when a later try may work."""
+
+    def __init__(self, message: str, method: str = "", code: str = "", retryable: bool = False) -> None:
+        super().__init__(message, method, code, retryable)
+        self.message = message
+        self.method = method
+        self.code = code
+        self.retryable = retryable
+
+    def __str__(self) -> str:
+        return self.message

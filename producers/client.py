@@ -501,6 +501,36 @@ class JuneProducer:
         )
         return parse_resume(result)
 
+    def send_resume(
+        self,
+        agent: str,
+        session: str,
+        turn_id: str,
+        input_id: str,
+        value: Any,
+        *,
+        by: str | None = None,
+        principal: Mapping[str, Any] | None = None,
+        reply_to: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Send ``june.resume`` without waiting for how the worker took it (a channel that must answer at once).
+
+        ``reply_to``: a channel target naming the answerer; a refused answer is told to them there
+        (a Slack ephemeral note), since nobody waits here to hear it.
+        """
+        payload: dict[str, Any] = {
+            "agent": _agent(agent),
+            "session": _session(session),
+            "turn_id": _turn_id(turn_id),
+            "input_id": _bounded(input_id, "input id", low=1, high=256),
+            "value": _json_value(value, "value"),
+            "by": _bounded(by, "by", low=1, high=256) if by is not None else None,
+            "principal": _json_object(principal, "principal"),
+            "reply_to": _json_object(reply_to, "reply_to"),
+        }
+        argsrepr = _summary(agent=agent, session=session, turn_id=turn_id, input_id=input_id)
+        self._send(self._control_app, "june.resume", payload, queue=self.control_queue, argsrepr=argsrepr)
+
     def cancel(self, agent: str, session: str, turn_id: str | None = None, *, timeout_s: float = 30) -> dict[str, Any]:
         """Cancel one turn, or every unfinished turn of the session (``june.cancel``).
 

@@ -55,8 +55,8 @@ class Failure(enum.Enum):
     POISON = "poison"
 
 
-def classify(exc: BaseException, *, phase: Literal["model", "tool", "store"]) -> Failure:
-    """The failure class of ``exc``, raised in ``phase``: inside a tool, by the model stream, or by the store.
+def classify(exc: BaseException, *, phase: Literal["model", "tool", "store", "channel"]) -> Failure:
+    """The failure class of ``exc``, raised in ``phase``: inside a tool, by the model stream, the store or a channel.
 
     A tool's exception is the tool's own unless it is the store's (the step's transaction
     lost its connection under the tool): a network error a tool meets calling some API is

@@ -7,6 +7,7 @@ Cluster hash tag: only the text between them picks the slot)::
     june:relayed:{<agent>:<session>}          string   highest seq appended to that stream
     june:control:{<agent>:<session>}          channel  cancel / control signals to the running worker
     june:gateway:sent:{<agent>:<session>}     set      turn ids the HTTP gateway sent (kept one day)
+    june:gateway:slack:{<agent>:<session>}:<turn id>  string  a Slack event sent as that turn (kept one day)
     june:events:all:<n>                       stream   firehose partition n: every session's structural events
     june:firehose:relayed:{june:events:all:<n>}  hash  session key -> highest seq appended to partition n
     june:firehose:seen:{june:events:all:<n>}     zset  session key -> when it last appended there (ms)
@@ -63,6 +64,10 @@ class EventKeys:
     def gateway_sent(self, ref: SessionRef) -> str:
         """Set of turn ids the HTTP gateway sent for this session (a turn is followable before a worker records it)."""
         return f"{self.prefix}:gateway:sent:{self.session_tag(ref)}"
+
+    def gateway_slack_seen(self, ref: SessionRef, turn_id: str) -> str:
+        """Set when the gateway sent the turn a Slack event made: a retried delivery of the event is not sent again."""
+        return f"{self.prefix}:gateway:slack:{self.session_tag(ref)}:{turn_id}"
 
     def control_channel(self, ref: SessionRef) -> str:
         """Pub/sub channel that tells the worker running the session to cancel (or other control)."""

@@ -140,6 +140,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(turn_router)
     app.include_router(control_router)
     app.include_router(log_router)
+    if settings.slack is not None:
+        from .slack import router as slack_router  # needs slack_sdk (the slack extra)
+
+        app.include_router(slack_router)
 
     html, page_headers = _page()
 

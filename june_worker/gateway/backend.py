@@ -199,7 +199,14 @@ class GatewayBackend:
     # --- sends -------------------------------------------------------------------------------
 
     async def start_turn(
-        self, ref: SessionRef, turn_id: str, text: str, *, event: dict[str, Any], replace: bool
+        self,
+        ref: SessionRef,
+        turn_id: str,
+        text: str,
+        *,
+        event: dict[str, Any],
+        replace: bool,
+        target: dict[str, Any] | None = None,
     ) -> None:
         """Record the id in the sent set, then send ``june.turn`` (in that order: a follower never 404s)."""
         key = self.sent_key(ref)
@@ -209,7 +216,9 @@ class GatewayBackend:
             await pipe.execute()
         producer = self.producer
         await self.blocking(
-            lambda: producer.start_turn(ref.agent, ref.session, text, event=event, turn_id=turn_id, replace=replace)
+            lambda: producer.start_turn(
+                ref.agent, ref.session, text, event=event, turn_id=turn_id, replace=replace, target=target
+            )
         )
 
     async def resume(
@@ -221,6 +230,18 @@ class GatewayBackend:
                 ref.agent, ref.session, turn_id, input_id, value, by=by, principal=principal, timeout_s=timeout_s
             ),
             control=True,
+        )
+
+    async def send_resume(
+        self, ref: SessionRef, turn_id: str, input_id: str, value: Any, *, by: str,
+        principal: dict[str, Any] | None, reply_to: dict[str, Any],
+    ) -> None:  # fmt: skip
+        """Send ``june.resume`` without waiting for its outcome; a refusal is told through ``reply_to``."""
+        producer = self.producer
+        await self.blocking(
+            lambda: producer.send_resume(
+                ref.agent, ref.session, turn_id, input_id, value, by=by, principal=principal, reply_to=reply_to
+            )
         )
 
     async def cancel(self, ref: SessionRef, turn_id: str | None) -> dict[str, Any]:

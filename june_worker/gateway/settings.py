@@ -36,6 +36,7 @@ JUNE_GATEWAY_ACCESS_LOG        ``0`` turns uvicorn's access log off             
 JUNE_GATEWAY_MAX_BODY_BYTES    a larger request body is a 413                   2097152 (2 MiB)
 JUNE_GATEWAY_AUTHORIZE_SESSION the app's ``authorize_session`` hook              none
                                (``module:attribute``; see :mod:`.access`)
+SLACK_SIGNING_SECRET, JUNE_SLACK_*  the Slack routes (see :mod:`.slack_settings`)  off
 =============================  ==============================================  ===========================
 
 The rule a reader must not break: **settings are built here and passed down**; nothing else in
@@ -54,6 +55,7 @@ from typing import Any
 from ..errors import ConfigError
 from .access import AuthorizeSession
 from .auth import TokenTable, load_tokens
+from .slack_settings import SlackGatewaySettings, slack_from_env
 
 __all__ = ["AGENT_NAME_RE", "GatewaySettings", "agent_names", "load_hook"]
 
@@ -155,6 +157,8 @@ class GatewaySettings:
     """A request body larger than this is refused with 413 before it is read whole."""
     authorize_session: AuthorizeSession | None = field(default=None, compare=False)
     """The app's ``authorize_session(principal, agent, session, action)`` hook (see :mod:`.access`)."""
+    slack: SlackGatewaySettings | None = field(default=None, compare=False)
+    """Slack's Events API and interactivity routes, when SLACK_SIGNING_SECRET is set (:mod:`.slack`)."""
 
     def __post_init__(self) -> None:
         for name in self.agents:
@@ -214,6 +218,7 @@ class GatewaySettings:
             access_log=_flag(env, "JUNE_GATEWAY_ACCESS_LOG", True),
             max_body_bytes=int(_number(env, "JUNE_GATEWAY_MAX_BODY_BYTES", cls.max_body_bytes, low=1024)),
             authorize_session=load_hook(hook_path, "JUNE_GATEWAY_AUTHORIZE_SESSION") if hook_path else None,
+            slack=slack_from_env(env, agents),
         )
 
     def __repr__(self) -> str:

@@ -248,6 +248,19 @@ _MIGRATIONS: list[str] = [
     create index june_archived_messages_at on june_archived_messages (archived_at);
     create index june_archived_steps_at on june_archived_steps (archived_at);
     """,
+    # 7: channels: what rendering a turn to its target has done so far (a message's ts per slot, what a run
+    # shows), so an at-least-once delivery updates the same messages; removed with the turn's row
+    """
+    create table june_channel_renders (
+        agent text collate "C" not null,
+        session text collate "C" not null,
+        turn_id text collate "C" not null,
+        slot text collate "C" not null,
+        data json not null,
+        primary key (agent, session, turn_id, slot),
+        foreign key (agent, session, turn_id) references june_turns (agent, session, turn_id) on delete cascade
+    );
+    """,
 ]
 
 _WHY_NOT = """

@@ -11,12 +11,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..engine.agent import Agent
 from ..engine.events import TurnResult
 from ..engine.loop import reject_turn
 from ..engine.resume import check_parked, grant_answer, resume_commit
 from ..engine.session import parked_reason
 from ..engine.store import UNFINISHED_TURN_STATUSES, SessionRef, TurnPayload, TurnRecord
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
+from . import rendering
 from .host import WorkerHost
 from .payloads import CancelMessage, ProactiveMessage, ResetMessage, ResumeMessage, TurnMessage
 
@@ -73,6 +75,9 @@ def turn_message(rec: TurnRecord) -> dict[str, Any]:
 def _reject(host: WorkerHost, ref: SessionRef, turn_id: str, payload: TurnPayload, reason: str) -> dict[str, Any]:
     result = reject_turn(host.store, host.sink, ref, turn_id, reason, payload=payload, new_only=True)
     log.warning("rejected turn %s of %s: %s", turn_id, ref, reason)
+    agent = host.agent(ref.agent)
+    if payload.target is not None and agent is not None and result is not None:
+        rendering.notify(agent, payload.target, f"Not started: {reason}")  # a channel's speaker hears why
     return summary(ref, turn_id, result)
 
 
@@ -168,11 +173,11 @@ def resume(host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch) -> dict[str
         granted = host.run_async(grant_answer(agent, parked, session=ref.session, by=msg.by, principal=msg.principal))
         events = host.store.commit(ref, resume_commit(parked, msg.value, by=msg.by, granted=granted))
     except ResumeAuthorizationError as exc:
-        return {**out, "status": "forbidden", "reason": str(exc)}
+        return _refused(agent, msg, {**out, "status": "forbidden", "reason": str(exc)})
     except InvalidAnswerError as exc:
-        return {**out, "status": "invalid", "reason": str(exc)}
+        return _refused(agent, msg, {**out, "status": "invalid", "reason": str(exc)})
     except ResumeConflictError as exc:
-        return {**out, "status": "conflict", "reason": str(exc)}
+        return _refused(agent, msg, {**out, "status": "conflict", "reason": str(exc)})
     except Exception as exc:  # the authorize_answer hook (or the store) failed: nothing applied, retry later
         log.exception("resume of %s %s failed before the answer was applied", ref, msg.turn_id)
         return {**out, "status": "error", "reason": f"{type(exc).__name__}: {exc}"}
@@ -181,6 +186,13 @@ def resume(host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch) -> dict[str
     if rec is not None:
         dispatch(rec)  # a lost message is found by the sweeper: the turn is queued in Postgres
     return {**out, "status": "accepted"}
+
+
+def _refused(agent: Agent, msg: ResumeMessage, out: dict[str, Any]) -> dict[str, Any]:
+    """A refused answer, told to the answerer where they answered (``reply_to``), and to them only."""
+    if msg.reply_to is not None:
+        rendering.notify(agent, msg.reply_to, f"Your answer was not applied: {out['reason']}")
+    return out
 
 
 def cancel(host: WorkerHost, msg: CancelMessage) -> dict[str, Any]:

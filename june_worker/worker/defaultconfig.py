@@ -5,6 +5,7 @@ The repository's top-level ``celeryconfig.py`` re-exports these; copy that file 
 
 from __future__ import annotations
 
+import json
 import os
 
 from .broker import celery_options
@@ -75,6 +76,12 @@ if os.environ.get("JUNE_EXAMPLE_SCHEDULE") == "1":
                 "session": os.environ.get("JUNE_EXAMPLE_SESSION", "daily-digest"),
                 "text": "Summarize today's open threads and post the highlights.",
                 "by": "cron:daily",
+                # where the agent's channel delivers it, e.g. {"channel": "slack", "channel_id": "C024BE91L"}
+                **(
+                    {"target": json.loads(os.environ["JUNE_EXAMPLE_TARGET"])}
+                    if "JUNE_EXAMPLE_TARGET" in os.environ
+                    else {}
+                ),
             }
         ],
         "options": {"argsrepr": "{agent=ops session=daily-digest by=cron:daily}"},

@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-from ..engine.agent import Agent, deliver_result
+from ..engine.agent import Agent
 from ..engine.crash import CrashAt
 from ..engine.events import TurnEvent, TurnResult
 from ..engine.failures import backoff_s
@@ -48,6 +48,7 @@ from ..errors import ConfigError, LeaseLostError, ResumeConflictError, Transient
 from ..events.keys import EventKeys
 from ..events.redis_stream import RedisStreamSink, Trim
 from ..stores.postgres import PostgresStore
+from . import rendering
 from .queue import Intake, Lease, SessionQueue
 from .settings import WorkerSettings
 
@@ -368,10 +369,11 @@ class WorkerHost:
         target = rec.payload.target
         # A turn with a target keeps the lease while it is delivered; its ending marks the delivery due.
         ending = _Ending(self.store, rec.turn_id, release=release and target is None, deliver_due=target is not None)
+        live = rendering.start_live(agent, self.store, ref, rec) if target is not None else None
         runner = TurnRunner(
             agent,
             ending,
-            self._turn_sink,
+            live.tee(self._turn_sink) if live is not None else self._turn_sink,
             ref,
             rec,
             fence=fence,
@@ -380,8 +382,12 @@ class WorkerHost:
             snapshot=snapshot,
             max_attempts=self.settings.max_attempts,
         )
-        result = self.loop.run_until_complete(runner.run())
-        self._turn_sink.flush()  # the turn's events are in Redis (or relayed) before anyone hears it ended
+        try:
+            result = self.loop.run_until_complete(runner.run())
+            self._turn_sink.flush()  # the turn's events are in Redis (or relayed) before anyone hears it ended
+        finally:
+            if live is not None:
+                live.close()  # what the channel was shown live, before the delivery converges it
         if target is not None and result.status != "rejected":
             if ending.ended:
                 self.deliver(ref, rec, agent, result)
@@ -417,14 +423,10 @@ class WorkerHost:
         if target is None:
             return False
         try:
-            events = self.store.events(ref, turn_id=rec.turn_id)
-            self.loop.run_until_complete(
-                deliver_result(agent, target=target, result=result, events=events, session=ref.session)
-            )
+            return rendering.deliver_once(agent, self.store, ref, rec, result, self.loop)
         except Exception:
             log.exception("delivering turn %s of %s to %s failed", rec.turn_id, ref, target)
             return False
-        return True
 
     def run_async(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)

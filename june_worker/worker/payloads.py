@@ -67,6 +67,8 @@ class ResumeMessage(_SessionMessage):
     value: JsonValue = None
     by: str | None = None
     principal: Principal | None = None
+    reply_to: dict[str, JsonValue] | None = None
+    """A channel target naming the answerer: a refused answer is told to them there (a Slack ephemeral note)."""
 
 
 class CancelMessage(_SessionMessage):

@@ -1,0 +1,175 @@
+"""Slack's Events API and interactivity endpoints: verify, enqueue, answer 200 within Slack's 3 seconds.
+
+``POST /slack/events`` and ``POST /slack/interactivity`` (turned on by ``SLACK_SIGNING_SECRET``,
+:mod:`.slack_settings`). Each request's signature is checked first with ``slack_sdk``'s
+:class:`~slack_sdk.signature.SignatureVerifier` (HMAC-SHA256 of ``v0:<timestamp>:<body>`` under the
+signing secret, compared in constant time, a timestamp older than five minutes refused): a bad or
+old one is a 401 and nothing else happens. Then:
+
+* ``url_verification`` answers its challenge;
+* an event that starts a turn (:func:`~june_worker.channels.slack.inbound.parse_event`) is sent as
+  ``june.turn`` with the thread as its ``target``: the worker runs and renders it. Its turn id is
+  derived from the event, so Slack's retries never start a second turn (the worker records a turn
+  id once, and the gateway does not even send an event it sent already);
+* a click on Approve / Deny (:func:`~june_worker.channels.slack.inbound.parse_actions`) is sent as
+  ``june.resume`` by the clicker's verified id, not waited for: the worker tells a refused
+  clicker, and only them, in an ephemeral note, and renders the continuation into the prompt.
+
+A payload that is not Slack's is a 400 naming what is wrong. This process makes no Slack call
+and holds no bot token: rendering is the worker's. The Slack app is a principal of its own
+(``slack``, confined to ``slack:`` sessions of one agent) and goes through :mod:`.access` like
+every other caller. Why not ``slack_bolt``: its app wants the bot token (or an authorize
+function) in the process that receives requests and dispatches to listeners of its own, while
+this process only verifies and enqueues; ``slack_sdk`` gives the verifier Bolt itself uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import urllib.parse
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+from slack_sdk.signature import SignatureVerifier
+
+from ..channels.slack.inbound import SlackPayloadError, parse_actions, parse_event
+from ..engine.types import Principal as EventPrincipal
+from .auth import Principal
+from .deps import get_backend, get_settings, use_session
+from .slack_settings import SlackGatewaySettings
+
+__all__ = ["router"]
+
+log = logging.getLogger("june_worker.gateway.slack")
+
+router = APIRouter(prefix="/slack", tags=["slack"])
+
+_OK = {"ok": True}
+
+
+def _slack(request: Request) -> SlackGatewaySettings:
+    slack = get_settings(request).slack
+    assert slack is not None, "the Slack routes are mounted only with Slack settings"
+    return slack
+
+
+async def _verified(request: Request) -> bytes:
+    """The request's body, if Slack signed it within the last five minutes; else 401 (nothing else happens)."""
+    body = await request.body()
+    verifier = SignatureVerifier(_slack(request).signing_secret)
+    if not verifier.is_valid(
+        body=body,
+        timestamp=request.headers.get("X-Slack-Request-Timestamp", ""),
+        signature=request.headers.get("X-Slack-Signature", ""),
+    ):
+        client = request.client.host if request.client else "?"
+        log.warning("refused %s from %s: bad or expired Slack signature", request.url.path, client)
+        raise HTTPException(status_code=401, detail="invalid or expired Slack request signature")
+    return body
+
+
+def _bad(detail: str) -> HTTPException:
+    return HTTPException(status_code=400, detail=f"not a Slack payload: {detail}")
+
+
+def _principal(slack: SlackGatewaySettings) -> Principal:
+    return Principal(id="slack", agents=frozenset({slack.agent}), session_prefixes=("slack:",))
+
+
+async def _resolve(request: Request, user: str, team: str | None) -> EventPrincipal | None:
+    """The app's principal for a Slack user; None (anonymous, the turn still runs) when the hook fails or is slow."""
+    slack = _slack(request)
+    hook = slack.resolve_identity
+    if hook is None:
+        return None
+    try:
+        if inspect.iscoroutinefunction(hook):
+            found: Any = await asyncio.wait_for(hook(user, team), slack.resolve_timeout_s)
+        else:
+            backend = get_backend(request)
+            found = await asyncio.wait_for(backend.blocking(lambda: hook(user, team)), slack.resolve_timeout_s)
+        if found is None:
+            return None
+        if not isinstance(found, Mapping) or not isinstance(found.get("id"), str):
+            raise TypeError(f"returned {type(found).__name__}, not a mapping with an 'id'")
+        return EventPrincipal.model_validate(dict(found))
+    except Exception as exc:  # the app's directory is down or slow: the speaker stays attested, the turn anonymous
+        log.warning("the Slack identity resolver failed (%s); the turn runs without a principal", type(exc).__name__)
+        return None
+
+
+@router.post("/events", summary="Slack Events API (signed by Slack)", response_model=None)
+async def events(request: Request) -> Response:
+    body = await _verified(request)
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        raise _bad("the body is not JSON") from None
+    if not isinstance(payload, dict):
+        raise _bad("the body is not a JSON object")
+    kind = payload.get("type")
+    if kind == "url_verification":
+        challenge = payload.get("challenge")
+        if not isinstance(challenge, str):
+            raise _bad("url_verification without a challenge")
+        return JSONResponse({"challenge": challenge})
+    if kind != "event_callback":
+        return JSONResponse(_OK)
+    slack = _slack(request)
+    try:
+        turn = parse_event(payload, respond_to=slack.respond_to, replace_in_flight=slack.replace_in_flight)
+    except SlackPayloadError as exc:
+        raise _bad(str(exc)) from None
+    if turn is None:
+        return JSONResponse(_OK)
+    backend = get_backend(request)
+    ref = await use_session(request, _principal(slack), slack.agent, turn.session, "start")
+    seen = backend.keys.gateway_slack_seen(ref, turn.turn_id)
+    if await backend.redis.exists(seen):
+        log.info("Slack delivered the event of turn %s again (retry %s); already sent", turn.turn_id,
+                 request.headers.get("X-Slack-Retry-Num", "-"))  # fmt: skip
+        return JSONResponse(_OK)
+    user = turn.event.user.id if turn.event.user else ""
+    team = turn.target.get("team_id")
+    principal = await _resolve(request, user, team if isinstance(team, str) else None)
+    event = turn.event.model_copy(update={"principal": principal}) if principal else turn.event
+    await backend.start_turn(
+        ref, turn.turn_id, turn.text, event=event.model_dump(mode="json", exclude_none=True), replace=turn.replace,
+        target=dict(turn.target),
+    )  # fmt: skip
+    await backend.redis.set(seen, "1", ex=slack.dedupe_ttl_s)
+    log.info("Slack %s in %s sent as turn %s", turn.event.kind, ref, turn.turn_id)
+    return JSONResponse(_OK)
+
+
+@router.post("/interactivity", summary="Slack interactivity: Approve / Deny clicks (signed by Slack)")
+async def interactivity(request: Request) -> Response:
+    body = await _verified(request)
+    try:
+        form = urllib.parse.parse_qs(body.decode("utf-8"), strict_parsing=True)
+        payload = json.loads(form["payload"][0])
+    except (ValueError, KeyError, UnicodeDecodeError):
+        raise _bad("expected a form with a JSON payload field") from None
+    if not isinstance(payload, dict):
+        raise _bad("the payload is not a JSON object")
+    try:
+        answers = parse_actions(payload)
+    except SlackPayloadError as exc:
+        raise _bad(str(exc)) from None
+    slack = _slack(request)
+    backend = get_backend(request)
+    for answer in answers:
+        ref = await use_session(request, _principal(slack), slack.agent, answer.session, "resume")
+        team = payload.get("team", {}).get("id") if isinstance(payload.get("team"), dict) else None
+        principal = await _resolve(request, answer.by, team if isinstance(team, str) else None)
+        await backend.send_resume(
+            ref, answer.turn_id, answer.input_id, answer.value, by=answer.by,
+            principal=principal.model_dump(mode="json") if principal else None, reply_to=dict(answer.reply_to),
+        )  # fmt: skip
+        log.info("Slack answer to %s of %s (input %s) sent, by %s", answer.turn_id, ref, answer.input_id, answer.by)
+    return Response(status_code=200)

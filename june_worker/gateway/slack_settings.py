@@ -1,0 +1,96 @@
+"""The gateway's Slack settings, read from the environment with the rest (:meth:`GatewaySettings.from_env`).
+
+================================  ================================================  ====================
+variable                          meaning                                           default
+================================  ================================================  ====================
+SLACK_SIGNING_SECRET              the app's signing secret: turns the Slack routes  none (routes off)
+                                  on; never logged
+JUNE_SLACK_AGENT                  the agent Slack talks to                          required with it
+JUNE_SLACK_RESPOND_TO             event types that start a turn                     message,app_mention
+JUNE_SLACK_REPLACE_IN_FLIGHT      a new message in a thread cancels the thread's    0
+                                  running turn (never a parked approval)
+JUNE_SLACK_RESOLVE_IDENTITY       ``module:function(user_id, team_id)`` returning   none
+                                  a principal ``{"id": ..., claims}`` or None
+JUNE_SLACK_RESOLVE_TIMEOUT_S      the resolver's time; past it the turn is          1
+                                  anonymous (it still runs)
+================================  ================================================  ====================
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from ..errors import ConfigError
+
+__all__ = ["EVENT_TYPES", "ResolveIdentity", "SlackGatewaySettings", "slack_from_env"]
+
+ResolveIdentity: TypeAlias = Callable[
+    [str, "str | None"], "Mapping[str, Any] | None | Awaitable[Mapping[str, Any] | None]"
+]
+"""``resolve(user_id, team_id)``: the app's principal for a Slack user (``{"id": ..., **claims}``), or None."""
+
+EVENT_TYPES = ("message", "app_mention", "reaction_added")
+
+
+@dataclass(frozen=True)
+class SlackGatewaySettings:
+    signing_secret: str = field(repr=False)
+    agent: str
+    respond_to: tuple[str, ...] = ("message", "app_mention")
+    replace_in_flight: bool = False
+    resolve_identity: ResolveIdentity | None = field(default=None, compare=False)
+    resolve_timeout_s: float = 1.0
+    dedupe_ttl_s: int = 86_400
+    """How long an event's turn id is remembered, so a retried delivery is not sent again."""
+
+    def __post_init__(self) -> None:
+        if not self.signing_secret.strip():
+            raise ConfigError("SLACK_SIGNING_SECRET is empty")
+        unknown = sorted(set(self.respond_to) - set(EVENT_TYPES))
+        if unknown or not self.respond_to:
+            raise ConfigError(f"JUNE_SLACK_RESPOND_TO: {unknown or 'nothing'} (known: {', '.join(EVENT_TYPES)})")
+        if self.resolve_timeout_s <= 0:
+            raise ConfigError("JUNE_SLACK_RESOLVE_TIMEOUT_S must be positive")
+
+
+def _load(path: str) -> ResolveIdentity:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"JUNE_SLACK_RESOLVE_IDENTITY={path!r} must look like 'package.module:function'")
+    try:
+        hook: Any = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"JUNE_SLACK_RESOLVE_IDENTITY: cannot load {path!r}: {exc}") from exc
+    if not callable(hook):
+        raise ConfigError(f"JUNE_SLACK_RESOLVE_IDENTITY: {path!r} is not a function")
+    return hook  # type: ignore[no-any-return]
+
+
+def slack_from_env(env: Mapping[str, str], agents: tuple[str, ...]) -> SlackGatewaySettings | None:
+    """The Slack settings when ``SLACK_SIGNING_SECRET`` is set; None (no Slack routes) otherwise."""
+    secret = env.get("SLACK_SIGNING_SECRET", "")
+    if not secret:
+        return None
+    agent = env.get("JUNE_SLACK_AGENT", "").strip()
+    if agent not in agents:
+        raise ConfigError(f"JUNE_SLACK_AGENT={agent!r} must name one of the gateway's agents {list(agents)}")
+    raw_timeout = env.get("JUNE_SLACK_RESOLVE_TIMEOUT_S", "1")
+    try:
+        timeout_s = float(raw_timeout)
+    except ValueError:
+        raise ConfigError(f"JUNE_SLACK_RESOLVE_TIMEOUT_S={raw_timeout!r} is not a number") from None
+    replace = env.get("JUNE_SLACK_REPLACE_IN_FLIGHT", "0").strip().lower()
+    if replace not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ConfigError(f"JUNE_SLACK_REPLACE_IN_FLIGHT={replace!r}: expected 1 or 0")
+    hook = env.get("JUNE_SLACK_RESOLVE_IDENTITY", "").strip()
+    return SlackGatewaySettings(
+        signing_secret=secret,
+        agent=agent,
+        respond_to=tuple(t.strip() for t in env.get("JUNE_SLACK_RESPOND_TO", "message,app_mention").split(",") if t),
+        replace_in_flight=replace in ("1", "true", "yes", "on"),
+        resolve_identity=_load(hook) if hook else None,
+        resolve_timeout_s=timeout_s,
+    )

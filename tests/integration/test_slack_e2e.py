@@ -1,0 +1,389 @@
+"""Slack end to end: a served gateway, real Celery workers, Postgres, Redis, and a fake Slack Web API.
+
+Requests are signed as Slack signs them; the workers' ``slack_sdk`` talks to the fake
+(``JUNE_SLACK_API_URL``), which records every call. The gateway only verifies, enqueues and
+answers; every Slack call is a worker's. A picture of the thread is not possible without Slack, so
+each scenario asserts the exact sequence of Slack calls (live pushes are paced, so text deltas may
+coalesce; the scenarios below say each reply in one model chunk, which makes the sequence exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from june_worker.gateway import GatewaySettings, Principal, TokenTable, create_app
+from june_worker.gateway.slack_settings import SlackGatewaySettings
+from june_worker.stores.postgres import PostgresStore
+from tests._fake_slack import FakeSlack, signed
+from tests.gateway.kit import ServedApp
+
+from .conftest import Proc, Stack, wait_for
+from .slack_agents import resolve
+
+pytestmark = pytest.mark.integration
+
+SECRET = "8f742231b10e8888abcd99yyyzzz85a5"
+TOKEN = "xoxb-e2e-bot-token-never-logged"
+
+
+@dataclass
+class Slack:
+    stack: Stack
+    fake: FakeSlack
+    url: str
+    turn_worker: Proc
+    settings: GatewaySettings
+
+    def __post_init__(self) -> None:
+        self.http = httpx.Client(base_url=self.url, timeout=10)
+
+    # --- requests as Slack sends them --------------------------------------------------------------
+
+    def event(self, payload: dict[str, Any], *, secret: str = SECRET, timestamp: int | None = None,
+              retry: int | None = None) -> httpx.Response:  # fmt: skip
+        body = json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json", **signed(secret, body, timestamp=timestamp)}
+        if retry is not None:
+            headers |= {"X-Slack-Retry-Num": str(retry), "X-Slack-Retry-Reason": "http_timeout"}
+        return self.http.post("/slack/events", content=body, headers=headers)
+
+    def click(self, payload: dict[str, Any], *, secret: str = SECRET) -> httpx.Response:
+        body = urllib.parse.urlencode({"payload": json.dumps(payload)}).encode()
+        headers = {"Content-Type": "application/x-www-form-urlencoded", **signed(secret, body)}
+        return self.http.post("/slack/interactivity", content=body, headers=headers)
+
+    # --- reading ---------------------------------------------------------------------------------------
+
+    def in_thread(self, channel: str, thread: str) -> list[tuple[str, dict[str, Any]]]:
+        """The calls about one thread: posts into it, and calls on the messages posted there."""
+        with self.fake.lock:
+            ours = {m.ts for m in self.fake.messages.values() if m.channel == channel and m.thread_ts == thread}
+            return [
+                (c.method, c.body) for c in self.fake.calls
+                if c.body.get("thread_ts") == thread or c.body.get("ts") in ours
+            ]  # fmt: skip
+
+    def delivered(self, session: str, turn_id: str) -> bool:
+        rows = self.stack.sql(
+            "select status, deliver_due from june_turns where agent = 'desk' and session = %s and turn_id = %s",
+            session, turn_id,
+        )  # fmt: skip
+        return bool(rows) and rows[0][0] not in ("queued", "running") and rows[0][1] is False
+
+
+def message(channel: str, ts: str, text: str, *, user: str = "U1", thread_ts: str | None = None) -> dict[str, Any]:
+    event = {"type": "message", "channel": channel, "user": user, "text": text, "ts": ts, "channel_type": "channel"}
+    if thread_ts:
+        event["thread_ts"] = thread_ts
+    return {"type": "event_callback", "team_id": "T1", "event_id": f"Ev{uuid.uuid4().hex[:8]}", "event": event}
+
+
+def click_on(prompt: dict[str, Any], channel: str, thread: str, ts: str, user: str, answer: str) -> dict[str, Any]:
+    button = next(e for e in prompt["blocks"][1]["elements"] if e["action_id"] == f"june_input:{answer}")
+    return {
+        "type": "block_actions",
+        "team": {"id": "T1"},
+        "user": {"id": user},
+        "container": {"type": "message", "channel_id": channel, "message_ts": ts, "thread_ts": thread},
+        "response_url": "https://hooks.slack.invalid/actions/T1/1/x",
+        "actions": [{"action_id": button["action_id"], "value": button["value"], "block_id": "b"}],
+    }
+
+
+def channel_id() -> str:
+    return f"C{uuid.uuid4().hex[:8].upper()}"
+
+
+def turn_id(channel: str, ts: str) -> str:
+    return f"slack:T1:{channel}:{ts}"
+
+
+@pytest.fixture(scope="module")
+def slack(fresh_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slack]:
+    fake = FakeSlack()
+    stack = Stack(fresh_db, redis_url, tmp_path_factory.mktemp("slack"))
+    stack.env.update(
+        {
+            "JUNE_AGENTS": "tests.integration.slack_agents:ALL",
+            "SLACK_BOT_TOKEN": TOKEN,
+            "JUNE_SLACK_API_URL": fake.url,
+            "JUNE_SLACK_STATUS": "is thinking…",
+            "JUNE_SLACK_INTERVAL_S": "0.1",
+            "JUNE_DELIVERY_ATTEMPTS": "50",
+        }
+    )
+    settings = GatewaySettings(
+        agents=("desk",),
+        tokens=TokenTable.of({f"t-{uuid.uuid4().hex}": Principal("ops", frozenset({"desk"}))}),
+        database_url=stack.db_url, redis_url=stack.redis_url, broker_url=stack.redis_url,
+        result_backend=stack.redis_url, queue=stack.queue, control_queue=stack.control_queue,
+        key_prefix=stack.prefix,
+        slack=SlackGatewaySettings(signing_secret=SECRET, agent="desk", replace_in_flight=True,
+                                   resolve_identity=resolve),
+    )  # fmt: skip
+    PostgresStore(stack.db_url).close()  # the schema, before any test reads it
+    served = None
+    try:
+        stack.worker("slack-control", queues=stack.control_queue)
+        turns = stack.worker("slack-turns", concurrency=2, queues=stack.queue)
+        stack.beat()
+        served = ServedApp(create_app(settings), access_log=False)
+        s = Slack(stack=stack, fake=fake, url=served.url, turn_worker=turns, settings=settings)
+        yield s
+        s.http.close()
+    finally:
+        if served is not None:
+            served.stop()
+        stack.close()
+        fake.close()
+
+
+# --- the whole flow ------------------------------------------------------------------------------------------
+
+
+def test_message_live_reply_approval_refused_click_then_the_right_click_resumes_into_the_prompt(slack: Slack) -> None:
+    c = channel_id()
+    session, tid = f"slack:{c}:100.1", turn_id(c, "100.1")
+    # A message: 200 at once, a turn, a live reply in the thread, then the approval prompt.
+    answer = slack.event(message(c, "100.1", "refund order 42"))
+    assert answer.status_code == 200
+    wait_for(lambda: slack.delivered(session, tid), timeout_s=30, what="the turn to park and be delivered")
+    first = slack.in_thread(c, "100.1")
+    assert [m for m, _ in first] == [
+        "assistant.threads.setStatus", "chat.startStream", "chat.appendStream", "chat.stopStream",
+        "chat.postMessage", "assistant.threads.setStatus",
+    ]  # fmt: skip
+    status_on, start, timeline, _stop, prompt, status_off = (b for _, b in first)
+    assert status_on["status"] == "is thinking…" and status_off["status"] == ""
+    assert start["markdown_text"] == "Let me check." and start["thread_ts"] == "100.1"
+    assert (start["recipient_user_id"], start["recipient_team_id"]) == ("U1", "T1")
+    assert timeline["chunks"] == [
+        {"type": "task_update", "id": "c1", "title": "approve_refund", "status": "in_progress"}
+    ]
+    assert prompt["text"] == "Approve the refund?" and prompt["thread_ts"] == "100.1"
+    prompt_ts = next(m.ts for m in slack.fake.thread(c, "100.1") if m.blocks)
+
+    # U2 clicks Approve: not the answerer (the speaker U1 is). Refused, told to U2 only; the buttons stay.
+    assert slack.click(click_on(prompt, c, "100.1", prompt_ts, "U2", "yes")).status_code == 200
+    ephemeral = wait_for(lambda: slack.fake.of("chat.postEphemeral"), what="U2 to be told")
+    assert ephemeral[0]["user"] == "U2" and ephemeral[0]["channel"] == c and "not applied" in ephemeral[0]["text"]
+    assert [m for m, _ in slack.in_thread(c, "100.1")][len(first) :] == ["chat.postEphemeral"], "no chat.update"
+    parked = slack.stack.sql("select suspended is not null from june_sessions where session = %s", session)
+    assert parked == [(True,)]
+
+    # U1 clicks Approve: resumed by U1, the continuation rendered into the prompt message.
+    before = len(slack.in_thread(c, "100.1"))
+    assert slack.click(click_on(prompt, c, "100.1", prompt_ts, "U1", "yes")).status_code == 200
+    wait_for(lambda: (slack.stack.turn_row("desk", session, tid) or {}).get("status") == "completed", timeout_s=30,
+             what="the turn to complete")  # fmt: skip
+    wait_for(lambda: slack.delivered(session, tid), what="the continuation to be delivered")
+    rest = slack.in_thread(c, "100.1")[before:]
+    assert [m for m, _ in rest] == [
+        "assistant.threads.setStatus", "chat.update", "chat.update", "assistant.threads.setStatus",
+    ]  # fmt: skip
+    answered, final = rest[1][1], rest[2][1]
+    assert answered["ts"] == final["ts"] == prompt_ts
+    assert final["text"] == "Refund approved."
+    assert all(b["type"] != "actions" for b in final["blocks"])
+    assert [m.text for m in slack.fake.thread(c, "100.1")] == ["Let me check.", "Refund approved."]
+    answer_step = slack.stack.sql(
+        "select data::text from june_steps where session = %s and step_id like 'input:%%'", session
+    )
+    assert json.loads(answer_step[0][0])["by"] == "U1"
+
+
+def test_the_same_event_delivered_three_times_starts_one_turn(slack: Slack) -> None:
+    c = channel_id()
+    payload = message(c, "200.1", "hello there")
+    answers = [slack.event(payload, retry=n or None) for n in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    session, tid = f"slack:{c}:200.1", turn_id(c, "200.1")
+    wait_for(lambda: slack.delivered(session, tid), what="the turn to be delivered")
+    assert slack.stack.sql("select turn_id from june_turns where session = %s", session) == [(tid,)]
+    assert [m for m, _ in slack.in_thread(c, "200.1")] == [
+        "assistant.threads.setStatus", "chat.startStream", "chat.stopStream", "assistant.threads.setStatus",
+    ]  # fmt: skip
+    assert [m.text for m in slack.fake.thread(c, "200.1")] == ["did: hello there"]
+    # S167: what the gateway sent, for the worker to run and render (the gateway holds no token: no Slack call)
+    (payload,) = slack.stack.sql("select payload::text from june_turns where turn_id = %s", tid)
+    sent = json.loads(payload[0])
+    assert sent["text"] == "hello there"
+    assert sent["target"] == {"channel": "slack", "channel_id": c, "thread_ts": "200.1", "team_id": "T1", "user": "U1"}
+    event = sent["event"]
+    assert (event["source"], event["kind"], event["channel_id"], event["thread_ts"]) == ("slack", "message", c, "200.1")
+    assert event["user"] == {"id": "U1", "attested": True, "team": "T1"}
+    assert slack.fake.tokens == {f"Bearer {TOKEN}"}
+
+
+def test_a_bad_or_old_signature_does_nothing_and_a_malformed_payload_is_a_400(slack: Slack) -> None:
+    c = channel_id()
+    calls_before = len(slack.fake.calls)
+    bad = slack.event(message(c, "300.1", "hello"), secret="not-the-secret")
+    old = slack.event(message(c, "300.1", "hello"), timestamp=int(time.time()) - 600)
+    clicked = slack.click({"type": "block_actions"}, secret="not-the-secret")
+    assert [r.status_code for r in (bad, old, clicked)] == [401, 401, 401]
+    body = b"{not json"
+    malformed = slack.http.post("/slack/events", content=body, headers=signed(SECRET, body))
+    assert malformed.status_code == 400 and "not a Slack payload" in malformed.json()["detail"]
+    wrong_shape = slack.event({"type": "event_callback", "team_id": "T1", "event": {"type": "message", "ts": []}})
+    assert wrong_shape.status_code == 400 and "event.user" in wrong_shape.json()["detail"]
+    challenge = slack.event({"type": "url_verification", "challenge": "3eZbrw1aBm"})
+    assert challenge.json() == {"challenge": "3eZbrw1aBm"}
+    assert slack.stack.sql("select 1 from june_turns where session like %s", f"slack:{c}:%") == []
+    assert slack.stack.sql("select 1 from june_gateway_sessions where session like %s", f"slack:{c}:%") == []
+    assert len(slack.fake.calls) == calls_before
+
+
+def test_a_worker_sigkilled_mid_render_still_ends_with_one_complete_reply(slack: Slack) -> None:
+    c = channel_id()
+    session, tid = f"slack:{c}:400.1", turn_id(c, "400.1")
+    doomed = slack.turn_worker
+    doomed_env = {"JUNE_IT_SLACK_WORD_S": "0.05"}
+    doomed.stop()
+    doomed = slack.turn_worker = slack.stack.worker(f"doomed-{c}", concurrency=1, queues=slack.stack.queue,
+                                                    env=doomed_env)  # fmt: skip
+    slack.event(message(c, "400.1", "stream 80"))
+    wait_for(lambda: len([m for m, _ in slack.in_thread(c, "400.1") if m == "chat.appendStream"]) >= 3,
+             timeout_s=30, what="the reply to stream")  # fmt: skip
+    doomed.kill()  # mid-render: the stream is open, its ts recorded
+    slack.turn_worker = slack.stack.worker(f"rescuer-{c}", concurrency=2, queues=slack.stack.queue)
+    wait_for(lambda: slack.delivered(session, tid), timeout_s=60, what="the turn to be finished and delivered")
+    words = " ".join(f"w{i}" for i in range(80))
+    shown = slack.fake.thread(c, "400.1")
+    assert [(m.text, m.streaming) for m in shown] == [(words, False)], "one complete reply, the same message"
+    methods = [m for m, _ in slack.in_thread(c, "400.1")]
+    assert methods.count("chat.startStream") == 1 and "chat.postMessage" not in methods
+    assert methods[-1] == "assistant.threads.setStatus"
+
+
+def test_a_new_message_replaces_the_running_turn_and_never_a_parked_approval(slack: Slack) -> None:
+    c = channel_id()
+    slack.turn_worker.stop()
+    slack.turn_worker = slack.stack.worker(f"slow-{c}", concurrency=2, queues=slack.stack.queue,
+                                           env={"JUNE_IT_SLACK_WORD_S": "0.05"})  # fmt: skip
+    try:
+        slack.event(message(c, "500.1", "stream 400"))
+        wait_for(lambda: [m for m, _ in slack.in_thread(c, "500.1") if m == "chat.appendStream"], what="streaming")
+        slack.event(message(c, "500.2", "and another thing", thread_ts="500.1"))
+        session = f"slack:{c}:500.1"
+        wait_for(lambda: slack.delivered(session, turn_id(c, "500.2")), timeout_s=30, what="the newer turn")
+        wait_for(lambda: slack.delivered(session, turn_id(c, "500.1")), timeout_s=30, what="the replaced turn")
+        stale, fresh = slack.fake.thread(c, "500.1")
+        assert stale.text.endswith("_superseded by a newer message_") and not stale.streaming
+        assert fresh.text == "did: and another thing"
+        assert slack.stack.turn_row("desk", session, turn_id(c, "500.1"))["status"] == "cancelled"  # type: ignore[index]
+
+        # A parked approval is never replaced: the new message is refused, its sender told why.
+        slack.event(message(c, "600.1", "refund it"))
+        parked_session = f"slack:{c}:600.1"
+        wait_for(lambda: slack.delivered(parked_session, turn_id(c, "600.1")), timeout_s=30, what="the park")
+        slack.event(message(c, "600.2", "hurry up", user="U7", thread_ts="600.1"))
+        wait_for(lambda: [b for b in slack.fake.of("chat.postEphemeral") if b["user"] == "U7"], what="U7 to be told")
+        assert slack.stack.turn_row("desk", parked_session, turn_id(c, "600.1"))["status"] == "suspended"  # type: ignore[index]
+        assert slack.stack.turn_row("desk", parked_session, turn_id(c, "600.2"))["status"] == "rejected"  # type: ignore[index]
+    finally:
+        slack.turn_worker.stop()
+        slack.turn_worker = slack.stack.worker(f"turns-{c}", concurrency=2, queues=slack.stack.queue)
+
+
+def test_an_identity_resolver_failure_leaves_the_turn_anonymous_but_running(slack: Slack) -> None:
+    c = channel_id()
+    slack.event(message(c, "700.1", "who am I", user="U_BROKEN"))
+    slack.event(message(c, "700.2", "who am I", user="U1"))
+    for ts in ("700.1", "700.2"):
+        wait_for(lambda ts=ts: slack.delivered(f"slack:{c}:{ts}", turn_id(c, ts)), what="both turns")  # type: ignore[misc]
+    principals = {
+        ts: json.loads(slack.stack.sql("select payload::text from june_turns where turn_id = %s", turn_id(c, ts))[0][0])
+        ["event"].get("principal")
+        for ts in ("700.1", "700.2")
+    }  # fmt: skip
+    assert principals == {"700.1": None, "700.2": {"id": "acct-U1", "team": "T1"}}
+    assert [m.text for m in slack.fake.thread(c, "700.1")] == ["did: who am I"]
+
+
+def test_a_failed_tool_shows_as_an_error_and_a_failed_turn_gets_a_note(slack: Slack) -> None:
+    c = channel_id()
+    slack.event(message(c, "800.1", "fail now"))
+    slack.event(message(c, "800.2", "boom"))
+    for ts in ("800.1", "800.2"):
+        wait_for(lambda ts=ts: slack.delivered(f"slack:{c}:{ts}", turn_id(c, ts)), what="both turns")  # type: ignore[misc]
+    chunks = [ch for m, b in slack.in_thread(c, "800.1") if m == "chat.appendStream" for ch in b.get("chunks", [])]
+    assert [(ch["title"], ch["status"]) for ch in chunks] == [("broken", "in_progress"), ("broken", "error")]
+    assert "read-only" in chunks[-1]["output"]
+    (failed,) = slack.fake.thread(c, "800.2")
+    assert "the turn failed" in failed.text and "model is down" not in failed.text
+
+
+def test_slack_api_errors_are_retried_and_never_lose_the_turn(slack: Slack) -> None:
+    c = channel_id()
+    session, tid = f"slack:{c}:900.1", turn_id(c, "900.1")
+    slack.fake.fail_all = "internal_error"
+    try:
+        slack.event(message(c, "900.1", "are you there"))
+        wait_for(lambda: (slack.stack.turn_row("desk", session, tid) or {}).get("status") == "completed",
+                 what="the turn to complete while Slack fails")  # fmt: skip
+        wait_for(lambda: any(not call.ok and call.body.get("thread_ts") == "900.1" for call in slack.fake.calls),
+                 what="a failed Slack call")  # fmt: skip
+    finally:
+        slack.fake.fail_all = None
+    wait_for(lambda: slack.delivered(session, tid), timeout_s=30, what="the sweeper to deliver it again")
+    assert [m.text for m in slack.fake.thread(c, "900.1")] == ["did: are you there"]
+    logs = "\n".join(p.log.read_text(errors="replace") for p in slack.stack.procs)
+    assert "failed: internal_error" in logs
+    assert TOKEN not in logs and SECRET not in logs
+    assert slack.fake.tokens == {f"Bearer {TOKEN}"}
+
+
+def test_a_proactive_turn_from_beat_is_delivered_to_a_slack_channel(slack: Slack) -> None:
+    c = channel_id()
+    env = {
+        **slack.stack.env,
+        "JUNE_EXAMPLE_SCHEDULE": "1",
+        "JUNE_EXAMPLE_SCHEDULE_EVERY_S": "1",
+        "JUNE_EXAMPLE_AGENT": "desk",
+        "JUNE_EXAMPLE_SESSION": f"slack:{c}:daily",
+        "JUNE_EXAMPLE_TARGET": json.dumps({"channel": "slack", "channel_id": c}),
+    }
+    args = [sys.executable, "-m", "celery", "-A", "june_worker", "beat", "-l", "INFO",
+            "-s", str(slack.stack.tmp / f"beat-{c}"), "--pidfile="]  # fmt: skip
+    beat = Proc(f"beat-{c}", args, env, slack.stack.tmp / f"beat-{c}.log")
+    try:
+        posts = wait_for(lambda: [b for b in slack.fake.of("chat.postMessage") if b["channel"] == c], timeout_s=30,
+                         what="the digest in the channel")  # fmt: skip
+    finally:
+        beat.stop()
+    assert posts[0]["text"] == "Three threads are open." and "thread_ts" not in posts[0]
+
+
+def test_s169_when_the_turn_cannot_be_enqueued_slack_gets_an_error_and_its_retry_is_sent(slack: Slack) -> None:
+    # Given a gateway whose broker is down: the event is not acknowledged (503), so Slack retries it
+    settings = dataclasses.replace(
+        slack.settings, broker_url="redis://127.0.0.1:1/0", publish_timeout_s=0.5, publish_retries=0
+    )
+    down = ServedApp(create_app(settings), access_log=False)
+    c = channel_id()
+    payload = message(c, "950.1", "still there?")
+    try:
+        with httpx.Client(base_url=down.url, timeout=30) as http:
+            body = json.dumps(payload).encode()
+            answer = http.post("/slack/events", content=body, headers={"Content-Type": "application/json",
+                                                                         **signed(SECRET, body)})  # fmt: skip
+    finally:
+        down.stop()
+    assert answer.status_code == 503
+    # When Slack retries to a gateway that can send: the turn runs once
+    assert slack.event(payload, retry=1).status_code == 200
+    session, tid = f"slack:{c}:950.1", turn_id(c, "950.1")
+    wait_for(lambda: slack.delivered(session, tid), what="the retried event's turn")
+    assert [m.text for m in slack.fake.thread(c, "950.1")] == ["did: still there?"]

@@ -1,0 +1,51 @@
+"""Slack's settings, on each side: the gateway's (signing secret, agent, events) and the worker's channel."""
+
+from __future__ import annotations
+
+import pytest
+
+from june_worker.channels.slack import SlackChannel
+from june_worker.errors import ConfigError
+from june_worker.gateway import GatewaySettings
+
+BASE = {"JUNE_GATEWAY_AGENTS": "desk,ops", "JUNE_GATEWAY_INSECURE_DEV": "1"}
+
+
+def test_the_slack_routes_are_off_without_a_signing_secret() -> None:
+    assert GatewaySettings.from_env(BASE).slack is None
+
+
+def test_the_signing_secret_turns_them_on_and_never_shows_in_a_repr() -> None:
+    env = {**BASE, "SLACK_SIGNING_SECRET": "s3cr3t-signing", "JUNE_SLACK_AGENT": "desk",
+           "JUNE_SLACK_RESPOND_TO": "app_mention,reaction_added", "JUNE_SLACK_REPLACE_IN_FLIGHT": "1"}  # fmt: skip
+    settings = GatewaySettings.from_env(env)
+    assert settings.slack is not None
+    assert settings.slack.agent == "desk" and settings.slack.replace_in_flight
+    assert settings.slack.respond_to == ("app_mention", "reaction_added")
+    assert "s3cr3t" not in repr(settings) and "s3cr3t" not in repr(settings.slack)
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"JUNE_SLACK_AGENT": "billing"}, "JUNE_SLACK_AGENT"),
+        ({"JUNE_SLACK_AGENT": "desk", "JUNE_SLACK_RESPOND_TO": "message,file_shared"}, "JUNE_SLACK_RESPOND_TO"),
+        ({"JUNE_SLACK_AGENT": "desk", "JUNE_SLACK_RESOLVE_IDENTITY": "nowhere"}, "JUNE_SLACK_RESOLVE_IDENTITY"),
+        ({"JUNE_SLACK_AGENT": "desk", "JUNE_SLACK_REPLACE_IN_FLIGHT": "maybe"}, "JUNE_SLACK_REPLACE_IN_FLIGHT"),
+    ],
+)
+def test_a_bad_gateway_slack_setting_names_itself(extra: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        GatewaySettings.from_env({**BASE, "SLACK_SIGNING_SECRET": "x", **extra})
+
+
+def test_the_worker_channel_needs_the_bot_token_and_keeps_it_out_of_its_repr() -> None:
+    with pytest.raises(ConfigError, match="SLACK_BOT_TOKEN"):
+        SlackChannel.from_env({})
+    channel = SlackChannel.from_env({"SLACK_BOT_TOKEN": "xoxb-1-secret", "JUNE_SLACK_STREAM": "0",
+                                     "JUNE_SLACK_STATUS": "is thinking…", "JUNE_SLACK_API_URL": "http://127.0.0.1:9/api/"})  # fmt: skip
+    assert not channel.options.stream and channel.options.status == "is thinking…"
+    assert channel.api.base_url == "http://127.0.0.1:9/api/"
+    assert "xoxb-1-secret" not in repr(channel)
+    with pytest.raises(ConfigError, match="JUNE_SLACK_LIVE"):
+        SlackChannel.from_env({"SLACK_BOT_TOKEN": "xoxb-1", "JUNE_SLACK_LIVE": "sometimes"})
