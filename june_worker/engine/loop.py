@@ -204,6 +204,9 @@ class TurnRunner:
         self.step_retries = step_retries
         self.attempt = attempt if attempt is not None else record.attempts + 1
         self.messages: list[Message] = []
+        """The transcript as committed: what was read, then each message once its commit returned."""
+        self.generation: int | None = None
+        """The generation of the session ``messages`` belong to; None until the session was read."""
         self.steps: dict[str, StepRecord] = {}
         self.usage = Usage()
         self.policy: SurfacePolicy | None = None
@@ -257,6 +260,7 @@ class TurnRunner:
     async def _attempt(self) -> TurnResult:
         snap = self._snapshot if self._snapshot is not None else self.store.load(self.ref)
         self._snapshot = None
+        self.generation = snap.generation
         self.messages = list(snap.messages)
         self.steps.clear()
         self.steps.update(snap.steps)  # in place: the input broker reads this same mapping

@@ -50,6 +50,7 @@ from ..events.redis_stream import RedisStreamSink, Trim
 from ..stores.postgres import PostgresStore
 from .queue import Intake, Lease, SessionQueue
 from .settings import WorkerSettings
+from .transcripts import TranscriptCache
 
 __all__ = ["WorkerHost", "get_host", "load_agents"]
 
@@ -160,6 +161,10 @@ class WorkerHost:
         self.agents = agents if agents is not None else load_agents(settings.agents)
         self.store = PostgresStore(settings.database_url)
         self.queue = SessionQueue(self.store.pool, lease_s=settings.lease_s)
+        # Transcripts of sessions this process ran lately: a turn then reads only what it does not hold.
+        self.transcripts = TranscriptCache(
+            max_sessions=settings.transcript_cache, max_messages=settings.transcript_cache_messages
+        )
         self.keys = EventKeys(prefix=settings.key_prefix, firehose_partitions=settings.firehose_partitions)
         self.redis = redis.Redis.from_url(
             settings.redis_url, health_check_interval=30, socket_timeout=5, socket_connect_timeout=2
@@ -221,7 +226,7 @@ class WorkerHost:
         lease came with it, drain the session. Returns what the intake found and what ran."""
         self._listen_to(ref)
         try:
-            got = self.queue.intake(ref, turn_id, payload, self.owner)
+            got = self.queue.intake(ref, turn_id, payload, self.owner, held=self.transcripts.get(ref))
         except BaseException:
             self._stop_listening()
             raise
@@ -299,6 +304,7 @@ class WorkerHost:
         parked = self.store.pending(ref)
         if parked is not None:
             self.sink.publish(ref, self.store.commit(ref, reset_park_commit(parked), fence=fence))
+        self.transcripts.drop(ref)
         result = self.store.reset(ref, fence=fence)
         log.info("reset %s: history archived as %s", ref, result.previous_session)
         return result
@@ -365,6 +371,8 @@ class WorkerHost:
             if self._running is not None:
                 self._running.turn_id = rec.turn_id
                 self._running.cancel = cancel
+        if snapshot is None:  # the session as the last turn left it: only the messages this process does not hold
+            snapshot, _ = self.queue.read(ref, held=self.transcripts.get(ref))
         target = rec.payload.target
         # A turn with a target keeps the lease while it is delivered; its ending marks the delivery due.
         ending = _Ending(self.store, rec.turn_id, release=release and target is None, deliver_due=target is not None)
@@ -380,7 +388,13 @@ class WorkerHost:
             snapshot=snapshot,
             max_attempts=self.settings.max_attempts,
         )
-        result = self.loop.run_until_complete(runner.run())
+        try:
+            result = self.loop.run_until_complete(runner.run())
+        except BaseException:
+            self.transcripts.drop(ref)
+            raise
+        if runner.generation is not None:  # what the turn read and committed: the next one reads what is after it
+            self.transcripts.put(ref, runner.generation, runner.messages)
         self._turn_sink.flush()  # the turn's events are in Redis (or relayed) before anyone hears it ended
         if target is not None and result.status != "rejected":
             if ending.ended:

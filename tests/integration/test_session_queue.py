@@ -16,6 +16,7 @@ from june_worker.errors import LeaseLostError
 from june_worker.stores._pg_commit import commit_statement
 from june_worker.stores.postgres import PostgresStore
 from june_worker.worker.queue import _INTAKE, Intake, SessionQueue
+from june_worker.worker.transcripts import held_params
 
 from .conftest import wait_for
 
@@ -38,7 +39,15 @@ def _ref() -> SessionRef:
 def _intake_params(ref: SessionRef, turn_id: str, owner: str) -> dict[str, object]:
     """The parameters of SessionQueue.intake's statement, to run it in a transaction held open."""
     payload = TurnPayload(text=turn_id).model_dump_json()
-    return {"agent": ref.agent, "session": ref.session, "turn_id": turn_id, "payload": payload, "o": owner, "l": 30.0}
+    return {
+        "agent": ref.agent,
+        "session": ref.session,
+        "turn_id": turn_id,
+        "payload": payload,
+        "o": owner,
+        "l": 30.0,
+        **held_params(None),
+    }
 
 
 def test_a_turn_recorded_while_the_holder_releases_is_never_stranded(
@@ -262,7 +271,7 @@ def test_an_intake_taking_the_lease_as_its_holder_lets_go_reads_what_the_holder_
     got: list[Intake] = []
     intake = threading.Thread(target=lambda: got.append(q.intake(ref, "t2", TurnPayload(text="next"), "next")))
     intake.start()
-    wait_for(lambda: _waits_on_a_lock(fresh_db, "with snap as"), what="the intake to wait on the session row")
+    wait_for(lambda: _waits_on_a_lock(fresh_db, "june_intake("), what="the intake to wait on the session row")
     holder.commit()
     holder.close()
     intake.join(10)
