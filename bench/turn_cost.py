@@ -15,9 +15,9 @@ in the same run, as the price of one round trip on this machine.
 Then the same turn on sessions whose transcripts already hold ``--history`` messages (10, 1,000 and
 10,000 by default: past turns of the same shape, 4 messages each, with their turn rows and step
 records, written straight into the tables), the sessions' turns interleaved, each measured whole
-(``control.intake``, wall clock): once by a host that keeps transcripts in memory (the worker's
-default) and once by a host with ``JUNE_TRANSCRIPT_CACHE=0``, in the same run; the first turn of
-each session on each host (nothing held yet) is shown apart.
+(``control.intake``, wall clock): by a host that keeps transcripts in memory (the worker's default),
+then by a host with ``JUNE_TRANSCRIPT_CACHE=0`` on sessions of its own, in the same run; the first
+turn of each session (nothing held yet) is shown apart.
 
 The rule a reader must not break: these figures are one process with nothing else to do; the
 Celery task adds its own costs around them (see ``bench/throughput.py``).
@@ -257,8 +257,8 @@ class Measured:
 
 
 def history(stack: BenchStack, meter: Meter, sizes: list[int], turns: int) -> None:
-    """A whole turn on sessions that already hold ``sizes`` messages, by a host that holds transcripts and by
-    one that does not, interleaved, in this one run."""
+    """A whole turn on sessions that already hold ``sizes`` messages, the sizes interleaved, by a host that holds
+    transcripts and then by one that does not, in this one run."""
     hosts = {
         "held": WorkerHost(WorkerSettings.from_env(stack.env), agents={a.name: a for a in ALL()}),
         "off": WorkerHost(
@@ -286,19 +286,22 @@ def history(stack: BenchStack, meter: Meter, sizes: list[int], turns: int) -> No
                 msg = {"turn_id": f"t_{uuid.uuid4().hex}", "agent": "bench", "session": stack.session(f"w{mode}{i}")}
                 control.intake(hosts[mode], TurnMessage.model_validate({**msg, "text": "go"}))
         meter.install()
-        for key in sessions:  # nothing held yet: the whole transcript is read
-            found[key].first_ms = turn(*key)
-            found[key].trips = 0
-        for _ in range(turns):
-            for key in sessions:
-                found[key].walls.append(turn(*key))
+        for (
+            mode
+        ) in hosts:  # one host after the other (the other's slow turns would load the machine), sizes interleaved
+            for size in sizes:  # nothing held yet: the whole transcript is read
+                found[(mode, size)].first_ms = turn(mode, size)
+                found[(mode, size)].trips = 0
+            for _ in range(turns):
+                for size in sizes:
+                    found[(mode, size)].walls.append(turn(mode, size))
     finally:
         meter.uninstall()
         logging.getLogger("june_worker.worker").setLevel(logging.ERROR)
         for host in hosts.values():
             host.close()
     print()
-    print(f"A whole turn (wall, ms) on sessions that already hold a history, {turns} turns each, interleaved:")
+    print(f"A whole turn (wall, ms) on sessions that already hold a history, {turns} turns each, sizes interleaved:")
     print(
         "| transcripts held | history (messages) | first turn | median |   p90 |   p99 | to 10 msgs | pg trips/turn |"
     )

@@ -10,6 +10,8 @@ worker gets the same replies.
   "die <key>" calls the sync ``die`` tool, which SIGKILLs its own process every time.
 * ``dribble``: the model streams many deltas slowly, so a cancel can land mid-stream.
 * ``faulty`` (:mod:`.faulty`): stops at a chosen step so a test can inject a fault there.
+* ``window``: a model with a 2,000-token window whose requests carry 1,500 tokens the transcript does
+  not show (:class:`tests.unit.kit.WindowModel`): a session's second turn compacts before its request.
 * ``echo``: answers with :func:`transcript_digest` of the transcript it was sent, so a test can check
   that every model call saw the stored transcript, whichever worker made it; "tick" first calls the
   sync ``tick`` tool.
@@ -33,6 +35,7 @@ from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
 from june_worker.engine.types import Message, ModelReply, ToolMessage, TriggerMessage, UserMessage
 from june_worker.models import Reply, ScriptedModel
 
+from ..unit.kit import WindowModel
 from .faulty import faulty_agent
 
 
@@ -151,6 +154,7 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
         Agent(name="dribble", model=DribblingModel()),
         faulty_agent(),
         Agent(name="echo", model=ScriptedModel(_echo_script), tools=[tick]),
+        Agent(name="window", model=WindowModel(2000, extra_tokens=1500)),
     ]
 
 

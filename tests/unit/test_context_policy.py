@@ -237,3 +237,14 @@ def test_a_policy_with_shares_out_of_order_is_refused() -> None:
     with pytest.raises(AgentDefinitionError, match="keep < compact_at"):
         ContextPolicy(keep=0.9, compact_at=0.8)
     assert ContextPolicy().window(WindowModel(1234)) == 1234 and ContextPolicy(window_tokens=99).window(None) == 99
+
+
+def test_an_agent_directory_sets_its_context_policy_in_agent_toml(tmp_path: Any) -> None:
+    (tmp_path / "agent.toml").write_text("[context]\nwindow_tokens = 50000\ncompact_at = 0.7\nkeep = 0.2\n")
+    agent = Agent.from_dir(tmp_path, model=WindowModel(), tools=[])
+    assert agent.context == ContextPolicy(window_tokens=50000, compact_at=0.7, keep=0.2)
+    (tmp_path / "agent.toml").write_text("[context]\nenabled = false\n")
+    assert Agent.from_dir(tmp_path, model=WindowModel(), tools=[]).context is None
+    (tmp_path / "agent.toml").write_text("[context]\nwindow = 5\n")
+    with pytest.raises(AgentDefinitionError, match=r"unknown settings \['window'\]"):
+        Agent.from_dir(tmp_path, model=WindowModel(), tools=[])
