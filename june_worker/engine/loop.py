@@ -583,7 +583,13 @@ class TurnRunner:
             turn_id=self.turn_id,
             step=step,
         )
-        done = await self._stream(request, step, model=policy.model, live=False)  # a summary is no reply: no deltas
+        try:
+            done = await self._stream(request, step, model=policy.model, live=False)  # a summary is no reply: no deltas
+        except _StepFailure as failure:
+            if isinstance(failure.exc, ContextWindowExceededError):
+                why = f"the compaction step's own request was too long for the model: {failure.exc}"
+                raise _StepFailure(ContextWindowExceededError(why), "model", step) from failure.exc
+            raise
         self._check_cancel()
         reply, finish = _storable_reply(done.reply), done.finish
         if not reply.text.strip() or (finish is not None and finish.reason in ("refusal", "content_filter")):

@@ -6,6 +6,7 @@ so a turn that completes here sent only valid requests; each test also checks th
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
@@ -127,6 +128,8 @@ async def test_the_adapter_says_too_long_with_its_own_error_class(api: Anthropic
         async for _ in model.stream(ModelRequest(system="", messages=[UserMessage(turn_id="t", text="hi")])):
             pass
     assert not raised.value.retryable and raised.value.status_code == 400
+    copy = pickle.loads(pickle.dumps(raised.value))  # it may cross a process (a Celery result)
+    assert isinstance(copy, ContextWindowExceededError) and str(copy) == str(raised.value)
     assert model.context_window_tokens == 200_000
 
 

@@ -248,3 +248,14 @@ def test_an_agent_directory_sets_its_context_policy_in_agent_toml(tmp_path: Any)
     (tmp_path / "agent.toml").write_text("[context]\nwindow = 5\n")
     with pytest.raises(AgentDefinitionError, match=r"unknown settings \['window'\]"):
         Agent.from_dir(tmp_path, model=WindowModel(), tools=[])
+
+
+async def test_a_compaction_request_the_model_refuses_as_too_long_fails_the_turn_saying_so() -> None:
+    store = make_store("memory")
+    model = WindowModel(2000, refuse_over=400)  # the summary's instructions and one old turn are past that
+    runtime = _runtime(store, model)
+    assert (await _turn(runtime, "a" * 900)).status == "completed"
+    failed = await _turn(runtime, "b" * 900)
+    assert failed.status == "failed" and failed.step is not None and failed.step.startswith("compact:")
+    assert "the compaction step's own request was too long" in failed.error.message
+    assert _summaries(store) == [] and model.summaries == 1
