@@ -585,10 +585,10 @@ class TurnRunner:
         )
         try:
             done = await self._stream(request, step, model=policy.model, live=False)  # a summary is no reply: no deltas
-        except _StepFailure as failure:
-            if isinstance(failure.exc, ContextWindowExceededError):
-                why = f"the compaction step's own request was too long for the model: {failure.exc}"
-                raise _StepFailure(ContextWindowExceededError(why), "model", step) from failure.exc
+        except _StepFailure as refused:
+            if isinstance(refused.exc, ContextWindowExceededError):
+                why = f"the compaction step's own request was too long for the model: {refused.exc}"
+                raise _StepFailure(ContextWindowExceededError(why), "model", step) from refused.exc
             raise
         self._check_cancel()
         reply, finish = _storable_reply(done.reply), done.finish
