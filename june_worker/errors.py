@@ -13,6 +13,7 @@
     │   ├── ModelStepError            the model stopped abnormally with nothing to say
     │   ├── ModelStreamError          the model stream broke its contract (no final reply)
     │   └── ModelProviderError        the provider refused or broke a call (``retryable`` says which)
+    │       └── ContextWindowExceededError  the request was longer than the model's context window (never retried)
     ├── FatalToolError                a tool says the turn cannot go on; fails the turn
     ├── TransientError                an infrastructure fault that may pass: the step runs again (retryable)
     │   └── StoreUnavailableError     the store's connection was lost, or it refused a statement for now
@@ -47,6 +48,7 @@ __all__ = [
     "CancelRequestedError",
     "ChannelError",
     "ConfigError",
+    "ContextWindowExceededError",
     "FatalToolError",
     "InputTimeoutError",
     "InvalidAnswerError",
@@ -137,6 +139,21 @@ class ModelProviderError(TurnError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class ContextWindowExceededError(ModelProviderError):
+    """The provider refused a request as longer than the model's context window. Never retried as it is: the
+    turn runner compacts the transcript once and asks again (its context policy), then fails the turn."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int | None = None,
+        error_type: str | None = None,
+        request_id: str | None = None,
+        retryable: bool = False,
+    ) -> None:
+        super().__init__(message, status_code, error_type, request_id, False)
 
 
 class PoisonTurnError(TurnError):

@@ -234,6 +234,12 @@ class LiveView:
         else:
             self._line(("← ", "magenta"), (name, "bold magenta"), (f" {_compact(event.data.get('result'))}", "dim"))
 
+    def _on_context_compacted(self, event: FollowedEvent) -> None:
+        summarized, kept = event.data.get("summarized"), event.data.get("kept_from")
+        self._line(
+            ("⋯ context compacted: ", "dim"), (f"{summarized} older messages summarised, kept from {kept}", "dim")
+        )
+
     def _on_input_requested(self, event: FollowedEvent) -> None:
         request = _request(event)
         self._line(

@@ -5,8 +5,10 @@ every byte goes through its HTTP stack, its SSE decoder and its retry logic, as 
 API. Streams are sent the way the API sends them: chunked, one SSE event per chunk. Responses
 are served in the order they were queued; every request is recorded (path, headers, JSON body).
 
-Like the real API, the server refuses (400) a request with an empty or whitespace-only text block,
-whatever is queued: a session that sent one once could never continue.
+Like the real API, the server refuses (400) a request it could never answer, whatever is queued:
+an empty or whitespace-only text block (a session that sent one once could never continue), and a
+transcript the Messages API rejects (:func:`request_problems`: roles out of turn, a tool call without
+its result or a result without its call, thinking missing where a tool loop needs it).
 
 The rule a reader must not break: **the server never reaches beyond loopback**; a request with
 nothing queued gets a 400 naming that, never a hang.
@@ -32,6 +34,7 @@ __all__ = [
     "api_error",
     "closed_port",
     "recorded",
+    "request_problems",
     "sse",
 ]
 
@@ -159,15 +162,72 @@ class AnthropicAPI:
         self.close()
 
 
-def _refusal(request: SeenRequest) -> Recorded | None:
-    """The 400 the real API answers a request with an empty or whitespace-only text block, else None.
+def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
+    content = message.get("content")
+    return [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
 
-    Checked before any queued response is used, as the API checks before it generates.
+
+def request_problems(body: dict[str, Any]) -> list[str]:
+    """What the Messages API would refuse in a request's transcript (the rules our adapter must keep).
+
+    The first message is the user's and roles alternate; every ``tool_use`` is answered by a ``tool_result``
+    (same id) in the very next message, results first, and no result answers a call that is not in the
+    message before it; a request with tool blocks defines tools; with thinking on, a request that continues a
+    tool loop (it ends with tool results) sends the assistant message before them starting with its thinking.
+    """
+    messages = body.get("messages", [])
+    problems: list[str] = []
+    if not messages or messages[0].get("role") != "user":
+        problems.append("messages: the first message must use the user role")
+    for i in range(1, len(messages)):
+        if messages[i].get("role") == messages[i - 1].get("role"):
+            problems.append(f"messages.{i}: roles must alternate, two {messages[i].get('role')} messages in a row")
+    has_tools = False
+    for i, message in enumerate(messages):
+        blocks = _blocks(message)
+        calls = [b.get("id") for b in blocks if b.get("type") == "tool_use"]
+        results = [b.get("tool_use_id") for b in blocks if b.get("type") == "tool_result"]
+        has_tools = has_tools or bool(calls or results)
+        after = _blocks(messages[i + 1]) if i + 1 < len(messages) else None
+        if calls and after is not None:
+            answered = [b.get("tool_use_id") for b in after if b.get("type") == "tool_result"]
+            if sorted(answered) != sorted(calls):
+                problems.append(f"messages.{i + 1}: tool_use ids {calls} need their tool_result blocks, got {answered}")
+            elif any(b.get("type") != "tool_result" for b in after[: len(answered)]):
+                problems.append(f"messages.{i + 1}: tool_result blocks must come first")
+        if results:
+            before = _blocks(messages[i - 1]) if i > 0 else []
+            asked = {b.get("id") for b in before if b.get("type") == "tool_use"}
+            if not set(results) <= asked:
+                problems.append(f"messages.{i}: tool_result for {sorted(set(results) - asked)} without its tool_use")
+    if has_tools and not body.get("tools"):
+        problems.append("tools: a request with tool_use or tool_result blocks must define tools")
+    thinking = body.get("thinking") or {}
+    continues = len(messages) >= 2 and any(b.get("type") == "tool_result" for b in _blocks(messages[-1]))
+    if thinking.get("type") in ("enabled", "adaptive") and continues:
+        first = _blocks(messages[-2])[:1]
+        if not first or first[0].get("type") not in ("thinking", "redacted_thinking"):
+            found = first[0].get("type") if first else "nothing"
+            problems.append(
+                f"messages.{len(messages) - 2}.content.0.type: Expected `thinking` or `redacted_thinking`, "
+                f"but found `{found}`."
+            )
+    return problems
+
+
+def _refusal(request: SeenRequest) -> Recorded | None:
+    """The 400 the real API answers a request with an empty or whitespace-only text block or a transcript it
+    refuses (:func:`request_problems`), else None. Checked before any queued response is used, as the API
+    checks before it generates.
     """
     try:
-        messages = request.json().get("messages", [])
+        body = request.json()
+        messages = body.get("messages", [])
     except ValueError:
         return None
+    problems = request_problems(body)
+    if problems:
+        return api_error(400, {"type": "error", "error": {"type": "invalid_request_error", "message": problems[0]}})
     for i, message in enumerate(messages):
         content = message.get("content")
         blocks = content if isinstance(content, list) else []

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AgentDefinitionError
+from .context import ContextPolicy
 from .ids import validate_session_id
 from .model import Model
 from .store import SurfacePolicy
@@ -50,7 +51,12 @@ Deliver = Callable[..., Any]
 
 @dataclass
 class Agent:
-    """Everything needed to run an agent's turns, independent of where they run."""
+    """Everything needed to run an agent's turns, independent of where they run.
+
+    ``context``: how the agent's requests stay inside its model's context window (:class:`ContextPolicy`):
+    by default, compact the transcript past 80 % of the window the model declares (a model that declares
+    none, like the scripted one, is never compacted); ``None`` turns it off.
+    """
 
     name: str
     model: Model
@@ -59,6 +65,7 @@ class Agent:
     policies: Mapping[str, SurfacePolicy | str] = field(default_factory=dict)
     authorize_answer: AuthorizeAnswer | None = None
     deliver: Deliver | None = None
+    context: ContextPolicy | None = field(default_factory=ContextPolicy)
 
     def __post_init__(self) -> None:
         validate_session_id(self.name, what="agent name")
@@ -117,8 +124,10 @@ class Agent:
     ) -> Agent:
         """Assemble an agent from ``instructions.md``, ``instructions.<source>.md`` and ``agent.toml``.
 
-        ``agent.toml`` may set ``name`` and ``[surfaces.<source>]`` tables with ``mode``
-        (``append`` or ``replace``) and ``deny_tools``. Tools come from ``tools`` or, when
+        ``agent.toml`` may set ``name``, ``[surfaces.<source>]`` tables with ``mode``
+        (``append`` or ``replace``) and ``deny_tools``, and a ``[context]`` table with the
+        :class:`ContextPolicy` numbers (``window_tokens``, ``compact_at``, ``keep``, ``chars_per_token``,
+        ``message_chars``) or ``enabled = false``. Tools come from ``tools`` or, when
         not given, from the ``Tool`` objects defined in ``tools/*.py``.
         """
         root = Path(path)
@@ -154,6 +163,7 @@ class Agent:
             policies=policies,
             authorize_answer=authorize_answer,
             deliver=deliver,
+            context=_context_policy(config.get("context", {}), toml_path),
         )
 
 
@@ -199,6 +209,25 @@ def derive_policies(
         for source in sorted(set(policies) - known):
             log.warning("policy for source %r: no channel emits that source, so it never applies", source)
     return policies
+
+
+_CONTEXT_KEYS = frozenset({"window_tokens", "compact_at", "keep", "chars_per_token", "message_chars", "enabled"})
+
+
+def _context_policy(table: Any, where: Path) -> ContextPolicy | None:
+    """The ``[context]`` table of ``agent.toml`` as a policy (absent: the default one)."""
+    if not isinstance(table, dict):
+        raise AgentDefinitionError(f"{where}: [context] must be a table")
+    unknown = sorted(set(table) - _CONTEXT_KEYS)
+    if unknown:
+        raise AgentDefinitionError(f"{where}: [context] has unknown settings {unknown}; known: {sorted(_CONTEXT_KEYS)}")
+    settings = dict(table)
+    if settings.pop("enabled", True) is False:
+        return None
+    try:
+        return ContextPolicy(**settings)
+    except TypeError as exc:
+        raise AgentDefinitionError(f"{where}: [context]: {exc}") from None
 
 
 def _load_tools(folder: Path) -> list[Tool]:

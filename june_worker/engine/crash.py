@@ -1,8 +1,9 @@
 """Crash injection, for tests only: die at a commit boundary as if the process was killed there.
 
 Points: ``before-model-commit``, ``after-model-commit``, ``before-tool-commit``,
-``after-tool-commit`` and ``before-publish`` (committed, events not yet published; its step
-is ``turn:open`` for the opening commit and ``turn:end`` for a park, cancel or failure). Nothing
+``after-tool-commit``, ``before-compact-commit``, ``after-compact-commit`` (a context policy's
+compaction step, ``compact:<n>``) and ``before-publish`` (committed, events not yet published; its
+step is ``turn:open`` for the opening commit and ``turn:end`` for a park, cancel or failure). Nothing
 here runs unless a host is handed a hook explicitly; production code paths pass ``None``.
 """
 
@@ -26,6 +27,8 @@ CRASH_POINTS = frozenset(
         "after-model-commit",
         "before-tool-commit",
         "after-tool-commit",
+        "before-compact-commit",
+        "after-compact-commit",
         "before-publish",
         "before-deliver",  # the worker host, after a turn with a target ended, with its turn id as the step
         "before-intake",  # the worker, a june.turn message received and not yet recorded; its turn id as the step

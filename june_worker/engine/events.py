@@ -3,7 +3,7 @@
 Two kinds of event, and the difference matters everywhere:
 
 * **structural** events (``turn.*``, ``message.completed``, ``action.*``,
-  ``input.requested``) are committed with the step that caused them, get a per-session
+  ``input.requested``, ``context.compacted``) are committed with the step that caused them, get a per-session
   ``seq`` from the store, and are delivered exactly once per session stream;
 * **deltas** (``message.delta``, ``reasoning.delta``) are live tokens: never stored,
   never replayed, and tagged with their ``step`` and ``attempt`` so a reader can tell a
@@ -36,6 +36,7 @@ __all__ = [
     "ActionRequested",
     "Cancelled",
     "Completed",
+    "ContextCompacted",
     "Failed",
     "InputRequested",
     "MessageCompleted",
@@ -113,6 +114,25 @@ class InputRequested(_Event):
     request: InputRequest
 
 
+class ContextCompacted(_Event):
+    """A compaction step committed: the model summarised the transcript before ``kept_from``, and the summary
+    (at ``at``) stands in for it in every later request. Those messages stay in the store."""
+
+    type: Literal["context.compacted"] = "context.compacted"
+    step: str
+    at: int
+    """Index of the summary message in the transcript."""
+    kept_from: int
+    """Index of the first message every later request still carries as it is."""
+    summarized: int
+    """Messages this summary took in that no earlier summary had (it also carries the previous summary on)."""
+    tokens_before: int
+    """The estimate (or the refusal) that led to it: tokens the request would have taken."""
+    reason: Literal["threshold", "refused"]
+    """``threshold``: the estimate passed the policy's share of the window; ``refused``: the model refused a
+    request as too long."""
+
+
 class TurnCompleted(_Event):
     type: Literal["turn.completed"] = "turn.completed"
     text: str
@@ -139,6 +159,7 @@ TurnEvent = Annotated[
     | ActionRequested
     | ActionCompleted
     | InputRequested
+    | ContextCompacted
     | TurnCompleted
     | TurnFailed
     | TurnCancelled,

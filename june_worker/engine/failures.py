@@ -16,8 +16,9 @@ class           examples                                            what happens
                 caught (rolled back to its savepoint)               result; the model reads it
 ``fatal``       :class:`FatalToolError`, a sync tool that parks or  the turn ends ``failed`` with its phase and
                 returns an awaitable, an abnormal empty model       step; the session serves its next turn
-                stop, any other model error, a value the store
-                refused
+                stop, any other model error, a value the store      (a request too long for the context window:
+                refused, a request the model refuses as longer      the runner first compacts the transcript
+                than its context window                             and asks once more, see :mod:`.context`)
 ``poison``      the same turn started ``max_attempts`` times        the turn ends ``failed``
                 without ending (its process was killed, or each     (:class:`PoisonTurnError`, with the step it
                 attempt ended on a transient fault)                 was at and the last error), its terminal
@@ -37,7 +38,13 @@ import enum
 import random
 from typing import Literal
 
-from ..errors import FatalToolError, PoisonTurnError, StoreUnavailableError, TransientError
+from ..errors import (
+    ContextWindowExceededError,
+    FatalToolError,
+    PoisonTurnError,
+    StoreUnavailableError,
+    TransientError,
+)
 
 __all__ = ["DEFAULT_MAX_ATTEMPTS", "STEP_RETRIES", "Failure", "backoff_s", "classify"]
 
@@ -64,8 +71,8 @@ def classify(exc: BaseException, *, phase: Literal["model", "tool", "store", "ch
     """
     if isinstance(exc, PoisonTurnError):
         return Failure.POISON
-    if isinstance(exc, FatalToolError):
-        return Failure.FATAL
+    if isinstance(exc, (FatalToolError, ContextWindowExceededError)):
+        return Failure.FATAL  # the same request would be refused again, however often it is sent
     if isinstance(exc, StoreUnavailableError):
         return Failure.TRANSIENT
     if phase == "tool":

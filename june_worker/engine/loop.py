@@ -24,6 +24,7 @@ from pydantic import BaseModel
 
 from ..errors import (
     CancelRequestedError,
+    ContextWindowExceededError,
     FatalToolError,
     LeaseLostError,
     ModelStepError,
@@ -33,6 +34,7 @@ from ..errors import (
 )
 from .agent import Agent
 from .cancel import NO_CANCEL, CancelProbe
+from .context import Due, compaction_due, plan_compaction, refused_due, request_view
 from .crash import CrashHook
 from .endings import error_info, reject_turn
 from .events import (
@@ -40,6 +42,7 @@ from .events import (
     ActionRequested,
     Cancelled,
     Completed,
+    ContextCompacted,
     Failed,
     InputRequested,
     MessageCompleted,
@@ -55,7 +58,7 @@ from .events import (
 )
 from .failures import DEFAULT_MAX_ATTEMPTS, STEP_RETRIES, Failure, backoff_s, classify
 from .inputs import InputBroker
-from .model import Done, ModelRequest, ReasoningChunk, TextChunk
+from .model import Done, Model, ModelRequest, ReasoningChunk, TextChunk
 from .signals import CrashInjected, ParkSignal, SyncParkError
 from .sink import EventSink
 from .storable import storable_json, storable_text
@@ -90,6 +93,7 @@ from .types import (
     ModelReply,
     Principal,
     ProactiveTrigger,
+    SummaryMessage,
     ToolCall,
     ToolMessage,
     Trigger,
@@ -204,6 +208,12 @@ class TurnRunner:
         self.step_retries = step_retries
         self.attempt = attempt if attempt is not None else record.attempts + 1
         self.messages: list[Message] = []
+        """The transcript as committed: what was read, then each message once its commit returned."""
+        self.generation: int | None = None
+        """The generation of the session ``messages`` belong to; None until the session was read."""
+        self.compacted_at: int | None = None
+        """Index of the latest summary in ``messages`` (a context policy's compaction); None: none."""
+        self._compacted_on_refusal = False
         self.steps: dict[str, StepRecord] = {}
         self.usage = Usage()
         self.policy: SurfacePolicy | None = None
@@ -257,7 +267,9 @@ class TurnRunner:
     async def _attempt(self) -> TurnResult:
         snap = self._snapshot if self._snapshot is not None else self.store.load(self.ref)
         self._snapshot = None
+        self.generation = snap.generation
         self.messages = list(snap.messages)
+        self.compacted_at = self._summary_index(snap.compacted_at)
         self.steps.clear()
         self.steps.update(snap.steps)  # in place: the input broker reads this same mapping
         self.usage = Usage()
@@ -393,7 +405,7 @@ class TurnRunner:
         for step in self.steps.values():
             if step.turn_id != self.turn_id or not isinstance(step.data, dict):
                 continue
-            if step.step_id.startswith("model:") and step.data.get("usage"):
+            if step.step_id.startswith(("model:", "compact:")) and step.data.get("usage"):
                 self.usage = self.usage + Usage.model_validate(step.data["usage"])
             elif step.step_id.startswith(answers) and step.data.get("policy"):
                 self.policy = SurfacePolicy.model_validate(step.data["policy"])
@@ -450,18 +462,35 @@ class TurnRunner:
     # --- model step --------------------------------------------------------------------------------
 
     async def _model_step(self) -> TurnResult | None:
+        if await self._compact_if_due():
+            return None  # the summary committed: the loop comes back for the model call
         n = len(self.messages)
         step = f"model:{n}"
         self._at = ("model", step)
         self._check_cancel()
         request = ModelRequest(
             system=self.agent.system_prompt(self.policy),
-            messages=self.messages,
+            messages=request_view(self.messages, self.compacted_at),
             tools=[t.spec for t in self.tools.values()],
             turn_id=self.turn_id,
             step=step,
         )
-        done = await self._stream(request, step)
+        try:
+            done = await self._stream(request, step)
+        except _StepFailure as failure:
+            if not isinstance(failure.exc, ContextWindowExceededError):
+                raise
+            if await self._compact_after_refusal():
+                return None  # shorter now: the loop asks again
+            raise _StepFailure(
+                ContextWindowExceededError(
+                    "the request is longer than the model's context window, and compacting the transcript "
+                    f"{'did not make it short enough' if self._compacted_on_refusal else 'is not configured'} "
+                    f"(agent {self.agent.name}: Agent(context=ContextPolicy(...))); the provider said: {failure.exc}"
+                ),
+                "model",
+                step,
+            ) from failure.exc
         # A cancel can land while the stream closes (its cleanup runs in aclose): recheck.
         self._check_cancel()
         reply, finish = _storable_reply(done.reply), done.finish
@@ -479,7 +508,7 @@ class TurnRunner:
         if usage is not None:
             self.usage = self.usage + usage
         message = AssistantMessage(
-            turn_id=self.turn_id, text=reply.text, tool_calls=reply.tool_calls, reasoning=reply.reasoning
+            turn_id=self.turn_id, text=reply.text, tool_calls=reply.tool_calls, reasoning=reply.reasoning, usage=usage
         )
         events: list[TurnEvent] = []
         if reply.text:
@@ -503,8 +532,104 @@ class TurnRunner:
         self._hit("after-model-commit", step)
         return result
 
-    async def _stream(self, request: ModelRequest, step: str) -> Done:
-        """Read the model's stream; a cancel that arrives while we wait on it interrupts the wait."""
+    # --- compaction step (the agent's context policy, see .context) --------------------------------------
+
+    def _summary_index(self, reported: int | None) -> int | None:
+        """The store's ``compacted_at``, if it does point at a summary (else the transcript is sent whole)."""
+        if reported is None:
+            return None
+        if 0 <= reported < len(self.messages) and isinstance(self.messages[reported], SummaryMessage):
+            return reported
+        log.error("session %s: compacted_at=%s is not a summary's index; ignoring it", self.ref, reported)
+        return None
+
+    async def _compact_if_due(self) -> bool:
+        """Compact first when the request about to be sent is estimated past the policy's share of the window."""
+        system = self.agent.system_prompt(self.policy)
+        due = compaction_due(self.agent.context, self.agent.model, self.messages, self.compacted_at, system=system)
+        return due is not None and await self._compact(due)
+
+    async def _compact_after_refusal(self) -> bool:
+        """The model refused the request as too long: compact (once per run) so that the step can ask again."""
+        if self.agent.context is None or self._compacted_on_refusal:
+            return False
+        self._compacted_on_refusal = True
+        system = self.agent.system_prompt(self.policy)
+        return await self._compact(
+            refused_due(self.agent.context, self.agent.model, self.messages, self.compacted_at, system=system)
+        )
+
+    async def _compact(self, due: Due) -> bool:
+        """The compaction step ``compact:<n>``: the model summarises the transcript before a cut, and the summary
+        commits as message ``n`` (checkpointed like a model reply: a replay finds it and never summarises again).
+        False when there is nothing to cut: the request goes as it is."""
+        policy, n = due.policy, len(self.messages)
+        step = f"compact:{n}"
+        keep = max(int(policy.keep * due.window), 1)
+        plan = plan_compaction(
+            self.messages, self.compacted_at, keep_tokens=keep, chars_per_token=policy.chars_per_token
+        )
+        if plan is None:
+            log.warning("turn %s of %s: ~%d tokens, and nothing to compact", self.turn_id, self.ref, due.tokens)
+            return False
+        self._at = ("model", step)
+        self._check_cancel()
+        # What it is sent stays clear of the window with room for its instructions and its answer.
+        room = int((1 - policy.keep) * due.window * policy.chars_per_token) - len(policy.instructions)
+        text = plan.request_text(message_chars=policy.message_chars, max_chars=room)
+        request = ModelRequest(
+            system=policy.instructions,
+            messages=[UserMessage(turn_id=self.turn_id, text=text)],
+            turn_id=self.turn_id,
+            step=step,
+        )
+        try:
+            done = await self._stream(request, step, model=policy.model, live=False)  # a summary is no reply: no deltas
+        except _StepFailure as refused:
+            if isinstance(refused.exc, ContextWindowExceededError):
+                why = f"the compaction step's own request was too long for the model: {refused.exc}"
+                raise _StepFailure(ContextWindowExceededError(why), "model", step) from refused.exc
+            raise
+        self._check_cancel()
+        reply, finish = _storable_reply(done.reply), done.finish
+        if not reply.text.strip() or (finish is not None and finish.reason in ("refusal", "content_filter")):
+            stopped = f" (it stopped: {finish.reason})" if finish is not None else ""
+            failure = ModelStepError(f"the model wrote no usable summary when compacting the transcript{stopped}")
+            raise _StepFailure(failure, "model", step)
+        if done.usage is not None:
+            self.usage = self.usage + done.usage
+        summary = SummaryMessage(turn_id=self.turn_id, text=reply.text.strip(), kept_from=plan.kept_from)
+        event = ContextCompacted(
+            turn_id=self.turn_id,
+            step=step,
+            at=n,
+            kept_from=plan.kept_from,
+            summarized=len(plan.older),
+            tokens_before=due.tokens,
+            reason=due.reason,
+        )
+        data = {**_model_step_data(finish, done.usage), "kept_from": plan.kept_from, "tokens_before": due.tokens}
+        record = StepRecord(step_id=step, turn_id=self.turn_id, data=data)
+        self._hit("before-compact-commit", step)
+        self._commit(Commit(messages=[(n, summary)], steps=[record], events=[event]), step, cancellable=True)
+        self._hit("after-compact-commit", step)
+        log.info(
+            "turn %s of %s: compacted ~%d tokens (%s): messages before %d summarised as message %d",
+            self.turn_id,
+            self.ref,
+            due.tokens,
+            due.reason,
+            plan.kept_from,
+            n,
+        )
+        return True
+
+    # --- reading a model's stream ------------------------------------------------------------------
+
+    async def _stream(self, request: ModelRequest, step: str, *, model: Model | None = None, live: bool = True) -> Done:
+        """Read the model's stream; a cancel that arrives while we wait on it interrupts the wait.
+
+        ``model``: another model than the agent's; ``live=False``: its deltas are not published."""
         task = asyncio.current_task()
         assert task is not None
         interrupted = False
@@ -518,7 +643,7 @@ class TurnRunner:
 
         self.cancel.on_cancel(interrupt)
         try:
-            done = await self._consume(request, step)
+            done = await self._consume(request, step, model or self.agent.model, live)
             if interrupted:
                 await asyncio.sleep(0)  # a cancellation still pending on the task is delivered here
             return done
@@ -530,15 +655,17 @@ class TurnRunner:
         finally:
             self.cancel.on_cancel(None)
 
-    async def _consume(self, request: ModelRequest, step: str) -> Done:
+    async def _consume(self, request: ModelRequest, step: str, model: Model, live: bool) -> Done:
         try:
-            stream = self.agent.model.stream(request)
+            stream = model.stream(request)
         except Exception as exc:
             raise self._model_failure(exc, step) from exc
         done: Done | None = None
         try:
             async for delta in stream:
                 self._check_cancel()
+                if not live and not isinstance(delta, Done):
+                    continue
                 if isinstance(delta, TextChunk):
                     if delta.text:
                         text = storable_text(delta.text)
@@ -837,7 +964,10 @@ class TurnRunner:
         except CancelRequestedError as exc:
             raise _Cancel(exc.reason) from None
         assert built is not None
-        self.messages.extend(m for _, m in built.messages)
+        for index, message in built.messages:
+            self.messages.append(message)
+            if isinstance(message, SummaryMessage):
+                self.compacted_at = index
         for s in built.steps:
             self.steps[s.step_id] = s
         if step is not None:

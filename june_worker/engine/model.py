@@ -32,7 +32,13 @@ class ToolSpec(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class ModelRequest:
-    """One model call: the system prompt, the whole transcript, and the tools on offer."""
+    """One model call: the system prompt, the transcript, and the tools on offer.
+
+    ``messages`` is the whole transcript, or, once the agent's context policy compacted it, a
+    :class:`~.types.SummaryMessage` followed by the messages it keeps (a model maps the summary as it
+    sees fit; the Anthropic adapter sends it as the first user message). A compaction step's own
+    request (``step`` ``compact:<n>``) is one user message holding the part to summarise as text.
+    """
 
     system: str
     messages: list[Message]

@@ -150,7 +150,12 @@ class SessionSnapshot(_Record):
     reset_pending: bool = False
     messages: list[Message] = Field(default_factory=list)
     steps: dict[str, StepRecord] = Field(default_factory=dict)
+    """Every step record of the session, or at least the reserved ``session:*`` ones and those of its
+    unfinished turns: nothing reads the steps of a turn that ended (a worker reads only those)."""
     event_seq: int = 0
+    compacted_at: int | None = None
+    """Index in ``messages`` of the latest :class:`~.types.SummaryMessage` (None: the session was never
+    compacted). A store reports it so that nobody has to look through a long transcript for it."""
 
 
 class ResetResult(_Record):
@@ -228,7 +233,7 @@ class SessionStore(Protocol):
     """False only for the memory store: a sync tool's writes are not undone on error."""
 
     def load(self, ref: SessionRef) -> SessionSnapshot:
-        """The whole live session: status, checkpoint, transcript and steps. One read per turn."""
+        """The whole live session: status, checkpoint, transcript, steps and ``compacted_at``. One read per turn."""
         ...
 
     def commit(self, ref: SessionRef, commit: Commit | CommitBuilder, *, fence: int | None = None) -> list[TurnEvent]:

@@ -35,6 +35,7 @@ __all__ = [
     "ReasoningBlock",
     "ResumeTrigger",
     "SpeakerIdentity",
+    "SummaryMessage",
     "ToolCall",
     "ToolMessage",
     "Trigger",
@@ -162,6 +163,11 @@ class Usage(_Model):
             cache_write_tokens=self.cache_write_tokens + other.cache_write_tokens,
         )
 
+    @property
+    def context_tokens(self) -> int:
+        """Tokens the request took in, cached or not: how much of the context window it filled."""
+        return self.input_tokens + self.cache_read_tokens + self.cache_write_tokens
+
 
 FinishReason = Literal["stop", "tool_calls", "max_tokens", "content_filter", "refusal", "malformed_tool_call", "other"]
 ABNORMAL_FINISHES: frozenset[str] = frozenset(
@@ -212,11 +218,22 @@ class TriggerMessage(_Model):
 
 
 class AssistantMessage(_Model):
+    """A model reply. ``usage``: what the call that wrote it reported (how full the context window was);
+    left out of a dump when the model reported none, so rows without it look as they always did."""
+
     role: Literal["assistant"] = "assistant"
     turn_id: str
     text: str = ""
     tool_calls: list[ToolCall] = Field(default_factory=list)
     reasoning: list[ReasoningBlock] = Field(default_factory=list)
+    usage: Usage | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_missing_usage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.usage is None:
+            data.pop("usage", None)
+        return data
 
 
 class ToolMessage(_Model):
@@ -228,7 +245,23 @@ class ToolMessage(_Model):
     is_error: bool = False
 
 
-Message = Annotated[UserMessage | TriggerMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+class SummaryMessage(_Model):
+    """What the model wrote about the transcript before ``kept_from`` when the session neared its context window.
+
+    It stands in for ``messages[:kept_from]`` in every later model request (the request starts with it,
+    then the messages from ``kept_from`` on); those messages stay in the store as they were. Written by
+    the compaction step of a context policy (:mod:`june_worker.engine.context`).
+    """
+
+    role: Literal["summary"] = "summary"
+    turn_id: str
+    text: str
+    kept_from: int
+
+
+Message = Annotated[
+    UserMessage | TriggerMessage | AssistantMessage | ToolMessage | SummaryMessage, Field(discriminator="role")
+]
 MessageAdapter: TypeAdapter[Message] = TypeAdapter(Message)
 
 

@@ -25,6 +25,7 @@ from ..engine.types import (
     Message,
     ModelReply,
     ReasoningBlock,
+    SummaryMessage,
     ToolCall,
     ToolMessage,
     TriggerMessage,
@@ -35,6 +36,7 @@ from ..engine.types import (
 __all__ = [
     "DEFAULT_TRIGGER_NOTE",
     "STOP_REASONS",
+    "SUMMARY_NOTE",
     "continuation_param",
     "finish_for",
     "reply_from",
@@ -53,6 +55,12 @@ CACHE_CONTROL: dict[str, str] = {"type": "ephemeral"}
 
 DEFAULT_TRIGGER_NOTE = "[Automated message from {by}. No human sent it.]"
 """Sent as a text block before a ``trigger`` message's text, so the model knows no person is asking."""
+
+SUMMARY_NOTE = (
+    "[Summary of the earlier conversation. The messages it replaces were left out of this request to keep it "
+    "within the context window.]"
+)
+"""Sent as a text block before a context summary (:class:`SummaryMessage`), which goes as a user message."""
 
 STOP_REASONS: dict[str, FinishReason] = {
     "end_turn": "stop",
@@ -129,6 +137,9 @@ def _role_and_blocks(message: Message, trigger_note: str | None) -> tuple[str, l
         return "user", note + _text(message.text)
     if isinstance(message, AssistantMessage):
         return "assistant", _assistant_blocks(message)
+    if isinstance(message, SummaryMessage):
+        # The start of every request after a compaction; the API wants a user message first anyway.
+        return "user", _text(SUMMARY_NOTE) + _text(message.text)
     return "user", [_tool_result(message)]
 
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine.model import Done, ModelDelta, ModelRequest, ReasoningChunk, TextChunk
 from ..engine.secrets import register_secret, scrub
-from ..errors import ConfigError, ModelProviderError, ModelStreamError
+from ..errors import ConfigError, ContextWindowExceededError, ModelProviderError, ModelStreamError
 from ._anthropic_mapping import (
     DEFAULT_TRIGGER_NOTE,
     continuation_param,
@@ -60,6 +60,9 @@ INSTALL_HINT = "pip install 'june-worker[anthropic]'"
 
 RETRYABLE_STREAM_ERRORS = frozenset({"overloaded_error", "api_error", "rate_limit_error", "timeout_error"})
 """``error.type`` values of an in-stream ``error`` event that a fresh request may not hit again."""
+
+_TOO_LONG = ("prompt is too long", "exceed context limit")
+"""How the API's 400 ``invalid_request_error`` says a request is longer than the model's context window."""
 
 _MAX_STREAM_RETRY_DELAY_S = 8.0
 _MIN_THINKING_BUDGET = 1024
@@ -124,6 +127,10 @@ class AnthropicModel:
     server-tool run) is continued by sending its content back, at most this many times within one
     model step; the deltas of every request are forwarded and one ``Done`` carries the whole reply.
     Past the bound the reply so far is returned with its ``pause_turn`` finish (``other``).
+
+    ``context_window_tokens``: the model's context window, which an agent's context policy keeps its
+    requests inside (200,000 for the Claude models; more where a 1M-token window is enabled). A request
+    the API refuses as too long raises :class:`~june_worker.errors.ContextWindowExceededError`.
     """
 
     def __init__(
@@ -142,6 +149,7 @@ class AnthropicModel:
         stream_retries: int = 2,
         stream_retry_delay_s: float = 1.0,
         max_pause_continuations: int = 5,
+        context_window_tokens: int = 200_000,
     ) -> None:
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be a positive number of tokens, got {max_tokens}")
@@ -155,6 +163,10 @@ class AnthropicModel:
             raise ConfigError("max_retries and stream_retries must be 0 or more")
         if max_pause_continuations < 0:
             raise ConfigError(f"max_pause_continuations must be 0 or more, got {max_pause_continuations}")
+        if context_window_tokens <= max_tokens:
+            raise ConfigError(
+                f"context_window_tokens ({context_window_tokens}) must be more than max_tokens ({max_tokens})"
+            )
         if client is None:
             _sdk()  # a missing extra is a deployment mistake: say so when the model is built
         elif max_retries is not None and callable(getattr(client, "with_options", None)):
@@ -169,6 +181,7 @@ class AnthropicModel:
         self.stream_retries = stream_retries
         self.stream_retry_delay_s = stream_retry_delay_s
         self.max_pause_continuations = max_pause_continuations
+        self.context_window_tokens = context_window_tokens
         self._client = client
         self._api_key = api_key
         self._base_url = base_url
@@ -326,7 +339,8 @@ class AnthropicModel:
             kind = f" {error_type}" if error_type else ""
             request = f" (request {exc.request_id})" if getattr(exc, "request_id", None) else ""
             retryable = error_type in RETRYABLE_STREAM_ERRORS if in_stream else exc.status_code in (408, 409, 429)
-            return ModelProviderError(
+            too_long = exc.status_code == 400 and any(m in str(detail).lower() for m in _TOO_LONG)
+            return (ContextWindowExceededError if too_long else ModelProviderError)(
                 scrub(f"Anthropic {where}{kind}: {detail}{request}"),
                 None if in_stream else exc.status_code,
                 error_type,

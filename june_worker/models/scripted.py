@@ -51,11 +51,17 @@ _WORDS = re.compile(r"\S+\s*|\s+")
 
 @dataclass
 class ScriptedModel:
-    """Replies from a script. ``delay_s`` paces the text deltas (one per word) like a real stream."""
+    """Replies from a script. ``delay_s`` paces the text deltas (one per word) like a real stream.
+
+    ``context_window_tokens``: the window an agent's context policy assumes (none by default: never compacted).
+    After a compaction a request holds fewer assistant messages (the summary stands in for the older ones),
+    which is what a list script counts.
+    """
 
     script: Script
     delay_s: float = 0.0
     record: bool = False
+    context_window_tokens: int | None = None
     calls: int = field(default=0, init=False)
     requests: list[ModelRequest] = field(default_factory=list, init=False)
 

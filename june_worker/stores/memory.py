@@ -50,6 +50,7 @@ class _Session:
     next_position: int = 1
     fence: int = 0
     park_expires_at: float | None = None
+    compacted_at: int | None = None
 
 
 class MemoryStore:
@@ -80,6 +81,7 @@ class MemoryStore:
                 messages=list(s.messages),
                 steps=dict(s.steps),
                 event_seq=len(s.events),
+                compacted_at=s.compacted_at,
             )
 
     def commit(self, ref: SessionRef, commit: Commit | CommitBuilder, *, fence: int | None = None) -> list[TurnEvent]:
@@ -91,6 +93,8 @@ class MemoryStore:
             self._check(ref, s, commit)
             # Everything checked: apply.
             for _, message in commit.messages:
+                if message.role == "summary":
+                    s.compacted_at = len(s.messages)
                 s.messages.append(message)
             for step in commit.steps:
                 s.steps.setdefault(step.step_id, step)
@@ -227,6 +231,7 @@ class MemoryStore:
                 }
             )
             s.messages = []
+            s.compacted_at = None
             s.steps = {}
             s.suspended, s.park_expires_at = None, None
             s.status = "new"

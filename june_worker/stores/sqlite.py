@@ -131,6 +131,10 @@ _MIGRATIONS: list[str] = [
     alter table june_turns add column last_error text;
     alter table june_sessions add column park_expires_at real;
     """,
+    # 3: the latest context summary of a session, found without reading its transcript
+    """
+    create index june_messages_summaries on june_messages (agent, session, idx) where role = 'summary';
+    """,
 ]
 
 
@@ -249,8 +253,14 @@ class SQLiteStore:
                     (ref.agent, ref.session),
                 )
             }
+            (compacted_at,) = conn.execute(
+                "select max(idx) from june_messages where agent = ? and session = ? and role = 'summary'",
+                (ref.agent, ref.session),
+            ).fetchone()
         if row is None:
-            return SessionSnapshot(ref_agent=ref.agent, ref_session=ref.session, messages=messages, steps=steps)
+            return SessionSnapshot(
+                ref_agent=ref.agent, ref_session=ref.session, messages=messages, steps=steps, compacted_at=compacted_at
+            )
         generation, status, suspended, event_seq, reset_pending, expires_at = row
         return SessionSnapshot(
             ref_agent=ref.agent,
@@ -262,6 +272,7 @@ class SQLiteStore:
             messages=messages,
             steps=steps,
             event_seq=event_seq,
+            compacted_at=compacted_at,
         )
 
     def pending(self, ref: SessionRef) -> SuspendedCheckpoint | None:

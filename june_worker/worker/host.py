@@ -51,6 +51,7 @@ from ..stores.postgres import PostgresStore
 from . import rendering
 from .queue import Intake, Lease, SessionQueue
 from .settings import WorkerSettings
+from .transcripts import TranscriptCache
 
 __all__ = ["WorkerHost", "get_host", "load_agents"]
 
@@ -161,6 +162,10 @@ class WorkerHost:
         self.agents = agents if agents is not None else load_agents(settings.agents)
         self.store = PostgresStore(settings.database_url)
         self.queue = SessionQueue(self.store.pool, lease_s=settings.lease_s)
+        # Transcripts of sessions this process ran lately: a turn then reads only what it does not hold.
+        self.transcripts = TranscriptCache(
+            max_sessions=settings.transcript_cache, max_messages=settings.transcript_cache_messages
+        )
         self.keys = EventKeys(prefix=settings.key_prefix, firehose_partitions=settings.firehose_partitions)
         self.redis = redis.Redis.from_url(
             settings.redis_url, health_check_interval=30, socket_timeout=5, socket_connect_timeout=2
@@ -222,7 +227,7 @@ class WorkerHost:
         lease came with it, drain the session. Returns what the intake found and what ran."""
         self._listen_to(ref)
         try:
-            got = self.queue.intake(ref, turn_id, payload, self.owner)
+            got = self.queue.intake(ref, turn_id, payload, self.owner, held=self.transcripts.get(ref))
         except BaseException:
             self._stop_listening()
             raise
@@ -300,6 +305,7 @@ class WorkerHost:
         parked = self.store.pending(ref)
         if parked is not None:
             self.sink.publish(ref, self.store.commit(ref, reset_park_commit(parked), fence=fence))
+        self.transcripts.drop(ref)
         result = self.store.reset(ref, fence=fence)
         log.info("reset %s: history archived as %s", ref, result.previous_session)
         return result
@@ -366,6 +372,10 @@ class WorkerHost:
             if self._running is not None:
                 self._running.turn_id = rec.turn_id
                 self._running.cancel = cancel
+        if snapshot is None:  # the session as the last turn left it: only the messages this process does not hold
+            snapshot, _ = self.queue.read(ref, held=self.transcripts.get(ref))
+        if snapshot is None:  # the session as the last turn left it: only the messages this process does not hold
+            snapshot, _ = self.queue.read(ref, held=self.transcripts.get(ref))
         target = rec.payload.target
         # A turn with a target keeps the lease while it is delivered; its ending marks the delivery due.
         ending = _Ending(self.store, rec.turn_id, release=release and target is None, deliver_due=target is not None)
@@ -385,9 +395,14 @@ class WorkerHost:
         try:
             result = self.loop.run_until_complete(runner.run())
             self._turn_sink.flush()  # the turn's events are in Redis (or relayed) before anyone hears it ended
+        except BaseException:
+            self.transcripts.drop(ref)
+            raise
         finally:
             if live is not None:
                 live.close()  # what the channel was shown live, before the delivery converges it
+        if runner.generation is not None:  # what the turn read and committed: the next one reads what is after it
+            self.transcripts.put(ref, runner.generation, runner.messages)
         if target is not None and result.status != "rejected":
             if ending.ended:
                 self.deliver(ref, rec, agent, result)

@@ -23,16 +23,8 @@ from psycopg_pool import ConnectionPool
 from ..engine.store import SessionRef, SessionSnapshot, SuspendedCheckpoint, TurnPayload, TurnRecord
 from ..stores._pg_commit import NOTHING_NEW
 from ..stores._sql import one_line
-from ..stores.postgres import (
-    MESSAGES_JSON,
-    STEPS_JSON,
-    TURN_COLUMNS,
-    TURN_WIDTH,
-    pooled,
-    session_snapshot,
-    turn_columns,
-    turn_from_row,
-)
+from ..stores.postgres import TURN_WIDTH, pooled, session_snapshot, turn_columns, turn_from_row
+from .transcripts import Held, held_params
 
 __all__ = ["Intake", "Lease", "SessionQueue", "Stranded"]
 
@@ -47,61 +39,22 @@ _LEASE_IS_FREE = f"""(
     or not exists (select 1 from june_workers w where w.owner = {{s}}.lease_owner and w.alive_until >= {_NOW}))"""
 
 
-# Intake in one statement: record the turn unless it exists or another turn is parked, and take
-# the lease in the same update of the session row that bumps next_position (so a holder's release
-# fails, NOTHING_NEW), when there is a turn to run and the lease is free or ours. Taking the lease
-# also reads the session (transcript, steps, first unfinished turn) for the turn to run on, so the
-# lease is taken only if the row it updates is the very version this statement's snapshot saw
-# (xmin): every commit updates that row, so nothing was committed to the session that the snapshot
-# misses. If another writer got in between, the lease is left alone and `retry` says to run the
-# statement again (a new snapshot); the turn, once recorded, is not recorded twice.
-_TAKE = f"""(s.lease_owner = excluded.lease_owner or {_LEASE_IS_FREE.format(s="s")})
-            and s.xmin = (select snap.version from snap)"""
+# Intake in one statement: june_intake (migration 8 in stores/postgres.py, where the whole statement is, with
+# why each part is there) records the turn and takes the lease, and with the lease reads the session: only the
+# messages after those the worker holds (`held`), when what it holds is still the session's transcript.
 _INTAKE = one_line(f"""
-with snap as (
-    select s.xmin as version, s.fence, s.generation, s.status, s.suspended::text as suspended, s.reset_pending
-      from june_sessions s where s.agent = %(agent)s and s.session = %(session)s
-), existing as (
-    select {TURN_COLUMNS} from june_turns
-     where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s
-), plan as (
-    select not exists (select 1 from existing) and not exists (select 1 from snap where suspended is not null and not reset_pending) as record,
-           exists (select 1 from existing where status in ('queued', 'running')) as rerun
-), sess as (
-    insert into june_sessions as s (agent, session, next_position, lease_owner, lease_expires, fence)
-    select %(agent)s, %(session)s, 2, %(o)s, {_NOW} + %(l)s, 1 from plan where plan.record or plan.rerun
-    on conflict (agent, session) do update
-       set next_position = s.next_position + (select plan.record::int from plan),
-           fence = case when {_TAKE} then s.fence + 1 else s.fence end,
-           lease_owner = case when {_TAKE} then excluded.lease_owner else s.lease_owner end,
-           lease_expires = case when {_TAKE} then excluded.lease_expires else s.lease_expires end
-    returning s.next_position - 1 as position, s.generation, s.fence, s.lease_owner, s.lease_expires,
-              s.event_seq, s.reset_pending
-), ins as (
-    insert into june_turns (agent, session, turn_id, position, status, payload, generation)
-    select %(agent)s, %(session)s, %(turn_id)s, sess.position, 'queued', %(payload)s::json, sess.generation
-      from sess, plan where plan.record
-    on conflict do nothing
-    returning {TURN_COLUMNS}
-)
-select exists (select 1 from ins), k.took,
-       not k.took and sess.fence is not null and (sess.lease_owner = %(o)s or {_LEASE_IS_FREE.format(s="sess")}),
-       sess.fence, snap.generation, snap.status, snap.suspended, sess.event_seq, sess.reset_pending,
-       case when k.took then {MESSAGES_JSON} end,
-       case when k.took then {STEPS_JSON} end,
-       e.*, f.*
+select r.recorded, r.took, r.retry, r.fence, r.generation, r.status, r.suspended, r.event_seq, r.reset_pending,
+       r.valid, r.compacted_at, r.messages, r.steps, {turn_columns("(r.existing).")}, {turn_columns("(r.first_turn).")}
+  from june_intake(%(agent)s, %(session)s, %(turn_id)s, %(payload)s::json, %(o)s, %(l)s, %(g)s, %(have)s, %(last)s) r
+""")
+
+# The session for its next turn, under a lease already held: what the intake reads with the lease.
+_READ = one_line("""
+select s.generation, s.status, s.suspended::text, s.event_seq, s.reset_pending, s.park_expires_at,
+       tr.valid, tr.compacted_at, tr.messages, tr.steps
   from (select 1) one
-  left join snap on true
-  left join sess on true
-  cross join lateral (
-        select coalesce(sess.lease_owner = %(o)s and sess.fence = coalesce(snap.fence, 0) + 1, false) as took) k
-  left join existing e on true
-  left join lateral (
-        (select {TURN_COLUMNS} from june_turns
-          where agent = %(agent)s and session = %(session)s and status in ('queued', 'running')
-          order by position limit 1)
-        union all (select * from ins)
-        order by position limit 1) f on k.took
+  left join june_sessions s on s.agent = %(agent)s and s.session = %(session)s
+  cross join june_transcript(%(agent)s, %(session)s, %(g)s, %(have)s, %(last)s) tr
 """)
 
 # Take the lease if it is free or already ours (bumping the fence); no row comes back otherwise.
@@ -134,6 +87,8 @@ class Lease:
     reset_pending: bool
     snapshot: SessionSnapshot | None = None
     """The session as it stood when the lease was taken, when it was read with it (:meth:`SessionQueue.intake`)."""
+    read_from: int = 0
+    """The index from which the snapshot's messages were read (those before it were held by the worker)."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +142,9 @@ class SessionQueue:
         rec = turn_from_row(ref, turn) if turn[0] is not None else None
         return Lease(fence=int(fence), event_seq=int(event_seq), turn=rec, reset_pending=bool(reset_pending))
 
-    def intake(self, ref: SessionRef, turn_id: str, payload: TurnPayload, owner: str) -> Intake:
+    def intake(
+        self, ref: SessionRef, turn_id: str, payload: TurnPayload, owner: str, *, held: Held | None = None
+    ) -> Intake:
         """Record a turn and take the session's lease with its snapshot, in one statement (one round trip, one commit).
 
         The turn is recorded unless it already is, or another turn is parked (the caller rejects
@@ -195,7 +152,8 @@ class SessionQueue:
         dead worker or already ours; otherwise its holder runs the turn: recording it made the
         holder's release fail (:data:`~june_worker.stores._pg_commit.NOTHING_NEW`). With the
         lease comes the session as it is now (:attr:`Lease.snapshot`), read in the same
-        statement (see :data:`_INTAKE`).
+        statement (``june_intake``, migration 8): only the messages after ``held`` (what this
+        worker holds of the transcript) when the statement finds ``held`` still valid, else all.
         """
         params = {
             "agent": ref.agent,
@@ -204,6 +162,7 @@ class SessionQueue:
             "payload": payload.model_dump_json(),
             "o": owner,
             "l": self.lease_s,
+            **held_params(held),
         }
         recorded = False
         for _ in range(_INTAKE_ATTEMPTS):
@@ -211,22 +170,25 @@ class SessionQueue:
                 row = conn.execute(_INTAKE, params).fetchone()
             assert row is not None
             inserted, took, retry, fence, generation, status, suspended, event_seq, reset_pending = row[:9]
-            messages, steps = row[9], row[10]
-            existing, first = row[11 : 11 + TURN_WIDTH], row[11 + TURN_WIDTH : 11 + 2 * TURN_WIDTH]
+            valid, compacted_at, messages, steps = row[9:13]
+            existing, first = row[13 : 13 + TURN_WIDTH], row[13 + TURN_WIDTH : 13 + 2 * TURN_WIDTH]
             recorded = recorded or bool(inserted)
             if not retry:
                 break
         lease = None
         if took:
+            kept = held.messages if held is not None and valid else ()
             lease = Lease(
                 fence=int(fence),
                 event_seq=int(event_seq),
                 turn=turn_from_row(ref, first) if first[0] is not None else None,
                 reset_pending=bool(reset_pending),
                 snapshot=session_snapshot(
-                    ref, generation, status, suspended, event_seq, reset_pending, messages, steps
+                    ref, generation, status, suspended, event_seq, reset_pending, messages, steps,
+                    compacted_at=compacted_at, held=kept,
                 ),
-            )
+                read_from=len(kept),
+            )  # fmt: skip
         elif retry:
             lease = self.take(ref, owner)  # the row kept changing under us: the lease without a snapshot
         rec = turn_from_row(ref, existing) if existing[0] is not None else None
@@ -236,6 +198,22 @@ class SessionQueue:
             recorded=recorded,
             lease=lease,
         )
+
+    def read(self, ref: SessionRef, *, held: Held | None = None) -> tuple[SessionSnapshot, int]:
+        """The session for its next turn, in one round trip: what :meth:`intake` reads with the lease (only the
+        messages after ``held`` when it is still valid). Returns the snapshot and the index the messages were
+        read from (0: all of them)."""
+        params = {"agent": ref.agent, "session": ref.session, **held_params(held)}
+        with pooled(self.pool) as conn:
+            row = conn.execute(_READ, params).fetchone()
+        assert row is not None
+        generation, status, suspended, event_seq, reset_pending, expires_at, valid, compacted_at, messages, steps = row
+        kept = held.messages if held is not None and valid else ()
+        snapshot = session_snapshot(
+            ref, generation, status, suspended, event_seq, reset_pending, messages, steps, expires_at, compacted_at,
+            held=kept,
+        )  # fmt: skip
+        return snapshot, len(kept)
 
     def beat(self, owner: str, alive_s: float) -> None:
         """This worker process is alive for ``alive_s`` more seconds; after that its leases may be taken over."""

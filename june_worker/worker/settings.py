@@ -48,6 +48,11 @@ JUNE_BROKER_VISIBILITY_S    Redis broker: a delivered message not    3 x JUNE_LE
 JUNE_PUBLISH_TIMEOUT_S      connect / send / confirm timeout of a    5
                             publish to the broker
 JUNE_PUBLISH_RETRIES        publish retries before it raises         3
+JUNE_TRANSCRIPT_CACHE       transcripts a worker process keeps in    256
+                            memory, so that a turn reads only the
+                            messages it does not hold (0: off)
+JUNE_TRANSCRIPT_CACHE_      messages held in all; a longer           50000
+MESSAGES                    transcript is read whole every turn
 ==========================  =======================================  ==========================
 
 Crash injection for tests is honoured only when ``JUNE_ENABLE_TEST_HOOKS=1``:
@@ -110,6 +115,8 @@ class WorkerSettings:
     broker_visibility_s: float = 90.0
     publish_timeout_s: float = 5.0
     publish_retries: int = 3
+    transcript_cache: int = 256
+    transcript_cache_messages: int = 50_000
     crash_at: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -152,5 +159,7 @@ class WorkerSettings:
             broker_visibility_s=max(_float(env, "JUNE_BROKER_VISIBILITY_S", _VISIBILITY_LEASES * lease_s), 1.0),
             publish_timeout_s=max(_float(env, "JUNE_PUBLISH_TIMEOUT_S", cls.publish_timeout_s), 0.1),
             publish_retries=int(_float(env, "JUNE_PUBLISH_RETRIES", cls.publish_retries)),
+            transcript_cache=int(_float(env, "JUNE_TRANSCRIPT_CACHE", cls.transcript_cache)),
+            transcript_cache_messages=int(_float(env, "JUNE_TRANSCRIPT_CACHE_MESSAGES", cls.transcript_cache_messages)),
             crash_at=env.get("JUNE_CRASH_AT") if env.get("JUNE_ENABLE_TEST_HOOKS") == "1" else None,
         )

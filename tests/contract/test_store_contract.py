@@ -46,6 +46,7 @@ from june_worker.engine.types import (
     Message,
     MessageAdapter,
     ProactiveTrigger,
+    SummaryMessage,
     ToolCall,
     ToolMessage,
     UserMessage,
@@ -612,6 +613,19 @@ def _history(kit: Kit, ref: SessionRef) -> None:
         ),
     )
     park(kit.store, ref, "t1", "approve")
+
+
+def test_load_reports_where_the_latest_context_summary_is_and_a_reset_forgets_it(kit: Kit, ref: SessionRef) -> None:
+    assert kit.store.load(ref).compacted_at is None
+    kit.store.commit(ref, opening("t1"))
+    kit.store.commit(ref, Commit(messages=[(1, SummaryMessage(turn_id="t1", text="so far", kept_from=1))]))
+    kit.store.commit(ref, Commit(messages=[(2, AssistantMessage(turn_id="t1", text="ok"))]))
+    assert kit.store.load(ref).compacted_at == 1
+    kit.store.commit(ref, Commit(messages=[(3, SummaryMessage(turn_id="t1", text="later", kept_from=2))]))
+    snap = kit.store.load(ref)
+    assert snap.compacted_at == 3 and snap.messages[1] == SummaryMessage(turn_id="t1", text="so far", kept_from=1)
+    kit.store.reset(ref)
+    assert kit.store.load(ref).compacted_at is None
 
 
 def test_reset_archives_the_generation_and_starts_the_next(kit: Kit, ref: SessionRef) -> None:

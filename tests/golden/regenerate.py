@@ -1,4 +1,4 @@
-"""Write the golden files from a real run: ``python -m tests.golden.regenerate``.
+"""Write the golden files from a real run: ``python -m tests.golden.regenerate [v1|v2]``.
 
 Only regenerate on purpose: the point of the files is that rows stored by an older version
 keep loading (and resuming) in a newer one. Add new files beside old ones; never rewrite
@@ -72,5 +72,27 @@ async def main() -> None:
     (HERE / "v1_completed_turn.json").write_text(json.dumps(done, indent=1, ensure_ascii=False) + "\n")
 
 
+async def compacted() -> None:
+    """v2: a session compacted by its context policy (a summary message, a compact step, context.compacted)."""
+    from tests.unit.kit import WindowModel
+
+    store = SQLiteStore(":memory:")
+    rt = Runtime([Agent(name="ops", model=WindowModel(2000, extra_tokens=1500))], store)
+    s = rt.session("ops", "s1")
+    await s.turn("hello", turn_id="t1")
+    await s.turn("x" * 300, turn_id="t2")
+    ref = SessionRef("ops", "s1")
+    snap = store.load(ref)
+    data = {
+        "messages": [m.model_dump(mode="json") for m in snap.messages],
+        "steps": [st.model_dump(mode="json") for st in snap.steps.values()],
+        "turn": store.get_turn(ref, "t2").model_dump(mode="json", by_alias=True),  # type: ignore[union-attr]
+        "events": [e.model_dump(mode="json", by_alias=True) for e in store.events(ref)],
+    }
+    (HERE / "v2_compacted_session.json").write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    import sys
+
+    asyncio.run(compacted() if sys.argv[1:] == ["v2"] else main())

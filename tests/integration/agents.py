@@ -10,11 +10,17 @@ worker gets the same replies.
   "die <key>" calls the sync ``die`` tool, which SIGKILLs its own process every time.
 * ``dribble``: the model streams many deltas slowly, so a cancel can land mid-stream.
 * ``faulty`` (:mod:`.faulty`): stops at a chosen step so a test can inject a fault there.
+* ``window``: a model with a 2,000-token window whose requests carry 1,500 tokens the transcript does
+  not show (:class:`tests.unit.kit.WindowModel`): a session's second turn compacts before its request.
+* ``echo``: answers with :func:`transcript_digest` of the transcript it was sent, so a test can check
+  that every model call saw the stored transcript, whichever worker made it; "tick" first calls the
+  sync ``tick`` tool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import time
@@ -26,9 +32,10 @@ import redis
 from june_worker import Agent, ToolContext, tool
 from june_worker.engine.agent import AnswerRequest
 from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
-from june_worker.engine.types import ModelReply, ToolMessage, TriggerMessage, UserMessage
+from june_worker.engine.types import Message, ModelReply, ToolMessage, TriggerMessage, UserMessage
 from june_worker.models import Reply, ScriptedModel
 
+from ..unit.kit import WindowModel
 from .faulty import faulty_agent
 
 
@@ -116,6 +123,25 @@ class DribblingModel:
         yield Done(reply=ModelReply(text=f"streamed {n}"))
 
 
+def transcript_digest(messages: list[Message]) -> str:
+    """How many messages, and a hash of all of them: what the echo model answers."""
+    joined = "\n".join(m.model_dump_json() for m in messages)
+    return f"{len(messages)} {hashlib.sha256(joined.encode()).hexdigest()[:16]}"
+
+
+def _echo_script(request: ModelRequest) -> Reply:
+    last = request.messages[-1]
+    if isinstance(last, UserMessage) and last.text.startswith("tick"):
+        return Reply(transcript_digest(request.messages), calls=[{"id": "c1", "name": "tick", "input": {}}])
+    return Reply(transcript_digest(request.messages))
+
+
+@tool
+def tick() -> dict[str, Any]:
+    """Do nothing, as a step of its own."""
+    return {"ticked": True}
+
+
 def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
     return [
         Agent(
@@ -127,6 +153,8 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
         ),
         Agent(name="dribble", model=DribblingModel()),
         faulty_agent(),
+        Agent(name="echo", model=ScriptedModel(_echo_script), tools=[tick]),
+        Agent(name="window", model=WindowModel(2000, extra_tokens=1500)),
     ]
 
 

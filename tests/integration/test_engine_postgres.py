@@ -18,6 +18,11 @@ from june_worker import ToolContext, store_write, tool
 from june_worker.engine.events import Failed
 from june_worker.models import Reply, ScriptedModel
 from tests.unit import kit
+from tests.unit.test_context_policy import (  # noqa: F401 - collected here, on Postgres
+    test_a_session_far_past_the_window_keeps_working,
+    test_a_turn_replayed_after_a_crash_at_any_point_of_its_compaction_stores_one_summary,
+    test_reported_usage_past_the_threshold_makes_the_next_turn_compact_before_its_request,
+)
 from tests.unit.test_failure_policy import (  # noqa: F401 - collected here, on Postgres
     test_a_rejected_turn_is_recorded_rejected_in_one_write_with_its_event,
     test_a_sync_tool_that_catches_a_failed_statement_keeps_the_steps_transaction_usable,

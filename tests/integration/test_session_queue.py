@@ -16,6 +16,7 @@ from june_worker.errors import LeaseLostError
 from june_worker.stores._pg_commit import commit_statement
 from june_worker.stores.postgres import PostgresStore
 from june_worker.worker.queue import _INTAKE, Intake, SessionQueue
+from june_worker.worker.transcripts import held_params
 
 from .conftest import wait_for
 
@@ -38,7 +39,15 @@ def _ref() -> SessionRef:
 def _intake_params(ref: SessionRef, turn_id: str, owner: str) -> dict[str, object]:
     """The parameters of SessionQueue.intake's statement, to run it in a transaction held open."""
     payload = TurnPayload(text=turn_id).model_dump_json()
-    return {"agent": ref.agent, "session": ref.session, "turn_id": turn_id, "payload": payload, "o": owner, "l": 30.0}
+    return {
+        "agent": ref.agent,
+        "session": ref.session,
+        "turn_id": turn_id,
+        "payload": payload,
+        "o": owner,
+        "l": 30.0,
+        **held_params(None),
+    }
 
 
 def test_a_turn_recorded_while_the_holder_releases_is_never_stranded(
@@ -262,7 +271,7 @@ def test_an_intake_taking_the_lease_as_its_holder_lets_go_reads_what_the_holder_
     got: list[Intake] = []
     intake = threading.Thread(target=lambda: got.append(q.intake(ref, "t2", TurnPayload(text="next"), "next")))
     intake.start()
-    wait_for(lambda: _waits_on_a_lock(fresh_db, "with snap as"), what="the intake to wait on the session row")
+    wait_for(lambda: _waits_on_a_lock(fresh_db, "june_intake("), what="the intake to wait on the session row")
     holder.commit()
     holder.close()
     intake.join(10)
@@ -271,6 +280,34 @@ def test_an_intake_taking_the_lease_as_its_holder_lets_go_reads_what_the_holder_
     taken = got[0].lease
     assert taken.snapshot == store.load(ref) and taken.snapshot.status == "done" and taken.event_seq == 2
     assert taken.turn is not None and taken.turn.turn_id == "t2"
+
+
+def test_an_intake_that_saw_the_lease_free_leaves_it_to_a_worker_that_took_it_meanwhile(
+    queue: tuple[PostgresStore, SessionQueue], fresh_db: str
+) -> None:
+    # Given a session nobody holds, and another worker taking its lease in a transaction held open
+    store, q = queue
+    ref = _ref()
+    q.beat("other", 60)
+    q.beat("late", 60)
+    store.commit(ref, _opening("t1"))
+    other = psycopg.connect(fresh_db)
+    other.execute(
+        "update june_sessions set lease_owner = 'other', lease_expires = extract(epoch from now()) + 60,"
+        " fence = fence + 1 where agent = %s and session = %s returning fence",
+        (ref.agent, ref.session),
+    )
+    # When an intake starts (its snapshot sees the lease free) and that worker then commits
+    got: list[Intake] = []
+    intake = threading.Thread(target=lambda: got.append(q.intake(ref, "t2", TurnPayload(text="next"), "late")))
+    intake.start()
+    wait_for(lambda: _waits_on_a_lock(fresh_db, "june_intake("), what="the intake to wait on the session row")
+    other.commit()
+    other.close()
+    intake.join(10)
+    # Then the intake records its turn and leaves the lease where it is: the row changed since its snapshot
+    assert got and got[0].recorded and got[0].lease is None
+    assert q.release_or_next(ref, 1)[0] == "next"  # still other's lease (fence 1): it runs the new turn
 
 
 # --- the turn's last commit gives the lease up in the same statement -----------------------------------

@@ -145,6 +145,36 @@ def test_killed_at_a_commit_boundary_leaves_exactly_one_order_row_and_one_of_eac
     ]
 
 
+@pytest.mark.parametrize(
+    "crash_at", ["before-compact-commit@compact:3", "after-compact-commit@compact:3", "before-publish@compact:3"]
+)
+def test_killed_in_a_compaction_step_the_turn_replays_to_one_summary_and_one_event(stack: Stack, crash_at: str) -> None:
+    session = f"compact-{crash_at.split('@')[0]}-{uuid.uuid4().hex[:6]}"
+    # Given a worker that dies at `crash_at` (the session's second turn compacts first: see agents.py "window")
+    doomed = stack.worker(f"doomed-{session[-6:]}", pool="solo", env={"JUNE_CRASH_AT": crash_at})
+    first = stack.turn("window", session, "hello")
+    wait_for(lambda: _completed(stack, "window", session, first), what="the first turn")
+    turn_id = stack.turn("window", session, "x" * 300)
+    wait_for(lambda: doomed.popen.poll() is not None, what="the worker to kill itself in the compaction step")
+    doomed.kill()
+    # When another worker takes the turn over
+    rescuer = stack.worker(f"rescuer-{session[-6:]}")
+    try:
+        wait_for(lambda: _completed(stack, "window", session, turn_id), timeout_s=RECOVERY_BOUND_S)
+    finally:
+        rescuer.stop()
+    # Then the transcript holds one summary, its event was published once, and the answer came after it
+    roles = stack.sql("select role from june_messages where session = %s order by idx", session)
+    assert [r for (r,) in roles] == ["user", "assistant", "user", "summary", "assistant"]
+    events = _assert_clean_stream(stack, "window", session)
+    assert [e["type"] for e in events if e["turn_id"] == turn_id] == [
+        "turn.started",
+        "context.compacted",
+        "message.completed",
+        "turn.completed",
+    ]
+
+
 def test_postgres_connections_killed_mid_turn_reconnect_and_nothing_is_duplicated(stack: Stack) -> None:
     session, key = f"pgkill-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
     worker = stack.worker(f"pgkill-{key[:4]}")

@@ -151,3 +151,10 @@ def test_resume_command_quotes_what_a_shell_would_split() -> None:
 )
 def test_a_typed_answer_is_json_when_it_parses_else_a_string(typed: str, value: object) -> None:
     assert parse_value(typed) == value
+
+
+def test_the_live_view_says_when_a_turn_compacted_its_context() -> None:
+    compacted = ("context.compacted", 2, {"step": "compact:40", "at": 40, "kept_from": 31, "summarized": 30})
+    _, text = render(followed("t_1", [("turn.started", 1, {"trigger": {"kind": "proactive"}}), compacted]))
+
+    assert "⋯ context compacted: 30 older messages summarised, kept from 31" in text.splitlines()

@@ -12,7 +12,7 @@ from june_worker.engine.events import TurnEvent
 from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
 from june_worker.engine.store import SessionStore
 from june_worker.engine.tools import Tool
-from june_worker.engine.types import Finish, ModelReply
+from june_worker.engine.types import Finish, ModelReply, UserMessage
 from june_worker.models import Reply, ScriptedModel
 from june_worker.stores import MemoryStore, SQLiteStore
 
@@ -198,3 +198,51 @@ def transcript(store: SessionStore, agent: str = "ops", session: str = "s1") -> 
 
 def scripted(script: Any, **kw: Any) -> ScriptedModel:
     return ScriptedModel(script, **kw)
+
+
+class WindowModel:
+    """A deterministic model with a context window, for the context policy.
+
+    It reports a request's input tokens as its characters / 3 (plus ``extra_tokens``: what a real request
+    carries that the transcript does not show, like tool schemas), refuses a request past ``refuse_over``
+    tokens (its window by default) as the Anthropic API does, and answers a compaction step
+    (``compact:<n>``) with a summary that says how many user messages it was given. Replies depend on the
+    request only, so a replay gets the same ones.
+    """
+
+    def __init__(
+        self, window: int = 2000, *, refuse_over: int | None = None, extra_tokens: int = 0, report_usage: bool = True
+    ) -> None:
+        self.context_window_tokens = window
+        self.refuse_over = window if refuse_over is None else refuse_over
+        self.extra_tokens = extra_tokens
+        self.report_usage = report_usage
+        self.requests: list[ModelRequest] = []
+        self.refused = 0
+
+    @property
+    def summaries(self) -> int:
+        """Compaction calls made (answered or not)."""
+        return sum(1 for r in self.requests if r.step.startswith("compact:"))
+
+    def tokens(self, request: ModelRequest) -> int:
+        chars = len(request.system) + sum(len(m.model_dump_json()) for m in request.messages)
+        return chars // 3 + self.extra_tokens
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelDelta]:
+        from june_worker.engine.types import Usage
+        from june_worker.errors import ContextWindowExceededError
+
+        self.requests.append(request)
+        tokens = self.tokens(request)
+        if tokens > self.refuse_over:
+            self.refused += 1
+            raise ContextWindowExceededError(f"prompt is too long: {tokens} tokens > {self.refuse_over} maximum", 400)
+        usage = Usage(input_tokens=tokens, output_tokens=8) if self.report_usage else None
+        if request.step.startswith("compact:"):
+            given = request.messages[-1]
+            count = given.text.count("User: ") if isinstance(given, UserMessage) else 0
+            yield Done(reply=ModelReply(text=f"summary: {count} user messages so far"), usage=usage)
+            return
+        yield TextChunk(text="ok")
+        yield Done(reply=ModelReply(text=f"ok, {len(request.messages)} messages seen"), usage=usage)

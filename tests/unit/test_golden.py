@@ -32,8 +32,8 @@ def _keeps(dumped: Any, raw: Any) -> bool:
     return bool(dumped == raw)
 
 
-@pytest.mark.parametrize("name", ["v1_parked_session.json", "v1_completed_turn.json"])
-def test_stored_rows_of_version_1_still_load_and_keep_every_field(name: str) -> None:
+@pytest.mark.parametrize("name", ["v1_parked_session.json", "v1_completed_turn.json", "v2_compacted_session.json"])
+def test_stored_rows_of_older_versions_still_load_and_keep_every_field(name: str) -> None:
     data = _load(name)
     for raw in data.get("messages", []):
         assert _keeps(MessageAdapter.validate_python(raw).model_dump(mode="json"), raw)
@@ -92,3 +92,20 @@ async def test_a_turn_parked_by_version_1_resumes_to_completion(kind: str) -> No
 def test_results_of_version_1_load() -> None:
     data = _load("v1_completed_turn.json")
     assert TurnResultAdapter.validate_python(data["turn"]["result"]).status == "completed"
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_a_session_compacted_by_version_2_goes_on_from_its_summary(kind: str) -> None:
+    from .kit import WindowModel
+
+    data = _load("v2_compacted_session.json")
+    store = make_store(kind)
+    ref = SessionRef("ops", "s1")
+    messages = [MessageAdapter.validate_python(m) for m in data["messages"]]
+    store.commit(ref, Commit(messages=list(enumerate(messages)), status="done"))
+    model = WindowModel(20_000)  # room to spare: the next request is the summary and the messages it kept
+    runtime = Runtime([Agent(name="ops", model=model)], store)
+    assert (await runtime.session("ops", "s1").result(await runtime.session("ops", "s1").start("again"))).status == (
+        "completed"
+    )
+    assert model.requests[-1].messages[0] == messages[3] and messages[3].role == "summary"

@@ -17,8 +17,9 @@ def test_our_limit_is_psycopgs() -> None:
     assert psycopg._queries.MAX_CACHED_STATEMENT_LENGTH == PSYCOPG_CACHED_QUERY_MAX
 
 
-def test_the_intake_statement_is_short_enough_for_psycopgs_query_cache() -> None:
+def test_the_intake_and_read_statements_are_short_enough_for_psycopgs_query_cache() -> None:
     assert len(queue._INTAKE.encode()) <= PSYCOPG_CACHED_QUERY_MAX
+    assert len(queue._READ.encode()) <= PSYCOPG_CACHED_QUERY_MAX
 
 
 @pytest.mark.parametrize(("release", "deliver"), [(False, False), (True, False), (False, True)])
