@@ -48,6 +48,16 @@ JUNE_BROKER_VISIBILITY_S    Redis broker: a delivered message not    3 x JUNE_LE
 JUNE_PUBLISH_TIMEOUT_S      connect / send / confirm timeout of a    5
                             publish to the broker
 JUNE_PUBLISH_RETRIES        publish retries before it raises         3
+JUNE_METRICS_PORT           the worker's main process serves         0 (off)
+                            Prometheus metrics on this port
+                            (``/metrics``; docs/operations.md)
+JUNE_METRICS_HOST           the address it listens on                127.0.0.1
+PROMETHEUS_MULTIPROC_DIR    where the pool's processes keep their    a new temporary directory
+                            metrics (one per worker; emptied at
+                            the worker's start)
+JUNE_LOG_FORMAT             ``text`` or ``json`` (one JSON object    text
+                            per line; turn transitions with their
+                            fields)
 ==========================  =======================================  ==========================
 
 Crash injection for tests is honoured only when ``JUNE_ENABLE_TEST_HOOKS=1``:
@@ -110,6 +120,10 @@ class WorkerSettings:
     broker_visibility_s: float = 90.0
     publish_timeout_s: float = 5.0
     publish_retries: int = 3
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    metrics_dir: str | None = None
+    log_format: str = "text"
     crash_at: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -126,6 +140,12 @@ class WorkerSettings:
         queue_type = env.get("JUNE_BROKER_QUEUE_TYPE", cls.broker_queue_type).strip().lower()
         if queue_type not in ("quorum", "classic"):
             raise ConfigError(f"JUNE_BROKER_QUEUE_TYPE={queue_type!r}: expected quorum or classic")
+        metrics_port = int(_float(env, "JUNE_METRICS_PORT", cls.metrics_port))
+        if metrics_port > 65535:
+            raise ConfigError(f"JUNE_METRICS_PORT={metrics_port}: expected a TCP port (1-65535), or 0 for off")
+        log_format = env.get("JUNE_LOG_FORMAT", cls.log_format).strip().lower()
+        if log_format not in ("text", "json"):
+            raise ConfigError(f"JUNE_LOG_FORMAT={log_format!r}: expected text or json")
         return cls(
             database_url=env.get("JUNE_DATABASE_URL", cls.database_url),
             redis_url=redis_url,
@@ -152,5 +172,9 @@ class WorkerSettings:
             broker_visibility_s=max(_float(env, "JUNE_BROKER_VISIBILITY_S", _VISIBILITY_LEASES * lease_s), 1.0),
             publish_timeout_s=max(_float(env, "JUNE_PUBLISH_TIMEOUT_S", cls.publish_timeout_s), 0.1),
             publish_retries=int(_float(env, "JUNE_PUBLISH_RETRIES", cls.publish_retries)),
+            metrics_port=metrics_port,
+            metrics_host=env.get("JUNE_METRICS_HOST", cls.metrics_host),
+            metrics_dir=env.get("PROMETHEUS_MULTIPROC_DIR") or None,
+            log_format=log_format,
             crash_at=env.get("JUNE_CRASH_AT") if env.get("JUNE_ENABLE_TEST_HOOKS") == "1" else None,
         )
