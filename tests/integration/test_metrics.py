@@ -6,7 +6,7 @@ multiprocess directory. Turns of every ending run on both; a tool that SIGKILLs 
 turns run, by status, the attempts, the steps, the tool outcomes and the tokens the model reported;
 a killed process's counts stay, its in-progress gauge goes. No label holds a session or turn id.
 
-Before this work there was no ``/metrics`` at all (every test here fails on 0aa5e4b's parent).
+Fails on main (d2b81ad): workers serve no ``/metrics`` and log no transitions.
 """
 
 from __future__ import annotations
