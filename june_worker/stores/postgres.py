@@ -247,6 +247,13 @@ _MIGRATIONS: list[str] = [
     create index june_archived_messages_at on june_archived_messages (archived_at);
     create index june_archived_steps_at on june_archived_steps (archived_at);
     """,
+    # 7: the operator console's lists, each read a page at a time along its own index (june_worker/gateway/console.py):
+    # sessions by last activity, parked sessions by how long they waited, failed turns by when they failed
+    """
+    create index june_sessions_activity on june_sessions (updated_at, agent, session);
+    create index june_sessions_parked on june_sessions (updated_at, agent, session) where suspended is not null;
+    create index june_turns_failed on june_turns (finished_at, agent, session, turn_id) where status = 'failed';
+    """,
 ]
 
 _WHY_NOT = """

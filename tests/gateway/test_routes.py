@@ -45,7 +45,11 @@ def detail(r: httpx.Response) -> str:
 
 def test_agents_lists_the_principal_and_only_its_granted_agents(gateway: Gateway) -> None:
     assert gateway.client("op").get("/v1/agents").json()["principal"] == "op-alice"
-    assert gateway.client("narrow").get("/v1/agents").json() == {"principal": "op-carol", "agents": ["dribble", "form"]}
+    assert gateway.client("narrow").get("/v1/agents").json() == {
+        "principal": "op-carol",
+        "agents": ["dribble", "form"],
+        "operator": False,
+    }
 
 
 @pytest.mark.parametrize("authorization", [None, "Bearer not-a-configured-token-at-all", "Basic b3A6b3A=", "Bearer"])
