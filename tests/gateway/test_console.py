@@ -79,6 +79,12 @@ def test_failed_turns_show_their_phase_step_and_error(console_gateway: Gateway) 
         "model:1",
     )
     assert (item["error_type"], item["error"]) == ("RuntimeError", "model exploded (dependency skew)")
+    path = f"/v1/console/agents/boom/sessions/{session}/turns/{failed['turn_id']}/timeline"
+    timeline = gw.client("admin").get(path)
+    assert timeline.status_code == 200, timeline.text
+    t = timeline.json()
+    assert (t["status"], t["phase"], t["step"], t["error"]) == ("failed", "model", "model:1", item["error"])
+    assert [e["type"] for e in t["events"]] == ["turn.started", "turn.failed"]
 
 
 def test_session_pages_follow_their_cursor_newest_first_without_repeats_or_gaps(console_gateway: Gateway) -> None:
