@@ -15,11 +15,12 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from tests.integration.conftest import ROOT
+from tests.integration.conftest import ROOT, wait_for
 
 from .console_kit import console_gateway, console_stack
 from .kit import Gateway
@@ -72,11 +73,14 @@ def test_the_inbox_lists_a_parked_approval_and_approve_by_a_permitted_operator_r
     expect(row).to_contain_text(f"ops · {session}")
     row.get_by_role("button", name="Approve").click()
     expect(row.locator(".act")).to_have_text("approved: resuming")
-    ended = gw.client("admin").get(gw.path("ops", session, f"/turns/{turn_id}")).json()
-    assert ended["status"] in ("queued", "running", "completed")
     expect(page.locator(f"#inbox tr.approval[data-turn='{turn_id}']")).to_have_count(0)  # live: gone from the inbox
-    done = gw.client("admin").get(gw.path("ops", session, f"/turns/{turn_id}")).json()
-    assert done["status"] == "completed" and done["result"]["text"] == "Done: approve -> {'refunded': True}"
+
+    def completed() -> dict[str, Any] | None:
+        turn: dict[str, Any] = gw.client("admin").get(gw.path("ops", session, f"/turns/{turn_id}")).json()
+        return turn if turn["status"] == "completed" else None
+
+    done = wait_for(completed, timeout_s=30, what="the approved turn to complete")
+    assert done["result"]["text"] == "Done: approve -> {'refunded': True}"
 
 
 def test_approve_by_an_operator_the_agent_refuses_shows_why_and_leaves_the_turn_parked(
