@@ -100,9 +100,7 @@ def measure(conn: psycopg.Connection[Any], n: int) -> dict[str, tuple[float, flo
         "sessions: first page, status=running": timed(
             lambda: console.sessions_page(conn, AGENTS, ["running"], 50, None), n
         ),
-        "approvals inbox: first page (50)": timed(
-            lambda: console.inbox_page(conn, AGENTS, operator, 50, None, now), n
-        ),
+        "approvals inbox: first page (50)": timed(lambda: console.inbox_page(conn, AGENTS, operator, 50, None, now), n),
         "approvals inbox: page 2": timed(lambda: console.inbox_page(conn, AGENTS, operator, 50, inbox_cursor, now), n),
         "failed turns: first page (50)": timed(lambda: console.failed_page(conn, AGENTS, 50, None), n),
         "failed turns: page 21": timed(lambda: console.failed_page(conn, AGENTS, 50, failed_cursor), n),
@@ -123,7 +121,9 @@ def main() -> None:
         PostgresStore(stack.db_url).close()  # the schema, migration 7 included
         with psycopg.connect(stack.db_url, autocommit=True) as conn:
             t0 = time.perf_counter()
-            seed = SEED.replace("%(sessions)s", str(int(args.sessions))).replace("%(tps)s", str(int(args.turns_per_session)))
+            seed = SEED.replace("%(sessions)s", str(int(args.sessions))).replace(
+                "%(tps)s", str(int(args.turns_per_session))
+            )
             conn.execute(seed.encode(), prepare=False)  # no parameters: several statements in one simple query
             print(f"(seeded in {time.perf_counter() - t0:.1f} s)", flush=True)
             counts = conn.execute(

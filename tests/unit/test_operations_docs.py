@@ -27,7 +27,9 @@ def exported() -> set[str]:
     """The metric families the worker, the state collector and the gateway define."""
     names = {m._name for m in vars(Metrics(enabled=True)).values() if hasattr(m, "_name")}
     for path in SOURCES:
-        names |= {n for n in re.findall(r'(?:MetricFamily|Counter|Histogram|Gauge)\(\s*"(june_[a-z_]+)"', path.read_text())}
+        names |= {
+            n for n in re.findall(r'(?:MetricFamily|Counter|Histogram|Gauge)\(\s*"(june_[a-z_]+)"', path.read_text())
+        }
     return {_base(n) for n in names}
 
 
