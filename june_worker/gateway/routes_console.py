@@ -43,6 +43,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     422: {"model": ErrorBody, "description": "A malformed query (a cursor this console did not make)."},
     503: {"model": ErrorBody, "description": "Postgres or Redis is unavailable."},
 }
+_ERROR_JSON = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
 Limit = Annotated[int, Query(ge=1, le=200, description="At most this many rows.")]
 Cursor = Annotated[
     str | None, Query(max_length=2048, pattern=r"^[A-Za-z0-9_\-]+$", description="next_cursor of the previous page.")
@@ -150,10 +151,16 @@ async def turn_timeline(
     return result
 
 
+_SSE_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": doc["description"], "content": _ERROR_JSON} for code, doc in _ERRORS.items()
+}
+"""The feed's errors: JSON like everywhere else (not its route's media type)."""
+
+
 @router.get(
     "/events",
     response_class=SSEResponse,
-    responses={**_ERRORS, 200: {"content": SSE_DOC, "description": "One `change` per structural event."}},
+    responses={**_SSE_ERRORS, 200: {"content": SSE_DOC, "description": "One `change` per structural event."}},
     summary="What changes, live (SSE)",
 )
 async def changes(request: Request, principal: Authenticated, backend: Backend) -> Response:
