@@ -1,10 +1,13 @@
 """OpenTelemetry traces through Celery: the producer's span is the parent of the worker's turn span.
 
-The test process records the producer's spans with the SDK's in-memory exporter; the worker's pool
-processes record theirs the same way and also append them to a file (tests/integration/traced_agents.py).
+The producer runs in a process of its own with the SDK's in-memory exporter (a tracer provider
+is set once per process, and this test must not leave one in the test process for the others),
+and prints the spans it finished; the worker's pool processes record theirs the same way and also
+append them to a file (tests/integration/traced_agents.py).
 One trace holds ``june.start_turn`` -> ``june.turn`` -> a span per step (``chat scripted``,
 ``execute_tool lookup``), with the GenAI attributes, and no attribute holds the turn's text, its
 tool arguments or results. A parked turn's second run, after its resume, joins the same trace.
+On both brokers: the trace context travels in the message's headers, on Redis and RabbitMQ alike.
 
 Fails on main (d2b81ad): no span is made and no trace header is sent.
 """
@@ -12,37 +15,53 @@ Fails on main (d2b81ad): no span is made and no trace header is sent.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from .conftest import ROOT, Stack, wait_for
+from .observe_agents import SECRET, USAGE
+
+pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp")]
+
+PRODUCER = """
+import json, sys
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from producers import JuneProducer
+from tests.integration.traced_agents import span_record
 
-from .conftest import Stack, wait_for
-from .observe_agents import SECRET, USAGE
-from .traced_agents import span_record
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+args = json.loads(sys.argv[1])
+with JuneProducer(args["redis_url"], broker_url=args["broker_url"], queue=args["queue"],
+                  control_queue=args["control_queue"], key_prefix=args["prefix"]) as producer:
+    turn_id = producer.start_turn(args["agent"], args["session"], args["text"])
+print(json.dumps({"turn_id": turn_id, "spans": [span_record(s) for s in exporter.get_finished_spans()]}))
+"""
 
-pytestmark = pytest.mark.integration
 
-_EXPORTER = InMemorySpanExporter()
-_INSTALLED: list[bool] = []
-
-
-@pytest.fixture(scope="module")
-def exporter() -> InMemorySpanExporter:
-    """The test process's spans (the producer's), in memory. A process sets its tracer provider once."""
-    if not _INSTALLED:
-        provider = trace.get_tracer_provider()
-        if not isinstance(provider, TracerProvider):
-            provider = TracerProvider()
-            trace.set_tracer_provider(provider)
-        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-        _INSTALLED.append(True)
-    return _EXPORTER
+def start_traced(stack: Stack, agent: str, session: str, text: str) -> tuple[str, list[dict[str, Any]]]:
+    """``start_turn`` from a producer process with an SDK: the turn id and the spans it finished."""
+    args = {
+        "redis_url": stack.redis_url, "broker_url": stack.broker_url, "queue": stack.queue,
+        "control_queue": stack.control_queue, "prefix": stack.prefix, "agent": agent, "session": session,
+        "text": text,
+    }  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", PRODUCER, json.dumps(args)], env=stack.env, cwd=ROOT, capture_output=True,
+        text=True, timeout=60, check=True,
+    )  # fmt: skip
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return str(out["turn_id"]), list(out["spans"])
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +88,13 @@ def all_attribute_values(spans: list[dict[str, Any]]) -> list[str]:
 
 
 def test_the_producer_span_is_the_parent_of_the_turn_span_and_steps_are_its_children(
-    stack: Stack, exporter: InMemorySpanExporter, spans_file: Path, producer: Any, session_id: str
+    stack: Stack, spans_file: Path, session_id: str
 ) -> None:
     # Given a producer with an SDK, sending a turn that calls a tool.
-    turn_id = producer.start_turn("metered", session_id, f"lookup {SECRET}")
-    sent = [span_record(s) for s in exporter.get_finished_spans() if s.attributes.get("june.turn_id") == turn_id]
-    assert [(s["name"], s["kind"]) for s in sent] == [("june.start_turn", "PRODUCER")]
+    turn_id, sent = start_traced(stack, "metered", session_id, f"lookup {SECRET}")
+    assert [(s["name"], s["kind"], s["attributes"]["june.turn_id"]) for s in sent] == [
+        ("june.start_turn", "PRODUCER", turn_id)
+    ]
     start = sent[0]
 
     # When the worker ran it.
@@ -110,11 +130,10 @@ def test_the_producer_span_is_the_parent_of_the_turn_span_and_steps_are_its_chil
 
 
 def test_a_resumed_turn_runs_again_in_the_trace_of_the_span_that_sent_it(
-    stack: Stack, exporter: InMemorySpanExporter, spans_file: Path, producer: Any, session_id: str
+    stack: Stack, spans_file: Path, producer: Any, session_id: str
 ) -> None:
     # Given a traced turn that parked.
-    turn_id = producer.start_turn("metered", session_id, f"ask {SECRET}")
-    (start,) = [span_record(s) for s in exporter.get_finished_spans() if s.attributes.get("june.turn_id") == turn_id]
+    turn_id, (start,) = start_traced(stack, "metered", session_id, f"ask {SECRET}")
     assert stack.wait_terminal("metered", session_id, turn_id)["type"] == "input.requested"
 
     # When it is resumed (from a producer with no span of its own around the call).
