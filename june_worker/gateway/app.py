@@ -124,6 +124,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             yield
         finally:
             await backend.close()
+            await backend.blocking(app.state.metrics.state.close)
 
     app = FastAPI(
         title="june gateway",

@@ -146,6 +146,11 @@ class StateCollector:
             )
         return self._conn
 
+    def close(self) -> None:
+        """Close the collector's connection (a later scrape opens another)."""
+        with self._lock:
+            self._close()
+
     def _close(self) -> None:
         if self._conn is not None:
             try:
