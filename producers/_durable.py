@@ -55,9 +55,17 @@ def turn_payload(
     event: Mapping[str, Any] | None = None,
     trigger_by: str | None = None,
     target: Mapping[str, Any] | None = None,
+    trace: Mapping[str, str] | None = None,
 ) -> str:
     """The turn's stored payload as the workers write it (their ``TurnPayload``), as JSON."""
-    payload = {"text": text, "event": event, "trigger_by": trigger_by, "replace": False, "target": target}
+    payload = {
+        "text": text,
+        "event": event,
+        "trigger_by": trigger_by,
+        "replace": False,
+        "target": target,
+        "trace": dict(trace) if trace else None,
+    }
     return json.dumps(payload, separators=(",", ":"), allow_nan=False)
 
 

@@ -43,6 +43,7 @@ from kombu.exceptions import OperationalError
 from ._durable import DurableRecorder, check_event, turn_payload
 from ._follow import FollowState, safe_block_ms
 from ._gaps import SCAN, judge_start, queue_start_check
+from ._trace import sending
 from ._ulid import new_turn_id
 from .errors import BrokerUnavailable, ProducerConfigError, ResultTimeout, ResultUnavailable, TaskFailed
 from .events import FollowedEvent, session_stream
@@ -395,7 +396,6 @@ class JuneProducer:
         delivered_to = _json_object(target, "target")
         if delivered_to is not None:
             payload["target"] = delivered_to
-        recorded = None
         if durable:
             if replace:
                 raise ValueError(
@@ -406,14 +406,19 @@ class JuneProducer:
             ):
                 raise ValueError('invalid trigger: expected {"kind": "proactive", "by": "<who>"}')
             check_event(payload["event"])
-            stored = turn_payload(
-                payload["text"],
-                event=payload["event"],
-                trigger_by=opened_by["by"] if opened_by is not None else None,
-                target=delivered_to,
-            )
-            recorded = self._record(payload["agent"], payload["session"], tid, stored)
-        self._send_turn("june.turn", payload, tid, recorded)
+        where = {"agent": payload["agent"], "session": payload["session"], "turn_id": tid, "queue": self.queue}
+        with sending("june.start_turn", **where) as trace_headers:
+            recorded = None
+            if durable:
+                stored = turn_payload(
+                    payload["text"],
+                    event=payload["event"],
+                    trigger_by=opened_by["by"] if opened_by is not None else None,
+                    target=delivered_to,
+                    trace=trace_headers,
+                )
+                recorded = self._record(payload["agent"], payload["session"], tid, stored)
+            self._send_turn("june.turn", payload, tid, recorded, headers=trace_headers)
         return tid
 
     def proactive(
@@ -441,11 +446,15 @@ class JuneProducer:
             "by": _bounded(by, "by", low=1, high=256),
             "target": _json_object(target, "target"),
         }
-        recorded = None
-        if self.durable if durable is None else durable:
-            stored = turn_payload(payload["text"], trigger_by=payload["by"], target=payload["target"])
-            recorded = self._record(payload["agent"], payload["session"], tid, stored)
-        self._send_turn("june.proactive", payload, tid, recorded)
+        where = {"agent": payload["agent"], "session": payload["session"], "turn_id": tid, "queue": self.queue}
+        with sending("june.proactive", **where) as trace_headers:
+            recorded = None
+            if self.durable if durable is None else durable:
+                stored = turn_payload(
+                    payload["text"], trigger_by=payload["by"], target=payload["target"], trace=trace_headers
+                )
+                recorded = self._record(payload["agent"], payload["session"], tid, stored)
+            self._send_turn("june.proactive", payload, tid, recorded, headers=trace_headers)
         return tid
 
     def _record(self, agent: str, session: str, turn_id: str, stored: str) -> bool | None:
@@ -453,11 +462,21 @@ class JuneProducer:
             raise ProducerConfigError("durable=True needs database_url (JUNE_DATABASE_URL): june's Postgres")
         return self._recorder.record(agent, session, turn_id, stored)
 
-    def _send_turn(self, task: str, payload: dict[str, Any], turn_id: str, recorded: bool | None) -> None:
-        """Send a turn's message; if it was recorded first (durable), a broker that is down is only logged."""
+    def _send_turn(
+        self,
+        task: str,
+        payload: dict[str, Any],
+        turn_id: str,
+        recorded: bool | None,
+        *,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """Send a turn's message; if it was recorded first (durable), a broker that is down is only logged.
+
+        ``headers``: the trace context of the producer's span (W3C ``traceparent``), in the message's headers."""
         argsrepr = _summary(agent=payload["agent"], session=payload["session"], turn_id=turn_id)
         try:
-            self._send(self._turn_app, task, payload, queue=self.queue, argsrepr=argsrepr)
+            self._send(self._turn_app, task, payload, queue=self.queue, argsrepr=argsrepr, headers=headers)
         except BrokerUnavailable as exc:
             if recorded is None:
                 raise
@@ -693,10 +712,21 @@ class JuneProducer:
 
     # --- sending ---------------------------------------------------------------------------------
 
-    def _send(self, app: Any, task: str, payload: dict[str, Any], *, queue: str, argsrepr: str) -> Any:
+    def _send(
+        self,
+        app: Any,
+        task: str,
+        payload: dict[str, Any],
+        *,
+        queue: str,
+        argsrepr: str,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
         options: dict[str, Any] = {}
         if _is_amqp(self.broker_url):  # a socket write and the broker's confirm wait this long at most
             options = {"timeout": self.publish_timeout_s, "confirm_timeout": self.publish_timeout_s}
+        if headers:
+            options["headers"] = headers
         try:
             return app.send_task(task, args=[payload], queue=queue, argsrepr=argsrepr, kwargsrepr="", **options)
         except _SEND_ERRORS as exc:

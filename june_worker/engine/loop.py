@@ -57,6 +57,7 @@ from .events import (
     TurnStarted,
 )
 from .failures import DEFAULT_MAX_ATTEMPTS, STEP_RETRIES, Failure, backoff_s, classify
+from .hooks import NO_HOOKS, TurnHooks
 from .inputs import InputBroker
 from .model import Done, Model, ModelRequest, ReasoningChunk, TextChunk
 from .signals import CrashInjected, ParkSignal, SyncParkError
@@ -174,6 +175,9 @@ class TurnRunner:
     turn record's ``attempts`` plus one. A transient retry within the run moves it on by one, so a
     reader can drop the failed try's text (it may then share its number with the next attempt's
     first try, which only costs a reader the chance to drop a dead try's text).
+
+    ``hooks``: how the host watches the run (:mod:`.hooks`): each step is wrapped in
+    ``hooks.step``, each accepted commit goes to ``hooks.committed``. Nothing else.
     """
 
     def __init__(
@@ -192,6 +196,7 @@ class TurnRunner:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         step_retries: int = STEP_RETRIES,
         attempt: int | None = None,
+        hooks: TurnHooks = NO_HOOKS,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -207,6 +212,7 @@ class TurnRunner:
         self.max_attempts = max_attempts
         self.step_retries = step_retries
         self.attempt = attempt if attempt is not None else record.attempts + 1
+        self.hooks = hooks
         self.messages: list[Message] = []
         """The transcript as committed: what was read, then each message once its commit returned."""
         self.generation: int | None = None
@@ -426,7 +432,8 @@ class TurnRunner:
                     reason = self.cancel.reason()
                     if reason is not None:
                         return self._cancelled(reason)
-                    parked = await self._tool_step(n, call)
+                    with self.hooks.step("tool", f"tool:{n}:{call.id}", call.name):
+                        parked = await self._tool_step(n, call)
                     if parked is not None:
                         return self._park(parked)
                 continue
@@ -434,7 +441,8 @@ class TurnRunner:
             if isinstance(last, AssistantMessage) and last.turn_id == self.turn_id:
                 # The final reply committed but the turn was not closed with it (older row); close now.
                 return self._complete_without_step(last.text)
-            result = await self._model_step()
+            with self.hooks.step("model", f"model:{len(self.messages)}"):
+                result = await self._model_step()
             if result is not None:
                 return result
 
@@ -964,6 +972,7 @@ class TurnRunner:
         except CancelRequestedError as exc:
             raise _Cancel(exc.reason) from None
         assert built is not None
+        self.hooks.committed(built)
         for index, message in built.messages:
             self.messages.append(message)
             if isinstance(message, SummaryMessage):

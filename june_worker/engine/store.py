@@ -95,6 +95,9 @@ class TurnPayload(_Record):
     replace: bool = False
     target: dict[str, JsonValue] | None = None
     """Where the agent's ``deliver`` hook renders the result (proactive turns)."""
+    trace: dict[str, str] | None = None
+    """The W3C trace context (``traceparent``, ``tracestate``) of whoever sent the turn, from its message's
+    headers: whichever process runs the turn makes its span a child of that one (june_worker/observe)."""
 
 
 class TurnRecord(_Record):

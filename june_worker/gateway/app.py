@@ -2,7 +2,7 @@
 
 :func:`create_app` reads the settings once (or takes them), loads nothing else at import
 time, and opens its clients in the lifespan. Besides the ``/v1`` routes it serves the live
-turn page at ``/``, ``/healthz`` (no token: Redis and Postgres answer?) and the OpenAPI
+turn page at ``/``, the operator console at ``/console``, ``/metrics``, ``/healthz`` (no token: Redis and Postgres answer?) and the OpenAPI
 schema at ``/openapi.json`` (and ``/docs``).
 
 The rule a reader must not break: **errors from the services behind the gateway become
@@ -33,7 +33,9 @@ from .. import __version__
 from ..errors import StoreUnavailableError
 from .backend import GatewayBackend
 from .guards import BodyLimit, body_parse_error, install_query_redaction, validation_error
+from .metrics import install_metrics
 from .routes import router as turn_router
+from .routes_console import router as console_router
 from .routes_control import router as control_router
 from .routes_log import router as log_router
 from .settings import GatewaySettings
@@ -42,12 +44,10 @@ __all__ = ["create_app"]
 
 log = logging.getLogger("june_worker.gateway")
 
-_PAGE = resources.files(__package__).joinpath("page.html")
 
-
-def _page() -> tuple[str, dict[str, str]]:
-    """The page and its headers: a CSP that allows exactly its own inline script and style (by hash)."""
-    html = _PAGE.read_text(encoding="utf-8")
+def _page(name: str) -> tuple[str, dict[str, str]]:
+    """A page and its headers: a CSP that allows exactly its own inline script and style (by hash)."""
+    html = resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
 
     def hashes(tag: str) -> str:
         bodies = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S)
@@ -124,6 +124,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             yield
         finally:
             await backend.close()
+            await backend.blocking(app.state.metrics.state.close)
 
     app = FastAPI(
         title="june gateway",
@@ -144,12 +145,19 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         from .slack import router as slack_router  # needs slack_sdk (the slack extra)
 
         app.include_router(slack_router)
+    app.include_router(console_router)
+    app.state.metrics = install_metrics(app, settings, backend)
 
-    html, page_headers = _page()
+    html, page_headers = _page("page.html")
+    console_html, console_headers = _page("console.html")
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> HTMLResponse:
         return HTMLResponse(html, headers=page_headers)
+
+    @app.get("/console", response_class=HTMLResponse, include_in_schema=False)
+    async def console_page() -> HTMLResponse:
+        return HTMLResponse(console_html, headers=console_headers)
 
     @app.get("/healthz", summary="Health: Redis and Postgres answer", tags=["health"])
     async def healthz() -> JSONResponse:

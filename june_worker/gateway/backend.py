@@ -51,7 +51,7 @@ class GatewayBackend:
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.keys = EventKeys(prefix=settings.key_prefix)
+        self.keys = EventKeys(prefix=settings.key_prefix, firehose_partitions=settings.firehose_partitions)
         self.stats = StreamStats()
         self._control = anyio.CapacityLimiter(32)
         self._pool: ConnectionPool[Any] | None = None

@@ -198,7 +198,7 @@ def inbound_event(request: Request, principal: Principal) -> dict[str, Any]:
 @router.get("/agents", response_model=AgentList, responses={401: _ERRORS[401]}, summary="Agents this token sees")
 async def list_agents(request: Request, principal: Authenticated) -> AgentList:
     agents = [a for a in request.app.state.settings.agents if principal.sees(a)]
-    return AgentList(principal=principal.id, agents=agents)
+    return AgentList(principal=principal.id, agents=agents, operator=principal.operator)
 
 
 @router.post(

@@ -115,3 +115,4 @@ class TurnInfo(BaseModel):
 class AgentList(BaseModel):
     principal: str
     agents: list[str]
+    operator: bool = Field(default=False, description="The token is an operator's: it may use the console.")

@@ -13,6 +13,8 @@ CELERY_RESULT_BACKEND          where control tasks' answers come back           
 JUNE_QUEUE                     queue of ``june.turn``                           june
 JUNE_CONTROL_QUEUE             queue of resume / cancel / reset                 june.control
 JUNE_KEY_PREFIX                prefix of every Redis key                        june
+JUNE_FIREHOSE_PARTITIONS       partitions of the all-sessions stream (the       1
+                               console's live feed reads them)
 JUNE_BROKER_QUEUE_TYPE         RabbitMQ queue type, as the workers declare it   quorum
 JUNE_PUBLISH_TIMEOUT_S         one try to send a task (connect, write, confirm) 5
 JUNE_PUBLISH_RETRIES           more tries before a 503                          3
@@ -37,6 +39,8 @@ JUNE_GATEWAY_MAX_BODY_BYTES    a larger request body is a 413                   
 JUNE_GATEWAY_AUTHORIZE_SESSION the app's ``authorize_session`` hook              none
                                (``module:attribute``; see :mod:`.access`)
 SLACK_SIGNING_SECRET, JUNE_SLACK_*  the Slack routes (see :mod:`.slack_settings`)  off
+JUNE_GATEWAY_METRICS_PUBLIC    ``1``: ``/metrics`` needs no token (a private    0
+                               network only); else an operator's token
 =============================  ==============================================  ===========================
 
 The rule a reader must not break: **settings are built here and passed down**; nothing else in
@@ -138,6 +142,7 @@ class GatewaySettings:
     queue: str = "june"
     control_queue: str = "june.control"
     key_prefix: str = "june"
+    firehose_partitions: int = 1
     broker_queue_type: str = "quorum"
     publish_timeout_s: float = 5.0
     publish_retries: int = 3
@@ -153,6 +158,8 @@ class GatewaySettings:
     """Entries one XREAD takes: what a stream may hold in memory beyond the socket's buffers."""
     event_source: str = "http"
     """The ``source`` of the inbound event the gateway builds for a turn (keys per-source policies)."""
+    metrics_public: bool = False
+    """``/metrics`` without a token; by default it needs an operator's."""
     max_body_bytes: int = 2 * 1024 * 1024
     """A request body larger than this is refused with 413 before it is read whole."""
     authorize_session: AuthorizeSession | None = field(default=None, compare=False)
@@ -205,6 +212,7 @@ class GatewaySettings:
             queue=env.get("JUNE_QUEUE", cls.queue),
             control_queue=env.get("JUNE_CONTROL_QUEUE", cls.control_queue),
             key_prefix=env.get("JUNE_KEY_PREFIX", cls.key_prefix),
+            firehose_partitions=int(_number(env, "JUNE_FIREHOSE_PARTITIONS", cls.firehose_partitions, low=1)),
             broker_queue_type=env.get("JUNE_BROKER_QUEUE_TYPE", cls.broker_queue_type).strip().lower(),
             publish_timeout_s=_number(env, "JUNE_PUBLISH_TIMEOUT_S", cls.publish_timeout_s, low=0.1),
             publish_retries=int(_number(env, "JUNE_PUBLISH_RETRIES", cls.publish_retries, low=0)),
@@ -216,6 +224,7 @@ class GatewaySettings:
             control_timeout_s=_number(env, "JUNE_GATEWAY_CONTROL_TIMEOUT_S", cls.control_timeout_s, low=0.1),
             redis_connections=int(_number(env, "JUNE_GATEWAY_REDIS_CONNECTIONS", cls.redis_connections, low=2)),
             access_log=_flag(env, "JUNE_GATEWAY_ACCESS_LOG", True),
+            metrics_public=_flag(env, "JUNE_GATEWAY_METRICS_PUBLIC", False),
             max_body_bytes=int(_number(env, "JUNE_GATEWAY_MAX_BODY_BYTES", cls.max_body_bytes, low=1024)),
             authorize_session=load_hook(hook_path, "JUNE_GATEWAY_AUTHORIZE_SESSION") if hook_path else None,
             slack=slack_from_env(env, agents),
@@ -233,5 +242,5 @@ class GatewaySettings:
 _SHARED = frozenset(
     {"JUNE_DATABASE_URL", "JUNE_REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "JUNE_QUEUE",
      "JUNE_CONTROL_QUEUE", "JUNE_KEY_PREFIX", "JUNE_AGENTS", "JUNE_BROKER_QUEUE_TYPE", "JUNE_PUBLISH_TIMEOUT_S",
-     "JUNE_PUBLISH_RETRIES"}
+     "JUNE_PUBLISH_RETRIES", "JUNE_FIREHOSE_PARTITIONS"}
 )  # fmt: skip

@@ -388,6 +388,13 @@ _MIGRATIONS: list[str] = [
     end
     $$;
     """,
+    # 9: the operator console's lists, each read a page at a time along its own index (june_worker/gateway/console.py):
+    # sessions by last activity, parked sessions by how long they waited, failed turns by when they failed
+    """
+    create index june_sessions_activity on june_sessions (updated_at, agent, session);
+    create index june_sessions_parked on june_sessions (updated_at, agent, session) where suspended is not null;
+    create index june_turns_failed on june_turns (finished_at, agent, session, turn_id) where status = 'failed';
+    """,
 ]
 
 _WHY_NOT = """

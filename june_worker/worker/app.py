@@ -15,7 +15,7 @@ from typing import Any
 
 from celery import Celery
 from celery.concurrency import get_implementation
-from celery.signals import worker_init
+from celery.signals import after_setup_logger, after_setup_task_logger, worker_init, worker_ready
 
 __all__ = ["SUPPORTED_POOLS", "app", "kill_worker"]
 
@@ -79,3 +79,53 @@ def _refuse_shared_pools(sender: Any = None, **_: Any) -> None:
         )
         log.critical(message)
         raise SystemExit(message)  # a signal handler's Exception is only logged; the worker must not start
+
+
+# --- operating it: metrics and log format (docs/operations.md) --------------------------------------------
+
+
+@worker_init.connect  # type: ignore[untyped-decorator]
+def _metrics_directory(sender: Any = None, **_: Any) -> None:
+    """In the main process, before the pool forks: where every process keeps its metrics (JUNE_METRICS_PORT)."""
+    if getattr(sender, "app", None) is not app:
+        return
+    from ..observe.serve import prepare_directory
+    from .settings import WorkerSettings
+
+    settings = WorkerSettings.from_env()
+    if settings.metrics_port:
+        prepare_directory(settings.metrics_dir)
+
+
+@worker_ready.connect  # type: ignore[untyped-decorator]
+def _serve_metrics(sender: Any = None, **_: Any) -> None:
+    """The main process serves the pool's metrics and the state gauges on JUNE_METRICS_PORT."""
+    if getattr(sender, "app", None) is not app:
+        return
+    from ..observe.serve import serve
+    from .host import load_agents
+    from .settings import WorkerSettings
+
+    settings = WorkerSettings.from_env()
+    if not settings.metrics_port:
+        return
+    serve(
+        port=settings.metrics_port,
+        host=settings.metrics_host,
+        path=os.environ["PROMETHEUS_MULTIPROC_DIR"],
+        database_url=settings.database_url,
+        agents=load_agents(settings.agents),
+        broker_url=settings.broker_url,
+        queues=(settings.queue, settings.control_queue),
+    )
+
+
+@after_setup_logger.connect  # type: ignore[untyped-decorator]
+@after_setup_task_logger.connect  # type: ignore[untyped-decorator]
+def _log_format(logger: Any = None, **_: Any) -> None:
+    """JUNE_LOG_FORMAT=json: every record the worker writes is one JSON object per line."""
+    from ..observe.logs import use_json_logs
+    from .settings import WorkerSettings
+
+    if logger is not None and WorkerSettings.from_env().log_format == "json":
+        use_json_logs(logger)

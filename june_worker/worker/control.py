@@ -18,6 +18,7 @@ from ..engine.resume import check_parked, grant_answer, resume_commit
 from ..engine.session import parked_reason
 from ..engine.store import UNFINISHED_TURN_STATUSES, SessionRef, TurnPayload, TurnRecord
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
+from ..observe.logs import transition
 from . import rendering
 from .host import WorkerHost
 from .payloads import CancelMessage, ProactiveMessage, ResetMessage, ResumeMessage, TurnMessage
@@ -78,21 +79,37 @@ def _reject(host: WorkerHost, ref: SessionRef, turn_id: str, payload: TurnPayloa
     agent = host.agent(ref.agent)
     if payload.target is not None and agent is not None and result is not None:
         rendering.notify(agent, payload.target, f"Not started: {reason}")  # a channel's speaker hears why
+    if result is not None and result.status == "rejected":
+        host.observer.rejected(ref, turn_id)
     return summary(ref, turn_id, result)
 
 
-def intake(host: WorkerHost, msg: TurnMessage | ProactiveMessage, *, turn_id: str | None = None) -> dict[str, Any]:
-    """Record the turn (idempotent by turn id), then run the session if nobody else is."""
+def intake(
+    host: WorkerHost,
+    msg: TurnMessage | ProactiveMessage,
+    *,
+    turn_id: str | None = None,
+    trace: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Record the turn (idempotent by turn id), then run the session if nobody else is.
+
+    ``trace``: the sender's trace context from the message's headers, kept with the turn (``TurnPayload.trace``).
+    """
     ref = SessionRef(msg.agent, msg.session)
     if isinstance(msg, TurnMessage):
         turn_id = msg.turn_id
         payload = TurnPayload(
-            text=msg.text, event=msg.event, trigger_by=msg.trigger_by(), replace=msg.replace, target=msg.target
+            text=msg.text,
+            event=msg.event,
+            trigger_by=msg.trigger_by(),
+            replace=msg.replace,
+            target=msg.target,
+            trace=trace,
         )
         replace = msg.replace
     else:
         assert turn_id is not None
-        payload = TurnPayload(text=msg.text, trigger_by=msg.by, target=msg.target)
+        payload = TurnPayload(text=msg.text, trigger_by=msg.by, target=msg.target, trace=trace)
         replace = False
     agent = host.agent(ref.agent)
     if agent is not None and not replace and (payload.target is None or agent.deliver is not None):
@@ -148,8 +165,10 @@ def proactive_turn_id(task_id: str) -> str:
     return f"t_{task_id.replace('-', '')}"
 
 
-def proactive(host: WorkerHost, msg: ProactiveMessage, task_id: str) -> dict[str, Any]:
-    return intake(host, msg, turn_id=msg.turn_id or proactive_turn_id(task_id))
+def proactive(
+    host: WorkerHost, msg: ProactiveMessage, task_id: str, *, trace: dict[str, str] | None = None
+) -> dict[str, Any]:
+    return intake(host, msg, turn_id=msg.turn_id or proactive_turn_id(task_id), trace=trace)
 
 
 def resume(host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch) -> dict[str, Any]:
@@ -182,6 +201,7 @@ def resume(host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch) -> dict[str
         log.exception("resume of %s %s failed before the answer was applied", ref, msg.turn_id)
         return {**out, "status": "error", "reason": f"{type(exc).__name__}: {exc}"}
     host.sink.publish(ref, events)
+    transition("turn.resumed", turn_id=msg.turn_id, agent=ref.agent, session=ref.session, step=None, attempt=None)
     rec = host.store.get_turn(ref, msg.turn_id)
     if rec is not None:
         dispatch(rec)  # a lost message is found by the sweeper: the turn is queued in Postgres

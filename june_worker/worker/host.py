@@ -47,6 +47,7 @@ from ..engine.store import (
 from ..errors import ConfigError, LeaseLostError, ResumeConflictError, TransientError
 from ..events.keys import EventKeys
 from ..events.redis_stream import RedisStreamSink, Trim
+from ..observe.turns import TurnObserver
 from ..stores.postgres import PostgresStore
 from . import rendering
 from .queue import Intake, Lease, SessionQueue
@@ -181,6 +182,7 @@ class WorkerHost:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.loop = asyncio.new_event_loop()
         self.crash = CrashAt.parse(settings.crash_at, kill=True) if settings.crash_at else None
+        self.observer = TurnObserver(self.agents)  # metrics, spans, transition logs (june_worker/observe)
         self._running: _Running | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -211,7 +213,7 @@ class WorkerHost:
         tries = self.settings.max_attempts + 1
         for attempt in range(tries):
             try:
-                self._drain(ref, ran, lease)
+                self._drain(ref, ran, lease, retry=attempt > 0)
                 return ran
             except TransientError as exc:
                 if attempt == tries - 1:
@@ -246,7 +248,7 @@ class WorkerHost:
         with self._lock:
             self._running = None
 
-    def _drain(self, ref: SessionRef, ran: dict[str, TurnResult], lease: Lease | None) -> None:
+    def _drain(self, ref: SessionRef, ran: dict[str, TurnResult], lease: Lease | None, *, retry: bool = False) -> None:
         self._listen_to(ref)
         try:
             if lease is None:
@@ -262,6 +264,8 @@ class WorkerHost:
             if lease.event_seq > 0 and self.sink.relayed_seq(ref) < lease.event_seq:
                 self.sink.relay(self.store, ref)
             rec, reset_pending, snapshot = lease.turn, lease.reset_pending, lease.snapshot
+            if rec is not None and rec.status == "running" and not retry:
+                self.observer.took_over(ref, rec)  # observe: a turn another process left running
             while True:
                 if reset_pending and (rec is None or rec.cancel_reason is None):
                     # Every turn the reset cancelled has ended: perform it, then run what queued behind it.
@@ -365,6 +369,7 @@ class WorkerHost:
         if agent is None:
             rejected = reject_turn(self.store, self.sink, ref, rec.turn_id, f"unknown agent {ref.agent!r}", fence=fence)
             assert rejected is not None  # an unfinished turn is always rejected here
+            self.observer.rejected(ref, rec.turn_id)
             return rejected, False
         with self._lock:
             signalled = self._running.signalled.get(rec.turn_id) if self._running is not None else None
@@ -374,26 +379,27 @@ class WorkerHost:
                 self._running.cancel = cancel
         if snapshot is None:  # the session as the last turn left it: only the messages this process does not hold
             snapshot, _ = self.queue.read(ref, held=self.transcripts.get(ref))
-        if snapshot is None:  # the session as the last turn left it: only the messages this process does not hold
-            snapshot, _ = self.queue.read(ref, held=self.transcripts.get(ref))
         target = rec.payload.target
         # A turn with a target keeps the lease while it is delivered; its ending marks the delivery due.
         ending = _Ending(self.store, rec.turn_id, release=release and target is None, deliver_due=target is not None)
         live = rendering.start_live(agent, self.store, ref, rec) if target is not None else None
-        runner = TurnRunner(
-            agent,
-            ending,
-            live.tee(self._turn_sink) if live is not None else self._turn_sink,
-            ref,
-            rec,
-            fence=fence,
-            cancel=cancel,
-            crash=self.crash,
-            snapshot=snapshot,
-            max_attempts=self.settings.max_attempts,
-        )
         try:
-            result = self.loop.run_until_complete(runner.run())
+            with self.observer.run(agent, ref, rec) as watch:  # observe: the turn's span, metrics and logs
+                runner = TurnRunner(
+                    agent,
+                    ending,
+                    live.tee(self._turn_sink) if live is not None else self._turn_sink,
+                    ref,
+                    rec,
+                    fence=fence,
+                    cancel=cancel,
+                    crash=self.crash,
+                    snapshot=snapshot,
+                    max_attempts=self.settings.max_attempts,
+                    hooks=watch,
+                )
+                result = self.loop.run_until_complete(runner.run())
+                watch.finished(result)
             self._turn_sink.flush()  # the turn's events are in Redis (or relayed) before anyone hears it ended
         except BaseException:
             self.transcripts.drop(ref)

@@ -53,6 +53,16 @@ JUNE_TRANSCRIPT_CACHE       transcripts a worker process keeps in    256
                             messages it does not hold (0: off)
 JUNE_TRANSCRIPT_CACHE_      messages held in all; a longer           50000
 MESSAGES                    transcript is read whole every turn
+JUNE_METRICS_PORT           the worker's main process serves         0 (off)
+                            Prometheus metrics on this port
+                            (``/metrics``; docs/operations.md)
+JUNE_METRICS_HOST           the address it listens on                127.0.0.1
+PROMETHEUS_MULTIPROC_DIR    where the pool's processes keep their    a new temporary directory
+                            metrics (one per worker; emptied at
+                            the worker's start)
+JUNE_LOG_FORMAT             ``text`` or ``json`` (one JSON object    text
+                            per line; turn transitions with their
+                            fields)
 ==========================  =======================================  ==========================
 
 Crash injection for tests is honoured only when ``JUNE_ENABLE_TEST_HOOKS=1``:
@@ -117,6 +127,10 @@ class WorkerSettings:
     publish_retries: int = 3
     transcript_cache: int = 256
     transcript_cache_messages: int = 50_000
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    metrics_dir: str | None = None
+    log_format: str = "text"
     crash_at: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -133,6 +147,12 @@ class WorkerSettings:
         queue_type = env.get("JUNE_BROKER_QUEUE_TYPE", cls.broker_queue_type).strip().lower()
         if queue_type not in ("quorum", "classic"):
             raise ConfigError(f"JUNE_BROKER_QUEUE_TYPE={queue_type!r}: expected quorum or classic")
+        metrics_port = int(_float(env, "JUNE_METRICS_PORT", cls.metrics_port))
+        if metrics_port > 65535:
+            raise ConfigError(f"JUNE_METRICS_PORT={metrics_port}: expected a TCP port (1-65535), or 0 for off")
+        log_format = env.get("JUNE_LOG_FORMAT", cls.log_format).strip().lower()
+        if log_format not in ("text", "json"):
+            raise ConfigError(f"JUNE_LOG_FORMAT={log_format!r}: expected text or json")
         return cls(
             database_url=env.get("JUNE_DATABASE_URL", cls.database_url),
             redis_url=redis_url,
@@ -161,5 +181,9 @@ class WorkerSettings:
             publish_retries=int(_float(env, "JUNE_PUBLISH_RETRIES", cls.publish_retries)),
             transcript_cache=int(_float(env, "JUNE_TRANSCRIPT_CACHE", cls.transcript_cache)),
             transcript_cache_messages=int(_float(env, "JUNE_TRANSCRIPT_CACHE_MESSAGES", cls.transcript_cache_messages)),
+            metrics_port=metrics_port,
+            metrics_host=env.get("JUNE_METRICS_HOST", cls.metrics_host),
+            metrics_dir=env.get("PROMETHEUS_MULTIPROC_DIR") or None,
+            log_format=log_format,
             crash_at=env.get("JUNE_CRASH_AT") if env.get("JUNE_ENABLE_TEST_HOOKS") == "1" else None,
         )

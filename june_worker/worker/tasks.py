@@ -19,6 +19,8 @@ from ..engine.loop import reject_turn
 from ..engine.storable import storable_text
 from ..engine.store import SessionRef, TurnPayload
 from ..errors import PayloadError, StoreUnavailableError
+from ..observe import tracing
+from ..observe.metrics import metrics
 from . import control
 from .app import app, kill_worker
 from .broker import publish_options
@@ -63,6 +65,7 @@ def _rejected(task: str, args: tuple[Any, ...], exc: PayloadError, task_id: str 
     """Record what we can of an unusable message; a turn id we can read gets a rejected row and event."""
     reason = str(exc)
     log.warning("rejected %s message: %s", task, reason)
+    metrics().message_rejected(task)
     out: dict[str, Any] = {"status": "rejected", "reason": reason}
     raw = args[0] if len(args) == 1 and isinstance(args[0], dict) else None
     if raw is None:
@@ -103,7 +106,7 @@ def turn_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     host = get_host()
     if host.crash is not None and host.crash.fires("before-intake", msg.turn_id):
         kill_worker()  # tests only: the message is taken, the turn not recorded
-    return control.intake(host, msg)
+    return control.intake(host, msg, trace=tracing.from_request(self.request))
 
 
 @app.task(name="june.proactive", bind=True, ignore_result=True, **_RETRY)
@@ -112,7 +115,7 @@ def proactive_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
         msg = parse_payload(ProactiveMessage, args, kwargs)
     except PayloadError as exc:
         return _rejected("june.proactive", args, exc, str(self.request.id))
-    return control.proactive(get_host(), msg, str(self.request.id))
+    return control.proactive(get_host(), msg, str(self.request.id), trace=tracing.from_request(self.request))
 
 
 @app.task(name="june.resume", bind=True, **_RETRY)
@@ -148,4 +151,6 @@ def sweep_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
         msg = parse_payload(SweepMessage, args or ({},), kwargs)
     except PayloadError as exc:
         return _rejected("june.sweep", args, exc)
-    return sweep(get_host(), dispatch, limit=msg.limit)
+    summary = sweep(get_host(), dispatch, limit=msg.limit)
+    metrics().sweep(summary)
+    return summary

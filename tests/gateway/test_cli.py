@@ -84,7 +84,7 @@ def test_the_gateway_starts_serves_and_stops(gw_stack: Stack, tmp_path: Path, st
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: healthy(url, proc), timeout_s=30, every_s=0.1, what=f"{how} to answer /healthz")
     agents = httpx.get(f"{url}/v1/agents", headers={"Authorization": f"Bearer {TOKEN}"}).json()
-    assert agents == {"principal": "op-cli", "agents": ["ops"]}
+    assert agents == {"principal": "op-cli", "agents": ["ops"], "operator": False}
     assert httpx.get(f"{url}/v1/agents").status_code == 401
     r = httpx.post(f"{url}/v1/agents/ops/sessions/s-{uuid.uuid4().hex[:8]}/turns", json={"text": "hi"},
                    params={"wait": 1}, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)  # fmt: skip

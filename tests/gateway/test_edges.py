@@ -97,11 +97,11 @@ def test_the_largest_stream_id_redis_takes_is_accepted(gateway: Gateway) -> None
 def test_the_sse_routes_document_their_errors_as_json(gateway: Gateway) -> None:
     schema = httpx.get(f"{gateway.url}/openapi.json").json()
     sse_routes = [p for p in schema["paths"] if p.endswith("/events")]
-    assert len(sse_routes) == 2
+    assert len(sse_routes) == 3  # a turn's, a session's, and the operator console's feed
     for path in sse_routes:
         responses = schema["paths"][path]["get"]["responses"]
         assert list(responses["200"]["content"]) == ["text/event-stream"]
-        for code in ("401", "404", "422", "503"):
+        for code in ("401", "422", "503", *(("404",) if "{session}" in path else ())):
             assert list(responses[code]["content"]) == ["application/json"], (path, code)
     r = gateway.client().get(gateway.path("ops", new_session(), "/events"), headers=sse_headers(gateway))
     assert r.status_code == 404 and r.headers["content-type"] == "application/json"

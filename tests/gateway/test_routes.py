@@ -45,14 +45,18 @@ def detail(r: httpx.Response) -> str:
 
 def test_agents_lists_the_principal_and_only_its_granted_agents(gateway: Gateway) -> None:
     assert gateway.client("op").get("/v1/agents").json()["principal"] == "op-alice"
-    assert gateway.client("narrow").get("/v1/agents").json() == {"principal": "op-carol", "agents": ["dribble", "form"]}
+    assert gateway.client("narrow").get("/v1/agents").json() == {
+        "principal": "op-carol",
+        "agents": ["dribble", "form"],
+        "operator": False,
+    }
 
 
 @pytest.mark.parametrize("authorization", [None, "Bearer not-a-configured-token-at-all", "Basic b3A6b3A=", "Bearer"])
 def test_every_v1_route_refuses_a_request_without_a_known_token(gateway: Gateway, authorization: str | None) -> None:
     openapi = httpx.get(f"{gateway.url}/openapi.json").json()
     routes = [(m, p) for p, ops in openapi["paths"].items() for m in ops if p.startswith("/v1/")]
-    assert len(routes) == 11
+    assert len(routes) == 17  # the turn routes (11) and the operator console's (6)
     headers = {"Authorization": authorization} if authorization else {}
     with httpx.Client(base_url=gateway.url, headers=headers) as client:
         for method, path in routes:

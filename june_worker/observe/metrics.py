@@ -1,0 +1,149 @@
+"""The Prometheus metrics june-worker records, and where a process keeps them.
+
+Names follow Prometheus's conventions: a ``june_`` prefix, units in the name (``_seconds``),
+counters end in ``_total``. Labels are bounded: an agent name the process serves (any other
+is ``_other``), a model name, a tool name, a step kind, a status; **never a session or turn
+id**. The full table is in docs/operations.md.
+
+Worker processes (Celery prefork) record into prometheus_client's **multiprocess mode**: every
+process writes its values to files of its own in ``PROMETHEUS_MULTIPROC_DIR``, which the worker's
+main process reads when scraped (:mod:`.serve`). The directory must be chosen before
+prometheus_client is first imported in a process, so this module imports it lazily, in
+:func:`metrics`. A process without that directory (the worker host in a test or a bench, the
+in-process runtime) records nothing: :func:`metrics` returns a :class:`Metrics` whose every
+method does nothing. The gateway has its own registry (june_worker/gateway/metrics.py).
+
+The rule a reader must not break: **a label value comes from a bounded set**; pass an agent
+through :meth:`Metrics.agent` before using it as a label.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["STEP_BUCKETS_S", "TURN_BUCKETS_S", "Metrics", "metrics", "multiprocess_dir", "reset_metrics"]
+
+TURN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+OTHER = "_other"
+"""The label value of an agent this process does not serve (a message can name any agent)."""
+
+
+def multiprocess_dir() -> str | None:
+    """Where this process's worker metrics go (``PROMETHEUS_MULTIPROC_DIR``); None: not recorded."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class Metrics:
+    """The worker's metric objects; every method is a no-op when ``enabled`` is False."""
+
+    def __init__(self, enabled: bool, agents: Iterable[str] = ()) -> None:
+        self.enabled = enabled
+        self._agents = frozenset(agents)
+        if not enabled:
+            return
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.turns = Counter(
+            "june_turns", "Turn runs that ended, by how they ended (a parked turn counts as suspended).",
+            ["agent", "status"], registry=None,
+        )  # fmt: skip
+        self.turn_seconds = Histogram(
+            "june_turn_duration_seconds", "Wall time of one run of a turn in a worker, from its start to its ending.",
+            ["agent", "status"], buckets=TURN_BUCKETS_S, registry=None,
+        )  # fmt: skip
+        self.step_seconds = Histogram(
+            "june_step_duration_seconds", "Wall time of one step (a model call, a tool call), up to its commit.",
+            ["agent", "kind"], buckets=STEP_BUCKETS_S, registry=None,
+        )  # fmt: skip
+        self.attempts = Counter(
+            "june_turn_attempts",
+            "Starts of a worker on a turn (the opening and every replay).",
+            ["agent"],
+            registry=None,
+        )
+        self.interrupted = Counter(
+            "june_turn_interruptions", "Runs that ended without an ending: a transient fault outlasted the step's "
+            "retries, or the lease was lost.", ["agent", "reason"], registry=None,
+        )  # fmt: skip
+        self.takeovers = Counter(
+            "june_lease_takeovers",
+            "Sessions taken over with a turn another process left running (its holder died or stalled).", ["agent"],
+            registry=None,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "june_model_tokens", "Model tokens, by type: input, output, cache_read, cache_write.",
+            ["agent", "model", "type"], registry=None,
+        )  # fmt: skip
+        self.tool_calls = Counter(
+            "june_tool_calls", "Tool calls, by outcome: ok, error (the tool's own), parked, aborted.",
+            ["agent", "tool", "outcome"], registry=None,
+        )  # fmt: skip
+        self.sweeps = Counter(
+            "june_sweeper_actions", "What the sweeper did: redispatched, expired_parks, resets, relayed, "
+            "pruned_events, pruned_turns, pruned_archived.", ["action"], registry=None,
+        )  # fmt: skip
+        self.rejected_messages = Counter(
+            "june_messages_rejected",
+            "Task messages refused as unusable (bad payload), by task.",
+            ["task"],
+            registry=None,
+        )
+        self.in_progress = Gauge(
+            "june_turns_in_progress", "Turns this worker's processes are running now.", ["agent"],
+            multiprocess_mode="livesum", registry=None,
+        )  # fmt: skip
+
+    def serve(self, agents: Iterable[str]) -> None:
+        """The agents this process serves: their names are label values, any other is ``_other``."""
+        self._agents = frozenset(agents)
+
+    def agent(self, name: str) -> str:
+        """``name`` if this process serves that agent, else ``_other``: a bounded label."""
+        return name if name in self._agents else OTHER
+
+    # --- recording ---------------------------------------------------------------------------
+
+    def turn_ended(self, agent: str, status: str) -> None:
+        if self.enabled:
+            self.turns.labels(self.agent(agent), status).inc()
+
+    def sweep(self, summary: dict[str, Any]) -> None:
+        """Count a sweeper run's summary dict (``redispatched``, ``expired_parks``, ``resets``, ``relayed``, ``pruned``)."""
+        if not self.enabled:
+            return
+        for action in ("redispatched", "expired_parks", "resets", "relayed"):
+            if summary.get(action):
+                self.sweeps.labels(action).inc(summary[action])
+        for kind, n in (summary.get("pruned") or {}).items():
+            if n:
+                self.sweeps.labels(f"pruned_{kind}").inc(n)
+
+    def message_rejected(self, task: str) -> None:
+        if self.enabled:
+            self.rejected_messages.labels(task if task.startswith("june.") else OTHER).inc()
+
+
+_LOCK = threading.Lock()
+_METRICS: tuple[int, Metrics] | None = None
+
+
+def metrics(agents: Iterable[str] | None = None) -> Metrics:
+    """This process's metrics, made on first use (again after a fork); ``agents``: the names it serves (labels)."""
+    global _METRICS
+    with _LOCK:
+        if _METRICS is None or _METRICS[0] != os.getpid():
+            _METRICS = (os.getpid(), Metrics(multiprocess_dir() is not None, agents or ()))
+        elif agents is not None:
+            _METRICS[1].serve(agents)
+        return _METRICS[1]
+
+
+def reset_metrics() -> None:
+    """Forget this process's metrics (tests that switch the directory)."""
+    global _METRICS
+    with _LOCK:
+        _METRICS = None

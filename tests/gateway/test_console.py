@@ -1,0 +1,176 @@
+"""The operator console's routes (``/v1/console``) and the gateway's ``/metrics``, on real workers.
+
+Operators only; lists are pages along keyset cursors; the inbox says who may answer and an
+answer goes through the ordinary resume route as the caller; failed turns carry their phase,
+step and error; a turn's timeline has its steps and events with durations; the live feed sends a
+``change`` per structural event. Every test here fails on main (d2b81ad): none of it existed.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.conftest import wait_for
+
+from .console_kit import console_gateway, console_stack
+from .kit import Gateway, parse_sse
+
+__all__ = ["console_gateway", "console_stack"]  # fixtures, imported for pytest
+
+
+def _session() -> str:
+    return f"c-{uuid.uuid4().hex[:10]}"
+
+
+def _wait(gw: Gateway, who: str, agent: str, session: str, text: str) -> dict[str, object]:
+    r = gw.client(who).post(gw.path(agent, session, "/turns"), json={"text": text}, params={"wait": 1})
+    assert r.status_code == 200, r.text
+    out: dict[str, object] = r.json()
+    return out
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/console/sessions", "/v1/console/approvals", "/v1/console/failed", "/v1/console/events", "/metrics"]
+)
+def test_the_console_and_metrics_are_for_operators_only(console_gateway: Gateway, path: str) -> None:
+    assert console_gateway.client("viewer").get(path).status_code == 403
+    assert console_gateway.client(None).get(path).status_code == 401
+    if path != "/v1/console/events":
+        assert console_gateway.client("admin").get(path).status_code == 200
+
+
+def test_the_inbox_lists_a_parked_approval_and_only_a_permitted_operators_answer_resumes_it(
+    console_gateway: Gateway,
+) -> None:
+    gw, session = console_gateway, _session()
+    parked = _wait(gw, "admin", "ops", session, "refund")
+    assert parked["status"] == "suspended"
+
+    items = gw.client("admin").get("/v1/console/approvals", params={"limit": 200}).json()["items"]
+    (item,) = [i for i in items if i["session"] == session]
+    assert (item["agent"], item["turn_id"], item["input_id"]) == ("ops", parked["turn_id"], "approve-refund")
+    assert (item["prompt"], item["who_may_answer"], item["may_answer"]) == ("Refund 5.0?", "policy operator", None)
+    assert item["schema"] == {"type": "boolean"} and item["age_s"] >= 0
+
+    path = gw.path("ops", session, f"/turns/{parked['turn_id']}/resume")
+    refused = gw.client("mallory").post(path, json={"input_id": "approve-refund", "value": True})
+    assert refused.status_code == 403  # an operator sees every session, yet the agent decides who answers
+    answered = gw.client("admin").post(path, json={"input_id": "approve-refund", "value": True}, params={"wait": 1})
+    assert answered.json()["status"] == "completed"
+    items = gw.client("admin").get("/v1/console/approvals", params={"limit": 200}).json()["items"]
+    assert [i for i in items if i["session"] == session] == []
+
+
+def test_failed_turns_show_their_phase_step_and_error(console_gateway: Gateway) -> None:
+    gw, session = console_gateway, _session()
+    failed = _wait(gw, "admin", "boom", session, "go")
+    assert failed["status"] == "failed"
+    items = gw.client("admin").get("/v1/console/failed", params={"limit": 200}).json()["items"]
+    (item,) = [i for i in items if i["session"] == session]
+    assert (item["agent"], item["turn_id"], item["phase"], item["step"]) == (
+        "boom",
+        failed["turn_id"],
+        "model",
+        "model:1",
+    )
+    assert (item["error_type"], item["error"]) == ("RuntimeError", "model exploded (dependency skew)")
+    path = f"/v1/console/agents/boom/sessions/{session}/turns/{failed['turn_id']}/timeline"
+    timeline = gw.client("admin").get(path)
+    assert timeline.status_code == 200, timeline.text
+    t = timeline.json()
+    assert (t["status"], t["phase"], t["step"], t["error"]) == ("failed", "model", "model:1", item["error"])
+    assert [e["type"] for e in t["events"]] == ["turn.started", "turn.failed"]
+
+
+def test_session_pages_follow_their_cursor_newest_first_without_repeats_or_gaps(console_gateway: Gateway) -> None:
+    gw = console_gateway
+    mine = [_session() for _ in range(7)]
+    for session in mine:
+        _wait(gw, "admin", "ops", session, "hello")
+    seen: list[dict[str, object]] = []
+    cursor = None
+    while True:
+        params: dict[str, object] = {"limit": 3, **({"cursor": cursor} if cursor else {})}
+        page = gw.client("admin").get("/v1/console/sessions", params=params).json()
+        assert len(page["items"]) <= 3
+        seen += page["items"]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    keys = [(s["agent"], s["session"]) for s in seen]
+    assert len(keys) == len(set(keys))  # nothing twice
+    assert {("ops", s) for s in mine} <= set(keys)  # nothing missed
+    times = [s["last_activity"] for s in seen]
+    assert times == sorted(times, reverse=True)
+    assert [s["status"] for s in seen if s["session"] in mine] == ["done"] * 7
+    done = gw.client("admin").get("/v1/console/sessions", params={"status": "done", "limit": 200}).json()["items"]
+    assert {s["status"] for s in done} == {"done"}
+    bad = gw.client("admin").get("/v1/console/sessions", params={"cursor": "bm90LW91cnM"})
+    assert bad.status_code == 422 and "cursor" in bad.text
+
+
+def test_a_turns_timeline_has_its_steps_and_events_with_durations_and_no_text(console_gateway: Gateway) -> None:
+    gw, session = console_gateway, _session()
+    done = _wait(gw, "admin", "ops", session, "order 2 nut")
+    turns = gw.client("admin").get(f"/v1/console/agents/ops/sessions/{session}/turns").json()["items"]
+    assert [t["turn_id"] for t in turns] == [done["turn_id"]]
+    t = gw.client("admin").get(f"/v1/console/agents/ops/sessions/{session}/turns/{done['turn_id']}/timeline").json()
+    assert (t["status"], t["attempts"]) == ("completed", 1) and t["duration_s"] >= 0
+    assert [s["step"] for s in t["steps"]] == ["model:1", "tool:1:c1", "model:3"]
+    assert all(s["duration_s"] is not None and s["duration_s"] >= 0 for s in t["steps"])
+    assert [e["type"] for e in t["events"]] == [
+        "turn.started", "message.completed", "action.requested", "action.completed", "message.completed",
+        "turn.completed",
+    ]  # fmt: skip
+    offsets = [e["offset_s"] for e in t["events"]]
+    assert offsets == sorted(offsets) and all(e["since_previous_s"] >= 0 for e in t["events"])
+    assert "nut" not in json.dumps(t)  # no tool argument, no message text
+    other = gw.client("viewer").get(f"/v1/console/agents/ops/sessions/{session}/turns/{done['turn_id']}/timeline")
+    assert other.status_code == 403
+
+
+def test_the_live_feed_sends_a_change_for_each_structural_event_of_a_turn(console_gateway: Gateway) -> None:
+    gw, session = console_gateway, _session()
+    headers = {**gw.auth("admin"), "Accept": "text/event-stream"}
+    with httpx.Client(base_url=gw.url, timeout=httpx.Timeout(30, connect=5)) as client:
+        with client.stream("GET", "/v1/console/events", headers=headers) as feed:
+            assert feed.status_code == 200
+            turn_id = (
+                gw.client("admin").post(gw.path("ops", session, "/turns"), json={"text": "hello"}).json()["turn_id"]
+            )
+            changes = []
+            for message in parse_sse(feed.iter_lines()):
+                change = message.json()
+                if change["turn_id"] == turn_id:
+                    changes.append(change)
+                    if change["type"] == "turn.completed":
+                        break
+    assert [c["type"] for c in changes] == ["turn.started", "message.completed", "turn.completed"]
+    assert all(c["agent"] == "ops" and c["session"] == session and "text" not in c for c in changes)
+
+
+def test_gateway_metrics_count_requests_by_route_template_and_serve_the_state(console_gateway: Gateway) -> None:
+    gw, session = console_gateway, _session()
+    _wait(gw, "admin", "ops", session, "refund")  # a parked session
+    gw.client("admin").get(f"/v1/console/agents/ops/sessions/{session}/turns")
+
+    def scraped() -> dict[str, dict[tuple[tuple[str, str], ...], float]] | None:
+        text = gw.client("admin").get("/metrics").text
+        out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+        parked = out.get("june_sessions_parked", {}).get((("agent", "ops"),), 0)
+        return out if parked >= 1 else None
+
+    samples = wait_for(scraped, timeout_s=20, what="a parked session in the gateway's state gauges")
+    route = (("method", "GET"), ("route", "/v1/console/agents/{agent}/sessions/{session}/turns"), ("status", "200"))
+    assert samples["june_gateway_requests_total"][route] >= 1
+    assert samples["june_state_up"][()] == 1
+    labels = {v for series in samples.values() for key in series for _, v in key}
+    assert not [v for v in labels if session in v or v.startswith("t_")]

@@ -1,0 +1,120 @@
+"""The operator console at ``/console`` in headless Chromium (Debian's ``chromium``, as test_browser.py drives it).
+
+The inbox lists a parked approval with its prompt and who may answer; Approve by an operator the
+agent lets answer resumes the turn (and the live feed takes it out of the inbox); the same click by
+an operator the agent refuses shows the refusal and leaves the turn parked; a failed turn shows its
+error, and its timeline the failing event. A screenshot (a parked approval, a failed turn, a
+timeline) is saved in the test's temp dir, and to ``docs/console.png`` with
+``JUNE_GATEWAY_SCREENSHOT=docs``. Console errors fail the test. All fail on main (d2b81ad): no console.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.sync_api import Browser, Page, expect
+
+from tests.integration.conftest import ROOT, wait_for
+
+from .console_kit import console_gateway, console_stack
+from .kit import Gateway
+from .test_browser import browser
+
+__all__ = ["browser", "console_gateway", "console_stack"]  # fixtures, imported for pytest
+
+
+@pytest.fixture
+def open_console(browser: Browser, console_gateway: Gateway) -> Iterator[Callable[[str], Page]]:
+    contexts, errors = [], []
+
+    def open_as(who: str) -> Page:
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        contexts.append(context)
+        page = context.new_page()
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" and "403" not in m.text else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.set_default_timeout(30_000)
+        page.goto(console_gateway.url + "/console")
+        page.fill("#token", console_gateway.tokens[who])
+        page.click("#use-token")
+        expect(page.locator("#live")).to_have_text("live")
+        return page
+
+    try:
+        yield open_as
+    finally:
+        for context in contexts:
+            context.close()
+    assert errors == [], errors
+
+
+def _parked(gw: Gateway) -> tuple[str, str]:
+    session = f"web-{uuid.uuid4().hex[:8]}"
+    r = gw.client("admin").post(gw.path("ops", session, "/turns"), json={"text": "refund"}, params={"wait": 1})
+    assert r.json()["status"] == "suspended"
+    return session, str(r.json()["turn_id"])
+
+
+def test_the_inbox_lists_a_parked_approval_and_approve_by_a_permitted_operator_resumes_it(
+    open_console: Callable[[str], Page], console_gateway: Gateway
+) -> None:
+    gw = console_gateway
+    page = open_console("admin")
+    session, turn_id = _parked(gw)  # parked after the page opened: the live feed brings it in
+    row = page.locator(f"#inbox tr.approval[data-turn='{turn_id}']")
+    expect(row.locator(".prompt")).to_have_text("Refund 5.0?")
+    expect(row.locator(".who")).to_have_text("policy operator")
+    expect(row).to_contain_text(f"ops · {session}")
+    row.get_by_role("button", name="Approve").click()
+    expect(row.locator(".act")).to_have_text("approved: resuming")
+    expect(page.locator(f"#inbox tr.approval[data-turn='{turn_id}']")).to_have_count(0)  # live: gone from the inbox
+
+    def completed() -> dict[str, Any] | None:
+        turn: dict[str, Any] = gw.client("admin").get(gw.path("ops", session, f"/turns/{turn_id}")).json()
+        return turn if turn["status"] == "completed" else None
+
+    done = wait_for(completed, timeout_s=30, what="the approved turn to complete")
+    assert done["result"]["text"] == "Done: approve -> {'refunded': True}"
+
+
+def test_approve_by_an_operator_the_agent_refuses_shows_why_and_leaves_the_turn_parked(
+    open_console: Callable[[str], Page], console_gateway: Gateway
+) -> None:
+    gw = console_gateway
+    session, turn_id = _parked(gw)
+    page = open_console("mallory")
+    row = page.locator(f"#inbox tr.approval[data-turn='{turn_id}']")
+    row.get_by_role("button", name="Approve").click()
+    expect(row.locator(".row-error")).to_contain_text("403")
+    expect(row.locator(".row-error")).to_contain_text("not authorized")
+    pending = gw.client("admin").get(gw.path("ops", session, "/pending")).json()["pending"]
+    assert pending is not None and pending["turn_id"] == turn_id
+
+
+def test_a_failed_turn_shows_its_error_and_its_timeline(
+    open_console: Callable[[str], Page], console_gateway: Gateway, tmp_path: Path
+) -> None:
+    gw = console_gateway
+    _parked(gw)  # something in the inbox for the screenshot
+    page = open_console("admin")
+    session = f"web-{uuid.uuid4().hex[:8]}"
+    r = gw.client("admin").post(gw.path("boom", session, "/turns"), json={"text": "go"}, params={"wait": 1})
+    turn_id = r.json()["turn_id"]
+    row = page.locator(f"#failed tr.failed[data-turn='{turn_id}']")  # brought in by the live feed
+    expect(row.locator(".error")).to_have_text("RuntimeError: model exploded (dependency skew)")
+    expect(row.locator(".phase")).to_have_text("model · model:1")
+    row.click()
+    expect(page.locator("#timeline-title")).to_have_text(f"boom · {session} · {turn_id}")
+    expect(page.locator("#timeline-summary")).to_contain_text("failed at model model:1")
+    expect(page.locator("#timeline-events")).to_contain_text("turn.failed")
+    expect(page.locator("#timeline-events")).to_contain_text("RuntimeError: model exploded (dependency skew)")
+    shot = tmp_path / "console.png"
+    page.screenshot(path=str(shot), full_page=True)
+    if os.environ.get("JUNE_GATEWAY_SCREENSHOT") == "docs":
+        shutil.copyfile(shot, ROOT / "docs" / "console.png")

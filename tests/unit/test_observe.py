@@ -1,0 +1,137 @@
+"""The engine's TurnHooks seam and the worker's observer, without services: what a host sees of a turn, and how."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from june_worker import Agent, FatalToolError, ToolContext, tool
+from june_worker.engine.hooks import StepKind
+from june_worker.engine.loop import TurnRunner
+from june_worker.engine.sink import NullSink
+from june_worker.engine.store import Commit, SessionRef, TurnPayload
+from june_worker.engine.types import Usage
+from june_worker.models import Reply, ScriptedModel
+from june_worker.observe.logs import JsonFormatter, transition
+from june_worker.observe.metrics import Metrics
+from june_worker.observe.turns import TurnObserver, gen_ai_model, gen_ai_system
+from june_worker.stores import MemoryStore
+
+
+class Recording:
+    """TurnHooks that write down what the runner told them."""
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    @contextlib.contextmanager
+    def step(self, kind: StepKind, step: str, tool: str | None = None) -> Iterator[None]:
+        self.seen.append(("enter", kind, step, tool))
+        try:
+            yield
+        except BaseException as exc:
+            self.seen.append(("raised", step, type(exc).__name__))
+            raise
+        self.seen.append(("left", step))
+
+    def committed(self, commit: Commit) -> None:
+        self.seen.append(("commit", commit.turn_status, [e.type for e in commit.events]))
+
+
+@tool
+def lookup(ctx: ToolContext, what: str) -> dict[str, Any]:
+    """Look it up."""
+    return {"found": what}
+
+
+@tool
+def give_up(ctx: ToolContext) -> dict[str, Any]:
+    """Fail the turn."""
+    raise FatalToolError("no")
+
+
+async def _run(script: list[Reply], hooks: Any) -> Any:
+    store = MemoryStore()
+    ref = SessionRef("ops", "s1")
+    rec, _ = store.enqueue_turn(ref, "t1", TurnPayload(text="hi"))
+    agent = Agent(name="ops", model=ScriptedModel(script), tools=[lookup, give_up])
+    return await TurnRunner(agent, store, NullSink(), ref, rec, hooks=hooks).run()
+
+
+async def test_the_runner_wraps_each_step_and_reports_each_accepted_commit_to_its_hooks() -> None:
+    hooks = Recording()
+    script = [Reply("looking", calls=[{"id": "c1", "name": "lookup", "input": {"what": "x"}}]), Reply("done")]
+    result = await _run(script, hooks)
+    assert result.status == "completed"
+    assert hooks.seen == [
+        ("commit", "running", ["turn.started"]),
+        ("enter", "model", "model:1", None),
+        ("commit", None, ["message.completed", "action.requested"]),
+        ("left", "model:1"),
+        ("enter", "tool", "tool:1:c1", "lookup"),
+        ("commit", None, ["action.completed"]),
+        ("left", "tool:1:c1"),
+        ("enter", "model", "model:3", None),
+        ("commit", "completed", ["message.completed", "turn.completed"]),
+        ("left", "model:3"),
+    ]
+
+
+async def test_a_step_that_fails_the_turn_leaves_its_hook_with_the_exception_then_the_ending_commits() -> None:
+    hooks = Recording()
+    result = await _run([Reply("trying", calls=[{"id": "c1", "name": "give_up", "input": {}}])], hooks)
+    assert result.status == "failed"
+    assert hooks.seen[-2:] == [("raised", "tool:1:c1", "_StepFailure"), ("commit", "failed", ["turn.failed"])]
+
+
+def test_metric_labels_are_bounded_and_the_sweepers_summary_is_counted_by_action() -> None:
+    m = Metrics(enabled=True, agents=["ops"])
+    assert (m.agent("ops"), m.agent("t_01ANYTHING"), m.agent("s-123")) == ("ops", "_other", "_other")
+    m.turn_ended("a-session-id", "completed")
+    assert m.turns.labels("_other", "completed")._value.get() == 1
+    m.sweep({"redispatched": 2, "expired_parks": 0, "resets": 1, "relayed": 5, "pruned": {"events": 7, "turns": 0}})
+    counted = {a: m.sweeps.labels(a)._value.get() for a in ("redispatched", "resets", "relayed", "pruned_events")}
+    assert counted == {"redispatched": 2, "resets": 1, "relayed": 5, "pruned_events": 7}
+    m.message_rejected("not-a-task-name\n")
+    assert m.rejected_messages.labels("_other")._value.get() == 1
+
+
+def test_a_disabled_metrics_object_records_nothing_and_the_observer_still_runs() -> None:
+    agent = Agent(name="ops", model=ScriptedModel(["hi"]))
+    observer = TurnObserver({"ops": agent})
+    assert observer.metrics.enabled is False  # no PROMETHEUS_MULTIPROC_DIR in this process
+    assert (gen_ai_system(agent.model), gen_ai_model(agent.model)) == ("scripted", "scripted")
+
+
+def test_a_transition_is_one_json_object_with_its_fields_and_an_error_only_by_type(caplog: Any) -> None:
+    caplog.set_level(logging.INFO, logger="june_worker.turns")
+    transition("turn.failed", turn_id="t1", agent="ops", session="s1", step="tool:1:c1", attempt=2,
+               phase="tool", error_type="FatalToolError")  # fmt: skip
+    (record,) = caplog.records
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    assert json.loads(line) | {"ts": None} == {
+        "ts": None, "level": "INFO", "logger": "june_worker.turns", "message": "turn.failed", "event": "turn.failed",
+        "turn_id": "t1", "agent": "ops", "session": "s1", "step": "tool:1:c1", "attempt": 2, "phase": "tool",
+        "error_type": "FatalToolError",
+    }  # fmt: skip
+
+
+async def test_model_usage_reaches_the_counters_by_type() -> None:
+    agent = Agent(name="ops", model=ScriptedModel([Reply("hi", usage=Usage(input_tokens=4, output_tokens=2))]))
+    observer = TurnObserver({"ops": agent})
+    observer.metrics = Metrics(enabled=True, agents=["ops"])
+    store = MemoryStore()
+    ref = SessionRef("ops", "s1")
+    rec, _ = store.enqueue_turn(ref, "t1", TurnPayload(text="hi"))
+    with observer.run(agent, ref, rec) as watch:
+        result = await TurnRunner(agent, store, NullSink(), ref, rec, hooks=watch).run()
+        watch.finished(result)
+    m = observer.metrics
+    tokens = {t: m.tokens.labels("ops", "scripted", t)._value.get() for t in ("input", "output")}
+    assert tokens == {"input": 4, "output": 2}
+    assert m.turns.labels("ops", "completed")._value.get() == 1
+    assert m.in_progress.labels("ops")._value.get() == 0
