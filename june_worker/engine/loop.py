@@ -228,6 +228,8 @@ class TurnRunner:
         self.tools: dict[str, Tool] = {}
         self._broker = InputBroker(self.steps)
         self._counted = False
+        self._settled: dict[str, tuple[JsonValue, str | None]] = {}
+        """Outcomes of async tool calls this run got but may not have committed (a transient fault)."""
         self._at: tuple[str | None, str] = (None, "turn:open")
         """The phase and step in flight, for a failure that escapes it."""
 
@@ -788,25 +790,28 @@ class TurnRunner:
         self._hit("after-tool-commit", step)
 
     async def _async_tool_step(self, tool: Tool, step: str, call: ToolCall, validated: Any) -> _Park | None:
-        ctx = self._context(call, step, store=None, is_sync=False)
-        try:
-            out = await tool.invoke(ctx, validated)
-            result = _to_json(out)
-        except ParkSignal as park:
-            return _Park(request=park.request, step=step, call=call)
-        except FatalToolError as exc:
-            raise _StepFailure(exc, "tool", step) from exc
-        except SyncParkError as exc:
-            raise _StepFailure(exc, "tool", step) from exc
-        except Exception as exc:
-            if classify(exc, phase="tool") is Failure.TRANSIENT:
-                raise
-            message = format_tool_error(exc)
-            self._commit_tool_result(step, call, {"error": message}, error=message)
-            return None
-        self._hit("before-tool-commit", step)
-        self._commit(self._tool_commit(step, call, result, error=None), step)
-        self._hit("after-tool-commit", step)
+        settled = self._settled.get(step)
+        if settled is None:
+            ctx = self._context(call, step, store=None, is_sync=False)
+            try:
+                out = await tool.invoke(ctx, validated)
+                settled = (_to_json(out), None)
+            except ParkSignal as park:
+                return _Park(request=park.request, step=step, call=call)
+            except FatalToolError as exc:
+                raise _StepFailure(exc, "tool", step) from exc
+            except SyncParkError as exc:
+                raise _StepFailure(exc, "tool", step) from exc
+            except Exception as exc:
+                if classify(exc, phase="tool") is Failure.TRANSIENT:
+                    raise
+                message = format_tool_error(exc)
+                settled = ({"error": message}, message)
+            # Kept for this run: if the commit below meets a transient fault, the retry commits this outcome
+            # instead of calling the tool again (its side effects happened; only a new process re-runs it).
+            self._settled[step] = settled
+        result, error = settled
+        self._commit_tool_result(step, call, result, error=error)
         return None
 
     def _tool_commit(self, step: str, call: ToolCall, result: JsonValue, *, error: str | None) -> Commit:

@@ -30,6 +30,7 @@ from june_worker.errors import (
     TurnEndedError,
 )
 from june_worker.models import Reply, ScriptedModel
+from june_worker.stores import MemoryStore
 
 from . import kit
 
@@ -337,3 +338,38 @@ def test_a_model_reply_the_store_cannot_hold_is_made_storable() -> None:
     assert clean.tool_calls[0].id == f"c{REPLACEMENT}" and clean.tool_calls[0].input == {"p": REPLACEMENT}
     fine = ModelReply(text="ok")
     assert _storable_reply(fine) is fine
+
+
+# --- a transient fault at an async tool's commit ---------------------------------------------------------
+
+
+class _FlakyStore(MemoryStore):
+    """Refuses, once, the first commit of a tool's result, as a database whose connection just dropped would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = 0
+
+    def commit(self, ref: SessionRef, commit: Any, *, fence: int | None = None) -> Any:
+        if isinstance(commit, Commit) and any(m.role == "tool" for _, m in commit.messages) and not self.refused:
+            self.refused += 1
+            raise StoreUnavailableError("the database connection was lost")
+        return super().commit(ref, commit, fence=fence)
+
+
+async def test_an_async_tools_result_whose_commit_meets_a_transient_fault_is_committed_without_calling_it_again() -> (
+    None
+):
+    calls = kit.Counter()
+
+    @tool
+    async def charge(ctx: ToolContext) -> dict[str, Any]:
+        """A side effect that must not happen twice in one run."""
+        calls.runs += 1
+        return {"charged": True}
+
+    store = _FlakyStore()
+    model = ScriptedModel([Reply("", calls=[{"id": "c1", "name": "charge", "input": {}}]), Reply("charged")])
+    s = kit.runtime_with(store, model, [charge]).session("ops", "s1")
+    assert await s.turn("go") == "charged"
+    assert store.refused == 1 and calls.runs == 1  # the step ran again from the store; the tool did not
