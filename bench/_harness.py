@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -141,6 +142,73 @@ def sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+class PostgresCpu:
+    """CPU seconds the Postgres processes of one database used while the ``with`` block ran, apart by kind.
+
+    A thread lists the database's processes (``pg_stat_activity``) every ``every_s`` and reads each
+    one's CPU from ``/proc`` when first and last seen, so connections opened during the block are
+    counted (from their first sighting) and so are autovacuum workers, which come and go: their CPU
+    is the tables' upkeep, not the statements', and is kept apart (``autovacuum_s``) instead of
+    landing on whichever batch happened to see one start. Needs the server on this machine.
+    """
+
+    def __init__(self, db_url: str, *, exclude: int | None = None, every_s: float = 0.05) -> None:
+        self._url = db_url
+        self._exclude = exclude
+        self._every_s = every_s
+        self._seen: dict[int, tuple[str, float, float]] = {}  # pid -> (kind, CPU first seen, CPU last seen)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pg-cpu", daemon=True)
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def __enter__(self) -> PostgresCpu:
+        self._conn = psycopg.connect(self._url, autocommit=True)
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        assert self._conn is not None
+        self._conn.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        assert self._conn is not None
+        rows = self._conn.execute(
+            "select pid, backend_type from pg_stat_activity where datname = current_database() "
+            "and pid <> pg_backend_pid()"
+        ).fetchall()
+        for pid, kind in rows:
+            if pid == self._exclude:
+                continue
+            now = cpu_s(pid)
+            if now == 0.0:
+                continue  # gone meanwhile
+            first = self._seen.get(pid, (kind, now, now))[1]
+            self._seen[pid] = (kind, first, now)
+
+    def _total(self, autovacuum: bool) -> float:
+        return sum(
+            last - first for kind, first, last in self._seen.values() if (kind == "autovacuum worker") == autovacuum
+        )
+
+    @property
+    def clients_s(self) -> float:
+        """CPU of the client backends: the connections of the workers (and of the bench's own queries)."""
+        return self._total(False)
+
+    @property
+    def autovacuum_s(self) -> float:
+        """CPU of autovacuum workers on this database."""
+        return self._total(True)
+
+
 class Proc:
     """A process the bench started, in its own session (its pid is its process group's id)."""
 
@@ -192,12 +260,15 @@ class Proc:
 class BenchStack:
     """One bench's database, names, processes and Redis keys. Use as a context manager."""
 
-    def __init__(self, name: str, *, env: dict[str, str] | None = None, broker: str = "redis") -> None:
+    def __init__(
+        self, name: str, *, env: dict[str, str] | None = None, broker: str = "redis", partitions: int = 0
+    ) -> None:
         self.tag = f"jb{secrets.token_hex(4)}"
         self.name = name
         self.admin_url = os.environ.get("JUNE_DATABASE_URL", DEFAULT_DB)
         self.redis_url = os.environ.get("JUNE_REDIS_URL", DEFAULT_REDIS)
         self.broker = broker
+        self.partitions = partitions  # > 0: the per-session tables hash-partitioned (june migrate --partitions N)
         self.broker_url = self.redis_url if broker == "redis" else os.environ.get("JUNE_BENCH_AMQP_URL", DEFAULT_AMQP)
         self.dbname = f"june_bench_{self.tag[2:]}"
         self.db_url = psycopg.conninfo.make_conninfo(self.admin_url, dbname=self.dbname)
@@ -209,6 +280,7 @@ class BenchStack:
         self.procs: list[Proc] = []
         self.sent: list[str] = []  # task ids whose results this bench forgets at the end
         self._db_made = False
+        self._conn: psycopg.Connection[Any] | None = None
         self._producer: JuneProducer | None = None
         base = {k: v for k, v in os.environ.items() if not k.startswith(("JUNE_", "CELERY_"))}
         self.env = {
@@ -250,7 +322,12 @@ class BenchStack:
             with psycopg.connect(self.admin_url, autocommit=True) as admin:
                 admin.execute(f'create database "{self.dbname}"')
             self._db_made = True
-            PostgresStore(self.db_url, min_size=1, max_size=1).close()  # the schema, before any worker races for it
+            store = PostgresStore(self.db_url, min_size=1, max_size=1)  # the schema, before any worker races for it
+            try:
+                if self.partitions:
+                    store.partition(self.partitions)
+            finally:
+                store.close()
         except BaseException:
             self.close()
             raise
@@ -280,6 +357,8 @@ class BenchStack:
             if self.broker == "amqp":
                 self._delete_queues()
         finally:
+            if self._conn is not None:
+                self._conn.close()
             if self._db_made:
                 with psycopg.connect(self.admin_url, autocommit=True) as admin:
                     admin.execute(f'drop database if exists "{self.dbname}" with (force)')
@@ -406,20 +485,35 @@ class BenchStack:
         return f"{self.prefix}:events:{{{agent}:{session}}}"
 
     def sql(self, query: str, *params: Any) -> list[tuple[Any, ...]]:
-        with psycopg.connect(self.db_url, autocommit=True) as conn:
-            cur = conn.execute(query, params)  # type: ignore[arg-type]
-            return cur.fetchall() if cur.description else []
+        """Run one statement on the bench's own connection (kept open: a connection per poll would cost the
+        server a process start each time, and land in the Postgres CPU the bench measures)."""
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.db_url, autocommit=True)
+        cur = self._conn.execute(query, params)  # type: ignore[arg-type]
+        return cur.fetchall() if cur.description else []
+
+    @property
+    def own_pid(self) -> int | None:
+        """The server process of the bench's own connection (:meth:`sql`), if open: not one of the workers'."""
+        return None if self._conn is None or self._conn.closed else self._conn.info.backend_pid
 
     def worker_pids(self) -> list[int]:
         """Every live process of this stack's workers: each worker's main process and its pool."""
         return [p for proc in self.procs if proc.alive() for p in (proc.pid, *children(proc.pid))]
 
     def backend_pids(self) -> list[int]:
-        """The Postgres server processes serving this stack's database (other than the asking one)."""
+        """The client backends serving this stack's database (other than the asking one): its workers' connections."""
         rows = self.sql(
-            "select pid from pg_stat_activity where datname = current_database() and pid <> pg_backend_pid()"
+            "select pid from pg_stat_activity where datname = current_database() and pid <> pg_backend_pid() "
+            "and backend_type = 'client backend'"
         )
         return [int(r[0]) for r in rows]
+
+    def postgres_cpu(self) -> PostgresCpu:
+        """A sampler of this database's Postgres processes' CPU: use ``with stack.postgres_cpu() as pg:`` around
+        what you measure, then read ``pg.clients_s`` and ``pg.autovacuum_s``."""
+        self.sql("select 1")  # open the bench's own connection now, so that the sampler knows to leave it out
+        return PostgresCpu(self.db_url, exclude=self.own_pid)
 
     def redis_cpu_s(self) -> float:
         info = self.redis.info("cpu")

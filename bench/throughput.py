@@ -1,6 +1,7 @@
 """Worker throughput, event latency through a worker, and recovery after SIGKILL, on real Celery workers.
 
     .venv/bin/python bench/throughput.py [--quick] [--parts throughput,latency,recovery] [--brokers redis,amqp]
+        [--layouts 1x1,2x1,1x2] [--rounds 5]
 
 Every part starts its own ``celery -A june_worker worker`` processes (prefork, ``-l WARNING``,
 ``--without-gossip --without-mingle --without-heartbeat``, ``JUNE_AGENTS=bench.agents:ALL``,
@@ -11,24 +12,30 @@ prefix, and removes all of it at the end (see ``bench/_harness.py``).
 **throughput**, on each broker of ``--brokers`` (Redis at ``JUNE_REDIS_URL``; RabbitMQ at
 ``JUNE_BENCH_AMQP_URL``, default ``amqp://guest:guest@127.0.0.1:5672//``, with the shipped
 settings: quorum queues, publisher confirms; results and streams stay on Redis): turns per
-second for the 3-step turn of the ``bench`` agent (scripted model
-asks for the sync tool ``tick``, the tool runs, the model answers: 4 commits, 5 structural
-events), next to the rate of ``bench.empty``, a task that does nothing, run by the same workers
-under the same Celery settings. For each layout of worker processes (``1x1``: one worker
-``-c 1``; ``2x1``: two workers ``-c 1``; ``1x2``: one worker ``-c 2``; on request ``2x2`` and
-``1x4``, more pool processes than CPUs) and each round, a batch
-of each kind is sent to a staging queue nobody consumes and then moved into the workers' queue
-in one atomic Redis call (on RabbitMQ: sent to the workers' queue while they do not consume it,
-then released with one ``add_consumer`` control call to this stack's workers), so the producer
-does not compete for the 2 CPUs while the workers drain it. The rate is the batch size over the time from that move to the last task's
-``date_done`` (stored by the worker with the result). Turn batches: each turn in its own
-session, and ``--per-session`` turns per session (sent back to back). Every turn of a batch is
-checked ``completed`` in Postgres. Figures: the median over rounds of each rate, and the median
-over rounds of turns/s divided by the empty-task rate of the same round. Next to them, the CPU
-time per task (from ``/proc``) of the worker processes, of the Postgres server processes of
-the bench database and of the broker's server (redis-server, or RabbitMQ's node; shared with
-whatever else uses it), which the load of
-other work on the machine (also printed) distorts far less than it distorts rates.
+second for the 3-step turn of the ``bench`` agent (scripted model asks for the sync tool
+``tick``, the tool runs, the model answers: 4 commits, 5 structural events), next to the rate
+of ``bench.empty``, a task that does nothing, run by the same workers under the same Celery
+settings. ``--layouts`` takes any ``AxB``: ``A`` workers of ``-c B`` each (``2x1``: two
+single-process workers; ``1x2``: one worker with two pool processes). Every layout runs on a
+stack of its own, all started together, and each round runs one batch of each kind on each
+layout in turn (the order rotating), so that the machine's load drifts over all of them alike and
+layouts can be compared round by round. A batch is sent to a staging queue nobody consumes and
+then moved into the workers' queue in one atomic Redis call (on RabbitMQ: sent to the workers'
+queue while they do not consume it, then released with one ``add_consumer`` control call to this
+stack's workers), so the producer does not compete for the CPUs while the workers drain it. The
+rate is the batch size over the time from that move to the last task's end (an empty task's
+``date_done``; a turn's ``finished_at`` in Postgres: turn tasks store no result). Turn batches:
+each turn in its own session, and ``--per-session`` turns per session (sent back to back).
+Every turn of a batch is checked ``completed`` in Postgres. Figures: the median over rounds of
+each rate, and of turns/s divided by the empty-task rate of the same round. Next to them, the CPU
+time per task (from ``/proc``) of the workers' main processes (they take every message from the
+broker and hand it to the pool) and of their pool processes, of the Postgres client backends of
+the bench database (sampled every 50 ms, so connections opened during a batch count too;
+autovacuum workers apart, the bench's own queries left out) and of the broker's server
+(redis-server, or RabbitMQ's node; shared with whatever else uses it), which the load of other
+work on the machine (also printed) distorts far less than it distorts rates. For each pooled
+layout ``AxB`` that ran next to ``(A*B)x1``, the ratio of their Postgres CPU per turn, round by
+round (target: at most 1.2).
 
 **latency**: the ``stamp`` agent's turns on one worker ``-c 1``, one at a time, each in a new
 session followed by a reader in another process blocked in XREAD (``JuneProducer.follow``).
@@ -57,14 +64,21 @@ import os
 import random
 import time
 import uuid
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime
 from multiprocessing.connection import Connection
 from typing import Any
 
-from _harness import MOVE_LUA, BenchStack, cpu_s, machine, machine_busy_s, median, pct, sigterm_as_exit
+from _harness import MOVE_LUA, BenchStack, children, cpu_s, machine, machine_busy_s, median, pct, sigterm_as_exit
 
-LAYOUTS: dict[str, list[int]] = {"1x1": [1], "2x1": [1, 1], "1x2": [2], "2x2": [2, 2], "1x4": [4]}
+
+def layout(text: str) -> list[int]:
+    """``AxB``: A workers of ``-c B`` each, as the list of their concurrencies (``2x1`` -> ``[1, 1]``)."""
+    workers, sep, pool = text.strip().lower().partition("x")
+    if not sep or not workers.isdigit() or not pool.isdigit() or int(workers) < 1 or int(pool) < 1:
+        raise argparse.ArgumentTypeError(f"layout {text!r}: expected AxB, A workers of -c B each (e.g. 2x1, 1x4)")
+    return [int(pool)] * int(workers)
 
 
 # --- throughput ----------------------------------------------------------------------------------------
@@ -93,18 +107,49 @@ def wait_results(stack: BenchStack, ids: list[str], timeout_s: float) -> dict[st
     return out
 
 
+def wait_turns(stack: BenchStack, batch: str, n: int, timeout_s: float) -> float:
+    """Wait until the ``n`` turns of ``batch`` have ended (turn tasks store no result: Postgres is the record);
+    return when the last one ended (the database's clock, this machine's). Raises unless all completed."""
+    query = (
+        "select count(*) filter (where status not in ('queued', 'running')), count(*) filter (where status = "
+        "'completed'), max(finished_at) from june_turns where agent = 'bench' and session like %s"
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        [(ended, completed, last)] = stack.sql(query, f"{stack.tag}-{batch}-%")
+        if ended == n:
+            if completed != n:
+                raise RuntimeError(f"turn batch {batch}: {completed} of {n} turns completed")
+            return float(last)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"turn batch {batch}: {ended} of {n} turns ended after {timeout_s:.0f}s")
+        time.sleep(0.05)
+
+
 @dataclass
 class Batch:
     rate: float
     """tasks per second"""
-    worker_ms: float
-    """CPU of the worker processes (main and pool) per task"""
+    main_ms: float
+    """CPU of the workers' main processes (they take messages from the broker and hand them to the pool) per task"""
+    pool_ms: float
+    """CPU of the workers' pool processes (they run the tasks) per task"""
     pg_ms: float
-    """CPU of the Postgres server processes serving the bench database, per task"""
+    """CPU of the Postgres client backends serving the bench database (the workers' connections), per task"""
+    vacuum_ms: float
+    """CPU of autovacuum workers on the bench database during the batch, per task (apart: it comes and goes)"""
     redis_ms: float
     """CPU of the broker's server per task: redis-server or RabbitMQ's node (shared with whatever else uses it)"""
     others: float
     """share of the machine's CPUs busy with work not counted above, during the batch"""
+
+    @property
+    def worker_ms(self) -> float:
+        return self.main_ms + self.pool_ms
+
+    @property
+    def cpu_ms(self) -> float:
+        return self.worker_ms + self.pg_ms + self.redis_ms
 
 
 def run_batch(stack: BenchStack, kind: str, n: int, per_session: int = 1) -> Batch:
@@ -123,41 +168,47 @@ def run_batch(stack: BenchStack, kind: str, n: int, per_session: int = 1) -> Bat
                 task_id = str(uuid.uuid4())
                 stack.turn("bench", session, queue=staging, task_id=task_id)
                 ids.append(task_id)
-    workers, backends = stack.worker_pids(), stack.backend_pids()
-    w0, b0, r0, m0 = sum(map(cpu_s, workers)), sum(map(cpu_s, backends)), stack.broker_cpu_s(), machine_busy_s()
-    c0 = time.monotonic()
-    t0 = time.time()
-    if stack.broker == "redis":
-        moved = stack.redis.eval(MOVE_LUA, 2, staging, stack.queue)
-        assert moved == len(ids), f"moved {moved} of {len(ids)} messages"
+    mains = [proc.pid for proc in stack.procs if proc.alive()]
+    pool = [p for pid in mains for p in children(pid)]
+
+    def sample() -> tuple[float, float, float, float]:
+        return sum(map(cpu_s, mains)), sum(map(cpu_s, pool)), stack.broker_cpu_s(), machine_busy_s()
+
+    with stack.postgres_cpu() as pg:
+        before = sample()
+        c0 = time.monotonic()
+        t0 = time.time()
+        if stack.broker == "redis":
+            moved = stack.redis.eval(MOVE_LUA, 2, staging, stack.queue)
+            assert moved == len(ids), f"moved {moved} of {len(ids)} messages"
+        else:
+            stack.consume(stack.queue, True)
+        if kind == "empty":
+            results = wait_results(stack, ids, timeout_s=60 + len(ids) / 5)
+        else:
+            t_last = wait_turns(stack, batch, len(ids), timeout_s=60 + len(ids) / 5)
+        elapsed = time.monotonic() - c0
+        if stack.broker != "redis":
+            stack.consume(stack.queue, False)
+        main, pooled, broker, busy = (b - a for a, b in zip(before, sample(), strict=True))
+    if kind == "empty":
+        failed = [m for m in results.values() if m["status"] != "SUCCESS"]
+        if failed:
+            raise RuntimeError(f"{len(failed)} {kind} tasks failed, e.g. {failed[0]}")
+        t_end = max(datetime.fromisoformat(m["date_done"]).timestamp() for m in results.values())
     else:
-        stack.consume(stack.queue, True)
-    results = wait_results(stack, ids, timeout_s=60 + len(ids) / 5)
-    elapsed = time.monotonic() - c0
-    if stack.broker != "redis":
-        stack.consume(stack.queue, False)
-    w1, b1, r1, m1 = sum(map(cpu_s, workers)), sum(map(cpu_s, backends)), stack.broker_cpu_s(), machine_busy_s()
-    failed = [m for m in results.values() if m["status"] != "SUCCESS"]
-    if failed:
-        raise RuntimeError(f"{len(failed)} {kind} tasks failed, e.g. {failed[0]}")
-    t_end = max(datetime.fromisoformat(m["date_done"]).timestamp() for m in results.values())
-    if kind != "empty":
-        rows = stack.sql(
-            "select status, count(*) from june_turns where agent = 'bench' and session like %s group by status",
-            f"{stack.tag}-{batch}-%",
-        )
-        counts = dict(rows)
-        if counts.get("completed", 0) != len(ids):
-            raise RuntimeError(f"turn batch {batch}: {counts}, expected {len(ids)} completed")
+        t_end = t_last
     stack.forget(ids)
     stack.sent.clear()
-    ours = (w1 - w0) + (b1 - b0) + (r1 - r0)
+    ours = main + pooled + pg.clients_s + pg.autovacuum_s + broker
     return Batch(
         rate=len(ids) / (t_end - t0),
-        worker_ms=(w1 - w0) * 1000 / len(ids),
-        pg_ms=(b1 - b0) * 1000 / len(ids),
-        redis_ms=(r1 - r0) * 1000 / len(ids),
-        others=max(0.0, (m1 - m0) - ours) / (elapsed * (os.cpu_count() or 1)),
+        main_ms=main * 1000 / len(ids),
+        pool_ms=pooled * 1000 / len(ids),
+        pg_ms=pg.clients_s * 1000 / len(ids),
+        vacuum_ms=pg.autovacuum_s * 1000 / len(ids),
+        redis_ms=broker * 1000 / len(ids),
+        others=max(0.0, busy - ours) / (elapsed * (os.cpu_count() or 1)),
     )
 
 
@@ -174,63 +225,117 @@ class LayoutResult:
         turns: list[Batch] = getattr(self, name)
         return median(t.rate / e.rate for t, e in zip(turns, self.empty, strict=True))
 
+    def rate(self, name: str) -> float:
+        return median(b.rate for b in getattr(self, name))
 
-def cpu_ms(batches: list[Batch]) -> float:
-    return median(b.worker_ms + b.pg_ms + b.redis_ms for b in batches)
+    def ms(self, name: str, what: str = "cpu_ms") -> float:
+        """Median over rounds of one CPU figure per task (``cpu_ms``, ``pg_ms``, ``main_ms``, ...)."""
+        return median(getattr(b, what) for b in getattr(self, name))
+
+
+def start_layout(stack: BenchStack, name: str) -> None:
+    """Start the workers of layout ``name`` on ``stack``, wait until they consume, and warm them up."""
+    # on RabbitMQ the workers consume the turn queue only while a batch is released (run_batch)
+    queues = stack.control_queue if stack.broker == "amqp" else None
+    procs = [stack.worker(f"w{i}", concurrency=c, queues=queues) for i, c in enumerate(layout(name))]
+    stack.wait_ready(*procs)
+    run_batch(stack, "empty", 40)  # warm-up: pool processes, connections, prepared statements
+    run_batch(stack, "turns", 40)
 
 
 def throughput(args: argparse.Namespace) -> list[LayoutResult]:
-    results = []
-    runs = [(broker, layout) for broker in args.brokers.split(",") for layout in args.layouts.split(",")]
-    for broker, layout in runs:
-        res = LayoutResult(broker, layout)
-        with BenchStack("throughput", broker=broker) as stack:
-            # on RabbitMQ the workers consume the turn queue only while a batch is released (run_batch)
-            queues = stack.control_queue if broker == "amqp" else None
-            procs = [stack.worker(f"w{i}", concurrency=c, queues=queues) for i, c in enumerate(LAYOUTS[layout])]
-            stack.wait_ready(*procs)
-            run_batch(stack, "empty", 40)  # warm-up: pool processes, connections, prepared statements
-            run_batch(stack, "turns", 40)
-            kinds = [("empty", args.empty, 1), ("one", args.turns, 1), ("many", args.turns, args.per_session)]
+    """Every layout of one broker runs on its own stack, all started together; each round runs one batch of
+    each kind on each layout in turn (the order rotating), so that a drift of the machine's load hits every
+    layout alike and layouts can be compared round by round."""
+    names = [n.strip() for n in args.layouts.split(",") if n.strip()]
+    for name in names:
+        layout(name)  # refuse a bad layout before starting anything
+    results: list[LayoutResult] = []
+    kinds = [("empty", args.empty, 1), ("one", args.turns, 1), ("many", args.turns, args.per_session)]
+    for broker in args.brokers.split(","):
+        with ExitStack() as stacks:
+            runs = []
+            for name in names:
+                stack = stacks.enter_context(BenchStack("throughput", broker=broker))
+                start_layout(stack, name)
+                runs.append((stack, LayoutResult(broker, name)))
             for r in range(args.rounds):
-                for name, n, k in kinds[r % 3 :] + kinds[: r % 3]:  # rotate: drift hits every kind alike
-                    time.sleep(0.3)
-                    getattr(res, name).append(run_batch(stack, "empty" if name == "empty" else "turns", n, k))
-                e, o, m = res.empty[-1], res.one[-1], res.many[-1]
-                print(
-                    f"#   {broker} {layout} round {r + 1}: empty {e.rate:6.1f}/s  turns {o.rate:5.1f}/s  "
-                    f"turns ({args.per_session}/session) {m.rate:5.1f}/s  | CPU ms/task empty {e.worker_ms:.1f}+"
-                    f"{e.redis_ms:.1f}  turn {o.worker_ms:.1f}+{o.pg_ms:.1f}+{o.redis_ms:.1f} (worker+pg+broker)  "
-                    f"| others used {100 * median([e.others, o.others, m.others]):.0f}% of the CPUs",
-                    flush=True,
-                )
-        results.append(res)
+                order = runs[r % len(runs) :] + runs[: r % len(runs)]
+                for stack, res in order:
+                    for kind, n, k in kinds[r % 3 :] + kinds[: r % 3]:  # rotate: drift hits every kind alike
+                        time.sleep(0.3)
+                        getattr(res, kind).append(run_batch(stack, "empty" if kind == "empty" else "turns", n, k))
+                    e, o, m = res.empty[-1], res.one[-1], res.many[-1]
+                    print(
+                        f"#   {broker} {res.layout} round {r + 1}: empty {e.rate:6.1f}/s  turns {o.rate:5.1f}/s  "
+                        f"turns ({args.per_session}/session) {m.rate:5.1f}/s  | CPU ms/task empty "
+                        f"{e.main_ms:.1f}+{e.pool_ms:.1f}+{e.redis_ms:.1f}  turn {o.main_ms:.1f}+{o.pool_ms:.1f}+"
+                        f"{o.pg_ms:.2f}+{o.redis_ms:.1f} (main+pool+pg+broker)  "
+                        f"| others used {100 * median([e.others, o.others, m.others]):.0f}% of the CPUs",
+                        flush=True,
+                    )
+            results += [res for _, res in runs]
+    report(results, args)
+    return results
+
+
+def report(results: list[LayoutResult], args: argparse.Namespace) -> None:
     k = args.per_session
     print()
     print(
         f"| broker | layout | empty task/s | turns/s, 1 per session | ratio | turns/s, {k} per session | ratio | "
-        "CPU ms per empty task | CPU ms per turn | CPU ratio |"
+        "CPU ms per empty task | CPU ms per turn | CPU ratio | of a turn: main | pool | Postgres | broker | autovacuum |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for res in results:
         print(
-            f"| {res.broker} | {res.layout} | {median(b.rate for b in res.empty):.0f} | {median(b.rate for b in res.one):.1f} | "
-            f"{res.ratio('one'):.2f} | {median(b.rate for b in res.many):.1f} | {res.ratio('many'):.2f} | "
-            f"{cpu_ms(res.empty):.2f} | {cpu_ms(res.one):.2f} | {cpu_ms(res.empty) / cpu_ms(res.one):.2f} |"
+            f"| {res.broker} | {res.layout} | {res.rate('empty'):.0f} | {res.rate('one'):.1f} | "
+            f"{res.ratio('one'):.2f} | {res.rate('many'):.1f} | {res.ratio('many'):.2f} | "
+            f"{res.ms('empty'):.2f} | {res.ms('one'):.2f} | {res.ms('empty') / res.ms('one'):.2f} | "
+            f"{res.ms('one', 'main_ms'):.2f} | {res.ms('one', 'pool_ms'):.2f} | {res.ms('one', 'pg_ms'):.2f} | "
+            f"{res.ms('one', 'redis_ms'):.2f} | {res.ms('one', 'vacuum_ms'):.2f} |"
         )
     print(
         f"(medians over {args.rounds} rounds, batches of {args.empty} empty tasks and {args.turns} turns; ratio: median "
-        "over rounds of turns/s / empty tasks/s of the same round; CPU: worker processes + Postgres server processes "
-        "of the bench database + the broker's server (redis-server or RabbitMQ's node, shared), per task; CPU ratio: "
-        "empty / turn, what the ratio would be if the CPUs were the only limit)"
+        "over rounds of turns/s / empty tasks/s of the same round; CPU: worker processes (main: the ones that take "
+        "messages from the broker; pool: the ones that run tasks) + Postgres client backends of the bench database "
+        "+ the broker's server (redis-server or RabbitMQ's node, shared), per task; CPU ratio: empty / turn, what "
+        "the ratio would be if the CPUs were the only limit; autovacuum: CPU of autovacuum workers on the bench "
+        "database during the batch, not in the total)"
     )
     for res in results:
         ratio = res.ratio("one")
         print(
             f"target turns/s >= 1/3 of the empty-task rate, {res.broker} {res.layout}: {'met' if ratio >= 1 / 3 else 'MISSED'} "
-            f"({median(b.rate for b in res.one):.1f} turns/s, ratio {ratio:.2f})"
+            f"({res.rate('one'):.1f} turns/s, ratio {ratio:.2f})"
         )
-    return results
+    compare_pooled(results)
+
+
+def compare_pooled(results: list[LayoutResult]) -> None:
+    """Each pooled layout ``AxB`` (B > 1) against ``(A*B)x1``, the same number of pool processes as separate
+    workers, when both ran: Postgres CPU per turn, and all CPU per turn, as ratios taken round by round."""
+    by = {(r.broker, r.layout): r for r in results}
+    for res in results:
+        sizes = layout(res.layout)
+        if sizes[0] == 1:
+            continue
+        separate = by.get((res.broker, f"{len(sizes) * sizes[0]}x1"))
+        if separate is None:
+            continue
+        for kind, per in (("one", "1 per session"), ("many", "several per session")):
+            for what, label in (("pg_ms", "Postgres CPU"), ("cpu_ms", "all CPU")):
+                ratios = [
+                    getattr(p, what) / getattr(s, what)
+                    for p, s in zip(getattr(res, kind), getattr(separate, kind), strict=True)
+                ]
+                line = (
+                    f"{label} per turn ({per}), {res.broker} {res.layout} / {separate.layout}: median "
+                    f"{median(ratios):.2f} (rounds {min(ratios):.2f}-{max(ratios):.2f})"
+                )
+                if what == "pg_ms" and kind == "one":
+                    line = f"target: {line}: {'met' if median(ratios) <= 1.2 else 'MISSED'} (<= 1.2)"
+                print(line)
 
 
 # --- event latency through a worker ----------------------------------------------------------------------
@@ -419,7 +524,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small batches, few rounds, one recovery run each")
     parser.add_argument("--parts", default="throughput,latency,recovery")
-    parser.add_argument("--layouts", default="1x1,2x1,1x2", help=f"of {', '.join(LAYOUTS)}")
+    parser.add_argument(
+        "--layouts", default="1x1,2x1,1x2", help="comma-separated AxB: A workers of -c B each (e.g. 2x1,1x2,1x4)"
+    )
     parser.add_argument("--brokers", default="redis,amqp", help="throughput on these brokers: redis, amqp")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--turns", type=int, default=400, help="turns per batch")

@@ -1,6 +1,8 @@
 """Where a turn's time goes in the worker host, without Celery: every round trip of ``june.turn``'s work, by statement.
 
-    .venv/bin/python bench/turn_cost.py [--quick] [-n 300] [--history 10,1000,10000] [--history-turns N]
+    .venv/bin/python bench/turn_cost.py [--quick] [-n 300] [--partitions 0,16] [--rounds 5]
+
+A whole turn on sessions that already hold a long history is measured by ``bench/history_cost.py``.
 
 Runs :func:`june_worker.worker.control.intake` (what the ``june.turn`` task calls) in this
 process, on a :class:`~june_worker.worker.host.WorkerHost` over a throwaway database
@@ -10,14 +12,12 @@ each in a new session. Every Postgres statement (``psycopg.Cursor.execute``) and
 command or pipeline the turn sends is counted and timed (wall clock, from the call to its
 return) and named after the code that sends it. What no round trip explains (the engine,
 pydantic, the event loop) is the remainder. Next to it: a bare ``select 1`` and a PING, timed
-in the same run, as the price of one round trip on this machine.
+in the same run, as the price of one round trip on this machine, and the CPU the Postgres backends
+serving the host used per turn (``/proc``, so the server must run on this machine), and redis-server's
+(``INFO cpu``: the events only, no broker here; shared with whatever else uses that Redis).
 
-Then the same turn on sessions whose transcripts already hold ``--history`` messages (10, 1,000 and
-10,000 by default: past turns of the same shape, 4 messages each, with their turn rows and step
-records, written straight into the tables), the sessions' turns interleaved, each measured whole
-(``control.intake``, wall clock): by a host that keeps transcripts in memory (the worker's default),
-then by a host with ``JUNE_TRANSCRIPT_CACHE=0`` on sessions of its own, in the same run; the first
-turn of each session (nothing held yet) is shown apart.
+``--partitions 0,16`` measures the same turns on two databases, one with the per-session tables
+hash-partitioned into 16 (``june migrate --partitions 16``), their turns alternating in rounds.
 
 The rule a reader must not break: these figures are one process with nothing else to do; the
 Celery task adds its own costs around them (see ``bench/throughput.py``).
@@ -27,22 +27,20 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import logging
 import resource
+import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import psycopg
 import redis
-from _harness import BenchStack, machine, median, pct, sigterm_as_exit
+from _harness import BenchStack, machine, median, sigterm_as_exit
 from agents import ALL
 
-from june_worker.engine.events import Completed
-from june_worker.engine.store import TurnPayload
-from june_worker.engine.types import AssistantMessage, ToolCall, ToolMessage, UserMessage
 from june_worker.events.redis_stream import RedisStreamSink
 from june_worker.worker import control
 from june_worker.worker.host import WorkerHost
@@ -89,8 +87,11 @@ class Meter:
 
     def _wrap(self, owner: Any, attr: str, name: Callable[..., str]) -> None:
         original = getattr(owner, attr)
+        turns = threading.current_thread()  # the turns' thread: other threads' calls (samplers, heartbeats) not counted
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is not turns:
+                return original(*args, **kwargs)
             key = name(*args, **kwargs)
             t0 = time.perf_counter()
             try:
@@ -106,7 +107,7 @@ class Meter:
         self._wrap(psycopg.Cursor, "execute", lambda cur, query, *a, **k: name_sql(query))
         # the worker's sink is pipelined: it sends without waiting and reads the replies at the next publish
         self._wrap(
-            RedisStreamSink, "_send", lambda sink, cmds, ref: "redis: pipelined send " + ",".join(c[0] for c in cmds)
+            RedisStreamSink, "_send", lambda sink, cmds, ref: "redis: pipelined send " + ",".join(c[0] for _, c in cmds)
         )
         self._wrap(RedisStreamSink, "_read_unread", lambda sink, keep=0: "redis: pipelined replies read (owed)")
         self._wrap(redis.Redis, "execute_command", lambda client, *args, **k: f"redis: {args[0]}")
@@ -133,192 +134,125 @@ def cpu_s() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="60 turns")
-    parser.add_argument("-n", type=int, default=300, help="turns measured")
+    parser.add_argument("-n", type=int, default=300, help="turns measured (per schema)")
     parser.add_argument(
-        "--history", default="10,1000,10000", help="messages already in the sessions of the history table ('' skips it)"
+        "--partitions",
+        default="0",
+        help="comma-separated partition counts of the per-session tables, each on a database of its own, their turns "
+        "alternating in rounds (0: not partitioned; e.g. 0,16)",
     )
-    parser.add_argument("--history-turns", type=int, default=0, help="turns per session and host (default: n / 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds the turns of each schema are split into")
     args = parser.parse_args()
     if args.quick:
-        args.n = 60
-    sizes = [int(x) for x in args.history.split(",") if x.strip()]
-    print(f"# turn_cost.py  {machine()}  {args.n} turns of the bench agent, each in a new session", flush=True)
-    meter = Meter()
-    with sigterm_as_exit(), BenchStack("turn-cost") as stack:
-        breakdown(stack, meter, args.n)
-        if sizes:
-            history(stack, meter, sizes, args.history_turns or max(args.n // 2, 2))
-
-
-def breakdown(stack: BenchStack, meter: Meter, n: int) -> None:
-    """Every round trip of a turn, by the code that sends it, over ``n`` turns each in a new session."""
-    host = WorkerHost(WorkerSettings.from_env(stack.env), agents={a.name: a for a in ALL()})
-    try:
-
-        def turn(label: str) -> dict[str, Any]:
-            payload = {"turn_id": f"t_{uuid.uuid4().hex}", "agent": "bench", "session": stack.session(label)}
-            return control.intake(host, TurnMessage.model_validate({**payload, "text": "go"}))
-
-        for i in range(20):  # warm-up: pool connections, prepared statements, the script cache
-            turn(f"warm-{i}")
-        meter.install()
-        c0, t0 = cpu_s(), time.perf_counter()
-        for i in range(n):
-            out = turn(f"t{i}")
-            assert out["status"] == "completed", out
-        wall_ms = (time.perf_counter() - t0) * 1000 / n
-        cpu_ms = (cpu_s() - c0) * 1000 / n
-        totals = dict(meter.wall)
-        counts = dict(meter.count)
-        meter.clear()
-        pings, selects = [], []
-        with host.store.pool.connection() as conn:
-            for _ in range(200):
-                p0 = time.perf_counter()
-                host.redis.ping()
-                p1 = time.perf_counter()
-                conn.execute("select 1").fetchone()
-                pings.append(p1 - p0)
-                selects.append(time.perf_counter() - p1)
-    finally:
-        meter.uninstall()
-        logging.getLogger("june_worker.worker").setLevel(logging.ERROR)  # its listener thread minds the close
-        host.close()
-    print("| round trip (sent by)                                              | per turn | ms per turn |")
-    print("|-------------------------------------------------------------------|---------:|------------:|")
-    io_ms = 0.0
-    for key in sorted(totals, key=lambda k: -totals[k]):
-        ms = totals[key] * 1000 / n
-        io_ms += ms
-        print(f"| {key:<65} | {counts[key] / n:8.2f} | {ms:11.3f} |")
-    trips = sum(counts.values()) / n
-    print(f"| {'all of the above':<65} | {trips:8.2f} | {io_ms:11.3f} |")
-    print(f"| {'the rest: engine, pydantic, event loop, host':<65} |          | {wall_ms - io_ms:11.3f} |")
-    print(f"| {'a whole turn (wall)':<65} |          | {wall_ms:11.3f} |")
+        args.n, args.rounds = 60, 2
+    counts_of = [int(p) for p in args.partitions.split(",")]
+    per_round = max(1, args.n // args.rounds)
     print(
-        f"(CPU of this process per turn: {cpu_ms:.2f} ms; in the same run a bare `select 1` took "
-        f"{median(selects) * 1000:.3f} ms and a PING {median(pings) * 1000:.3f} ms, medians)",
+        f"# turn_cost.py  {machine()}  {per_round * args.rounds} turns of the bench agent per schema, each in a new "
+        f"session, schemas {counts_of} alternating over {args.rounds} rounds",
         flush=True,
     )
+    with sigterm_as_exit(), ExitStack() as stacks:
+        runs = [Run(stacks.enter_context(BenchStack("turn-cost", partitions=p)), p) for p in counts_of]
+        try:
+            for run in runs:
+                run.start()
+            for r in range(args.rounds):
+                for run in runs[r % len(runs) :] + runs[: r % len(runs)]:
+                    run.measure(r, per_round)
+            for run in runs:
+                run.baseline()
+        finally:
+            for run in runs:
+                run.close()
+    for run in runs:
+        run.report()
 
 
-# --- turns on sessions with a history ---------------------------------------------------------------------
+class Run:
+    """One schema's stack, host and figures."""
 
+    def __init__(self, stack: BenchStack, partitions: int) -> None:
+        self.stack = stack
+        self.partitions = partitions
+        self.meter = Meter()
+        self.host: WorkerHost | None = None
+        self.turns = 0
+        self.wall_s = self.cpu_s = self.pg_s = self.redis_s = 0.0
+        self.totals: collections.Counter[str] = collections.Counter()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.pings: list[float] = []
+        self.selects: list[float] = []
 
-def write_history(stack: BenchStack, session: str, size: int) -> None:
-    """``size`` messages of past bench turns (user, call, result, answer), with their turn rows and step records,
-    written into the tables as if those turns had run (ended; nothing for retention to have pruned yet)."""
-    turns = -(-size // 4)
-    messages: list[tuple[Any, ...]] = []
-    steps: list[tuple[Any, ...]] = []
-    rows: list[tuple[Any, ...]] = []
-    for k in range(turns):
-        t, i = f"t_hist_{session}_{k}", 4 * k
-        shape = [
-            UserMessage(turn_id=t, text="go"),
-            AssistantMessage(turn_id=t, tool_calls=[ToolCall(id="c1", name="tick", input={"n": 0})]),
-            ToolMessage(turn_id=t, call_id="c1", name="tick", result={"n": 1}),
-            AssistantMessage(turn_id=t, text="done"),
-        ]
-        messages += [("bench", session, i + j, t, m.role, m.model_dump_json()) for j, m in enumerate(shape)][: size - i]
-        steps += [
-            ("bench", session, f"model:{i + 1}", t, '{"finish":{"reason":"tool_calls","raw":null}}'),
-            ("bench", session, f"tool:{i + 1}:c1", t, '{"result":{"n":1},"error":null}'),
-            ("bench", session, f"model:{i + 3}", t, '{"finish":{"reason":"stop","raw":null}}'),
-        ]
-        result = Completed(turn_id=t, text="done").model_dump_json()
-        rows.append(("bench", session, t, k + 1, "completed", TurnPayload(text="go").model_dump_json(), result))
-    with psycopg.connect(stack.db_url, autocommit=True) as conn:
-        conn.execute(
-            "insert into june_sessions (agent, session, status, next_position) values ('bench', %s, 'done', %s)",
-            (session, turns + 1),
+    def start(self) -> None:
+        self.host = WorkerHost(WorkerSettings.from_env(self.stack.env), agents={a.name: a for a in ALL()})
+        for i in range(20):  # warm-up: pool connections, prepared statements, the script cache
+            self.turn(f"warm-{i}")
+
+    def turn(self, label: str) -> dict[str, Any]:
+        assert self.host is not None
+        payload = {"turn_id": f"t_{uuid.uuid4().hex}", "agent": "bench", "session": self.stack.session(label)}
+        return control.intake(self.host, TurnMessage.model_validate({**payload, "text": "go"}))
+
+    def measure(self, r: int, n: int) -> None:
+        with self.stack.postgres_cpu() as pg:  # its statements and INFO are the bench's, sent before the meter is on
+            r0 = self.stack.redis_cpu_s()
+            self.meter.install()
+            try:
+                c0, t0 = cpu_s(), time.perf_counter()
+                for i in range(n):
+                    out = self.turn(f"r{r}-{i}")
+                    assert out["status"] == "completed", out
+                self.wall_s += time.perf_counter() - t0
+                self.cpu_s += cpu_s() - c0
+            finally:
+                self.meter.uninstall()
+            self.redis_s += self.stack.redis_cpu_s() - r0
+        self.pg_s += pg.clients_s
+        self.turns += n
+        self.totals.update(self.meter.wall)
+        self.counts.update(self.meter.count)
+        self.meter.clear()
+
+    def baseline(self) -> None:
+        assert self.host is not None
+        with self.host.store.pool.connection() as conn:
+            for _ in range(200):
+                p0 = time.perf_counter()
+                self.host.redis.ping()
+                p1 = time.perf_counter()
+                conn.execute("select 1").fetchone()
+                self.pings.append(p1 - p0)
+                self.selects.append(time.perf_counter() - p1)
+
+    def close(self) -> None:
+        if self.host is not None:
+            logging.getLogger("june_worker.worker").setLevel(logging.ERROR)  # its listener thread minds the close
+            self.host.close()
+            self.host = None
+
+    def report(self) -> None:
+        n = self.turns
+        schema = f"{self.partitions} hash partitions per table" if self.partitions else "tables not partitioned"
+        print(f"\n## {schema}")
+        print("| round trip (sent by)                                              | per turn | ms per turn |")
+        print("|-------------------------------------------------------------------|---------:|------------:|")
+        io_ms = 0.0
+        for key in sorted(self.totals, key=lambda k: -self.totals[k]):
+            ms = self.totals[key] * 1000 / n
+            io_ms += ms
+            print(f"| {key:<65} | {self.counts[key] / n:8.2f} | {ms:11.3f} |")
+        wall_ms = self.wall_s * 1000 / n
+        trips = sum(self.counts.values()) / n
+        print(f"| {'all of the above':<65} | {trips:8.2f} | {io_ms:11.3f} |")
+        print(f"| {'the rest: engine, pydantic, event loop, host':<65} |          | {wall_ms - io_ms:11.3f} |")
+        print(f"| {'a whole turn (wall)':<65} |          | {wall_ms:11.3f} |")
+        print(
+            f"(CPU per turn: this process {self.cpu_s * 1000 / n:.2f} ms, the Postgres backends serving it "
+            f"{self.pg_s * 1000 / n:.2f} ms, redis-server {self.redis_s * 1000 / n:.2f} ms (shared with whatever else "
+            f"uses it); in the same run a bare `select 1` took {median(self.selects) * 1000:.3f} "
+            f"ms and a PING {median(self.pings) * 1000:.3f} ms, medians)"
         )
-        with conn.cursor() as cur:
-            with cur.copy("copy june_messages (agent, session, idx, turn_id, role, body) from stdin") as copy:
-                for row in messages:
-                    copy.write_row(row)
-            with cur.copy("copy june_steps (agent, session, step_id, turn_id, data) from stdin") as copy:
-                for row in steps:
-                    copy.write_row(row)
-            with cur.copy(
-                "copy june_turns (agent, session, turn_id, position, status, payload, result) from stdin"
-            ) as copy:
-                for row in rows:
-                    copy.write_row(row)
-        conn.execute("update june_turns set finished_at = extract(epoch from now()) where session = %s", (session,))
-        conn.execute("analyze")
-
-
-@dataclasses.dataclass
-class Measured:
-    first_ms: float = 0.0
-    walls: list[float] = dataclasses.field(default_factory=list)
-    trips: int = 0
-
-
-def history(stack: BenchStack, meter: Meter, sizes: list[int], turns: int) -> None:
-    """A whole turn on sessions that already hold ``sizes`` messages, the sizes interleaved, by a host that holds
-    transcripts and then by one that does not, in this one run."""
-    hosts = {
-        "held": WorkerHost(WorkerSettings.from_env(stack.env), agents={a.name: a for a in ALL()}),
-        "off": WorkerHost(
-            WorkerSettings.from_env({**stack.env, "JUNE_TRANSCRIPT_CACHE": "0"}), agents={a.name: a for a in ALL()}
-        ),
-    }
-    sessions = {(mode, size): stack.session(f"hist-{mode}-{size}") for mode in hosts for size in sizes}
-    for (_, size), session in sessions.items():
-        write_history(stack, session, size)
-    found: dict[tuple[str, int], Measured] = {key: Measured() for key in sessions}
-
-    def turn(mode: str, size: int) -> float:
-        msg = {"turn_id": f"t_{uuid.uuid4().hex}", "agent": "bench", "session": sessions[(mode, size)], "text": "go"}
-        before = sum(c for k, c in meter.count.items() if k.startswith("pg:"))
-        t0 = time.perf_counter()
-        out = control.intake(hosts[mode], TurnMessage.model_validate(msg))
-        wall = (time.perf_counter() - t0) * 1000
-        assert out["status"] == "completed", out
-        found[(mode, size)].trips += sum(c for k, c in meter.count.items() if k.startswith("pg:")) - before
-        return wall
-
-    try:
-        for i in range(20):  # warm-up on sessions of their own: connections, prepared statements
-            for mode in hosts:
-                msg = {"turn_id": f"t_{uuid.uuid4().hex}", "agent": "bench", "session": stack.session(f"w{mode}{i}")}
-                control.intake(hosts[mode], TurnMessage.model_validate({**msg, "text": "go"}))
-        meter.install()
-        for (
-            mode
-        ) in hosts:  # one host after the other (the other's slow turns would load the machine), sizes interleaved
-            for size in sizes:  # nothing held yet: the whole transcript is read
-                found[(mode, size)].first_ms = turn(mode, size)
-                found[(mode, size)].trips = 0
-            for _ in range(turns):
-                for size in sizes:
-                    found[(mode, size)].walls.append(turn(mode, size))
-    finally:
-        meter.uninstall()
-        logging.getLogger("june_worker.worker").setLevel(logging.ERROR)
-        for host in hosts.values():
-            host.close()
-    print()
-    print(f"A whole turn (wall, ms) on sessions that already hold a history, {turns} turns each, sizes interleaved:")
-    print(
-        "| transcripts held | history (messages) | first turn | median |   p90 |   p99 | to 10 msgs | pg trips/turn |"
-    )
-    print(
-        "|------------------|-------------------:|-----------:|-------:|------:|------:|-----------:|--------------:|"
-    )
-    for mode, label in (("held", "in memory"), ("off", "off (cache 0)")):
-        base = median(found[(mode, sizes[0])].walls)
-        for size in sizes:
-            m = found[(mode, size)]
-            print(
-                f"| {label:<16} | {size:>18,} | {m.first_ms:10.2f} | {median(m.walls):6.2f} | {pct(m.walls, 90):5.2f} "
-                f"| {pct(m.walls, 99):5.2f} | {median(m.walls) / base:9.2f}x | {m.trips / len(m.walls):13.2f} |"
-            )
-    print(
-        "(first turn: the session's first on that host, nothing held; to 10 msgs: median over the smallest history's)"
-    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The ``june`` command: the demo, the worker stack, and schema migration.
 
 ``june worker`` / ``june beat`` / ``june flower`` are the plain Celery commands with the
-app filled in; any further arguments go to Celery unchanged.
+app filled in; any further arguments go to Celery unchanged. ``june worker`` without ``-c``
+runs one pool process per CPU, at most :data:`MAX_DEFAULT_CONCURRENCY` (Celery's own default
+has no cap).
 """
 
 from __future__ import annotations
@@ -10,13 +12,31 @@ import argparse
 import os
 import sys
 
-__all__ = ["main"]
+__all__ = ["MAX_DEFAULT_CONCURRENCY", "main", "worker_args"]
 
 CELERY_APP = "june_worker.worker"
 
 
+MAX_DEFAULT_CONCURRENCY = 8
+"""``june worker`` without ``-c``: one pool process per CPU, at most this many. One worker's main process takes
+every message from the broker and hands it to its pool (about 1.1-1.5 ms of CPU per turn on the benchmark
+machine, docs/benchmarks.md): past about eight pool processes of turns that do not wait, it is the limit, and
+more CPUs are used by more workers, not a bigger pool."""
+
+_POOL_SIZE = ("-c", "--concurrency", "--autoscale")
+
+
 def _celery(*args: str) -> int:
     os.execvp(sys.executable, [sys.executable, "-m", "celery", "-A", CELERY_APP, *args])
+
+
+def worker_args(rest: list[str], cpus: int | None = None) -> list[str]:
+    """``celery worker``'s arguments for ``june worker <rest>``: the pool size capped by default (see
+    :data:`MAX_DEFAULT_CONCURRENCY`) unless ``rest`` sets it."""
+    if any(a in _POOL_SIZE or a.startswith(("-c", "--concurrency=", "--autoscale=")) for a in rest):
+        return ["worker", *rest]
+    default = max(1, min(cpus if cpus is not None else (os.cpu_count() or 1), MAX_DEFAULT_CONCURRENCY))
+    return ["worker", "-c", str(default), *rest]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         ("flower", "start Flower, the Celery monitor (the 'flower' extra)"),
     ):
         sub.add_parser(name, help=text, add_help=False)
-    sub.add_parser("migrate", help="create or upgrade the Postgres schema at JUNE_DATABASE_URL")
+    migrate = sub.add_parser("migrate", help="create or upgrade the Postgres schema at JUNE_DATABASE_URL")
+    migrate.add_argument(
+        "--partitions",
+        type=int,
+        metavar="N",
+        help="also hash-partition the per-session tables by (agent, session) into N partitions (2-1024), once; "
+        "see docs/scaling.md",
+    )
     sub.add_parser("gateway", help="serve the HTTP gateway (the 'gateway' extra)", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
@@ -38,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main([args.db])
-    if args.command in ("worker", "beat", "flower"):
+    if args.command == "worker":
+        return _celery(*worker_args(rest))
+    if args.command in ("beat", "flower"):
         return _celery(args.command, *rest)
     if args.command == "migrate":
         from .stores.postgres import PostgresStore
@@ -46,7 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         url = os.environ.get("JUNE_DATABASE_URL")
         if not url:
             parser.error("set JUNE_DATABASE_URL to the Postgres database to migrate")
-        PostgresStore(url).close()
+        store = PostgresStore(url)
+        try:
+            if args.partitions is not None:
+                try:
+                    changed = store.partition(args.partitions)
+                except ValueError as exc:
+                    parser.error(str(exc))
+                print(f"per-session tables {'now' if changed else 'already'} in {args.partitions} hash partitions")
+        finally:
+            store.close()
         print("schema is up to date")
         return 0
     if args.command == "gateway":

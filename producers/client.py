@@ -33,7 +33,6 @@ from collections.abc import AsyncGenerator, Generator, Mapping
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 from amqp.exceptions import MessageNacked, PreconditionFailed  # py-amqp, kombu's RabbitMQ client
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
@@ -43,6 +42,7 @@ from kombu.exceptions import OperationalError
 from ._durable import DurableRecorder, check_event, turn_payload
 from ._follow import FollowState, safe_block_ms
 from ._gaps import SCAN, judge_start, queue_start_check
+from ._redis_url import RedisClient, aconnect, connect, is_cluster_url, parse_cluster_url
 from ._trace import sending
 from ._ulid import new_turn_id
 from .errors import BrokerUnavailable, ProducerConfigError, ResultTimeout, ResultUnavailable, TaskFailed
@@ -199,6 +199,17 @@ class JuneProducer:
                 f"invalid publish_timeout_s={publish_timeout_s!r} / publish_retries={publish_retries!r}: "
                 "expected a positive number of seconds and a count of 0 or more"
             )
+        for name, url in (("broker_url", broker_url or redis_url), ("result_backend", result_backend or redis_url)):
+            if is_cluster_url(url):
+                raise ProducerConfigError(
+                    f"{name} is a Redis Cluster: a cluster holds june's events only; give {name} a single Redis "
+                    "(redis://) or, for the broker, RabbitMQ (amqp://)"
+                )
+        if is_cluster_url(redis_url):
+            try:
+                parse_cluster_url(redis_url)
+            except ValueError as exc:
+                raise ProducerConfigError(f"invalid redis_url: {exc}") from None
         if durable and not database_url:
             raise ProducerConfigError("durable=True needs database_url (JUNE_DATABASE_URL): june's Postgres")
         self.redis_url = redis_url
@@ -219,7 +230,7 @@ class JuneProducer:
         # every turn's result channel. Control calls wait, so their app has one.
         self._turn_app = self._celery("june-producer", None, options)
         self._control_app = self._celery("june-producer-control", self.result_backend, options)
-        self.redis = redis.Redis.from_url(
+        self.redis: RedisClient = connect(
             redis_url,
             decode_responses=True,
             socket_timeout=socket_timeout_s,
@@ -658,7 +669,7 @@ class JuneProducer:
         close the iterator (``async with contextlib.aclosing(producer.afollow(...)) as events``).
         """
         state = self._state(agent, session, turn_id, last_id, timeout_s, block_ms, include_deltas, last_seq)
-        client = aioredis.Redis.from_url(
+        client = aconnect(
             self.redis_url,
             decode_responses=True,
             socket_timeout=self.socket_timeout_s,

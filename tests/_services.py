@@ -17,6 +17,10 @@ The test command gets both services on its own, in this order, per service:
 The chosen URLs are exported to ``os.environ`` (``JUNE_DATABASE_URL``, ``JUNE_REDIS_URL``,
 ``JUNE_TEST_AMQP_URL``) so subprocesses started by tests (Celery workers) inherit them.
 
+A Redis Cluster is started on request only (:func:`private_redis_cluster`, the session fixture
+``redis_cluster_url``): three ``redis-server --cluster-enabled yes`` nodes on free ports (client and
+cluster-bus ports both chosen free), joined by ``redis-cli --cluster create``, never the machine's Redis.
+
 A test that kills or restarts a server uses :func:`private_postgres` / :func:`private_redis` /
 :func:`private_rabbitmq` (also fixtures): a separate throwaway instance on its own free port,
 with ``.url``, ``.pid``, ``.stop()``, ``.start()``, ``.restart()`` and ``.kill()`` (SIGKILL). The
@@ -61,6 +65,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PostgresServer",
+    "RedisClusterServer",
     "RedisServer",
     "ServiceUnavailable",
     "amqp_url",
@@ -69,6 +74,7 @@ __all__ = [
     "private_postgres",
     "private_rabbitmq",
     "private_redis",
+    "private_redis_cluster",
     "redis_url",
     "shutdown",
     "start_in_background",
@@ -458,11 +464,20 @@ class PostgresServer:
 class RedisServer:
     """A throwaway ``redis-server`` on a free loopback port; no persistence, or AOF (``appendfsync everysec``)."""
 
-    def __init__(self, binary: str, workdir: Path, port: int | None = None, *, persistent: bool = False) -> None:
+    def __init__(
+        self,
+        binary: str,
+        workdir: Path,
+        port: int | None = None,
+        *,
+        persistent: bool = False,
+        cluster_port: int | None = None,
+    ) -> None:
         self.binary = binary
         self.workdir = workdir
         self.persistent = persistent
         self.port = port or _free_port()
+        self.cluster_port = cluster_port  # a node of a Redis Cluster: its cluster bus port
         self.logfile = workdir / "redis.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -498,6 +513,9 @@ class RedisServer:
             "--daemonize",
             "no",
         ]
+        if self.cluster_port is not None:
+            cmd += ["--cluster-enabled", "yes", "--cluster-port", str(self.cluster_port)]
+            cmd += ["--cluster-config-file", str(self.workdir / "nodes.conf"), "--cluster-node-timeout", "5000"]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=self.workdir)
         (self.workdir / "redis.pid").write_text(str(self._proc.pid))
         deadline = time.monotonic() + _START_TIMEOUT_S
@@ -537,6 +555,65 @@ class RedisServer:
 
     def __repr__(self) -> str:
         return f"RedisServer(url={self.url!r}, pid={self.pid})"
+
+
+class RedisClusterServer:
+    """Three throwaway ``redis-server --cluster-enabled yes`` nodes on free loopback ports, joined into one
+    Redis Cluster by ``redis-cli --cluster create`` (no replicas): each node owns a third of the slots."""
+
+    def __init__(self, nodes: list[RedisServer]) -> None:
+        self.nodes = nodes
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://`` and every node, as june-worker takes a cluster (``JUNE_REDIS_URL``)."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    @property
+    def pid(self) -> int | None:
+        return self.nodes[0].pid
+
+    def create(self, redis_cli: str) -> None:
+        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        done = subprocess.run(
+            [redis_cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=_START_TIMEOUT_S,
+        )
+        if done.returncode != 0:
+            raise ServiceUnavailable(
+                f"redis-cli --cluster create failed: {(done.stderr or done.stdout).strip()[-300:]}"
+            )
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not all(_cluster_ok(n.port, len(self.nodes)) for n in self.nodes):
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable(f"the Redis Cluster on {addresses} did not come up (cluster_state not ok)")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __repr__(self) -> str:
+        return f"RedisClusterServer(url={self.url!r})"
+
+
+def _cluster_ok(port: int, size: int) -> bool:
+    """The node says the cluster is ok and knows all ``size`` nodes (so every node routes every slot)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"CLUSTER INFO\r\n")
+            data = b""
+            while b"cluster_stats_messages" not in data and len(data) < 4096:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return False
+    text = data.decode(errors="replace")
+    return "cluster_state:ok" in text and f"cluster_known_nodes:{size}" in text
 
 
 # --- the registry: everything started here is stopped at exit ------------------------------------------
@@ -631,6 +708,27 @@ def _start_redis(*, persistent: bool = False) -> RedisServer:
     _register(server)
     server.start()
     return server
+
+
+def _start_redis_cluster(nodes: list[RedisServer], size: int = 3) -> RedisClusterServer:
+    """Start ``size`` cluster nodes (each appended to ``nodes`` as soon as it exists, for the caller to stop) and
+    join them into one cluster."""
+    binary = _find_redis_server()
+    if binary is None:
+        raise ServiceUnavailable(f"no Redis for the tests: {_INSTALL_REDIS}")
+    redis_cli = str(Path(binary).with_name("redis-cli"))
+    if not os.access(redis_cli, os.X_OK):
+        redis_cli = shutil.which("redis-cli") or ""
+    if not redis_cli:
+        raise ServiceUnavailable(f"no redis-cli next to {binary} to create a Redis Cluster: {_INSTALL_REDIS}")
+    for _ in range(size):
+        node = RedisServer(binary, _workspace.new_dir("redis-cluster"), cluster_port=_free_port())
+        _register(node)
+        nodes.append(node)
+        node.start()
+    cluster = RedisClusterServer(nodes)
+    cluster.create(redis_cli)
+    return cluster
 
 
 def _start_rabbitmq() -> RabbitMQServer:
@@ -774,6 +872,21 @@ def private_redis(*, persistent: bool = False) -> Iterator[RedisServer]:
         _unregister(server)
         _stop_quietly(server)
         _rmtree(server.workdir)
+
+
+@contextlib.contextmanager
+def private_redis_cluster() -> Iterator[RedisClusterServer]:
+    """A three-node Redis Cluster of the caller's own (``redis+cluster://`` URL), never the machine's Redis; gone
+    afterwards."""
+    _install_sigterm_handler()
+    nodes: list[RedisServer] = []
+    try:
+        yield _start_redis_cluster(nodes)
+    finally:
+        for node in nodes:
+            _unregister(node)
+            _stop_quietly(node)
+            _rmtree(node.workdir)
 
 
 @contextlib.contextmanager

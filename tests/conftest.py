@@ -97,3 +97,11 @@ def private_redis() -> Iterator[_services.RedisServer]:
 def session_id() -> str:
     """A session id no other test uses, so tests can share one database and one Redis."""
     return f"s-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """A three-node Redis Cluster of this run's own (``redis+cluster://...``), started on first use; never the
+    machine's Redis. Tests share it: each writes under keys of its own."""
+    with contextlib.ExitStack() as stack:
+        yield _or_exit(lambda: stack.enter_context(_services.private_redis_cluster())).url

@@ -18,6 +18,9 @@ keys share the tag ``{<agent>:<session>}``. A firehose partition keeps the bare 
 ``june:events:all:<n>`` of the design; a key with no braces hashes as a whole, so its marker
 uses the stream's full name as its tag and lands in the same slot.
 
+On a Redis Cluster every session's keys therefore live on one node, and each firehose partition with
+its marker and sorted set on one node (16 partitions by default there, spread over the slots).
+
 A session goes to partition ``crc32(<agent>:<session>) % partitions``: stable across
 processes and versions (never Python's salted ``hash``). Changing the partition count moves
 sessions to other partitions; their new partition has no marker for them yet, so the next

@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from ..engine.events import TurnEvent, TurnEventAdapter, is_structural, is_terminal
 from ..engine.store import SessionRef
 from ._gaps import SCAN, Gap, Start, judge_start, jump, queue_start_check
+from ._redis_url import AsyncRedisClient, RedisClient, socket_timeout_s
 from .keys import DEFAULT_KEYS, EventKeys
 
 __all__ = [
@@ -104,8 +104,7 @@ def _entries(response: Any) -> list[tuple[str, str, dict[Any, Any] | None]]:
 
 def _safe_block_ms(client: Any, block_ms: int) -> int:
     """``block_ms`` cut below the client's socket timeout: a BLOCK longer than it would end in a TimeoutError."""
-    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
-    socket_timeout = kwargs.get("socket_timeout")
+    socket_timeout = socket_timeout_s(client)
     if socket_timeout:
         block_ms = min(block_ms, max(1, int(socket_timeout * 800)))
     return max(1, block_ms)
@@ -207,7 +206,7 @@ def _resolve_last_id(last_id: str, tail: Any) -> str:
 
 
 def follow(
-    client: redis.Redis,
+    client: RedisClient,
     agent: str,
     session: str,
     *,
@@ -238,7 +237,7 @@ def follow(
     return _follow(client, state, count)
 
 
-def _follow(client: redis.Redis, state: _Follow, count: int) -> Generator[StreamEvent, None, None]:
+def _follow(client: RedisClient, state: _Follow, count: int) -> Generator[StreamEvent, None, None]:
     with client.pipeline(transaction=False) as pipe:
         queue_start_check(pipe, state.stream, state.last_id, state.last_seq)
         start = judge_start(state.stream, state.last_id, state.last_seq, pipe.execute(raise_on_error=False))
@@ -253,7 +252,7 @@ def _follow(client: redis.Redis, state: _Follow, count: int) -> Generator[Stream
 
 
 async def afollow(
-    client: aioredis.Redis,
+    client: AsyncRedisClient,
     agent: str,
     session: str,
     *,
@@ -293,7 +292,7 @@ async def afollow(
 
 
 def read_firehose(
-    client: redis.Redis,
+    client: RedisClient,
     partition: int = 0,
     *,
     last_id: str = "0-0",
@@ -312,7 +311,7 @@ def read_firehose(
 
 
 def ensure_group(
-    client: redis.Redis,
+    client: RedisClient,
     group: str,
     *,
     partition: int = 0,
@@ -332,7 +331,7 @@ def ensure_group(
     return True
 
 
-def _group_items(client: redis.Redis, group: str, response: Any) -> list[StreamEvent]:
+def _group_items(client: RedisClient, group: str, response: Any) -> list[StreamEvent]:
     out: list[StreamEvent] = []
     poison: dict[str, list[str]] = {}
     for stream, entry_id, fields in _entries(response):
@@ -349,7 +348,7 @@ def _group_items(client: redis.Redis, group: str, response: Any) -> list[StreamE
 
 
 def read_group(
-    client: redis.Redis,
+    client: RedisClient,
     group: str,
     consumer: str,
     *,
@@ -370,7 +369,7 @@ def read_group(
     return _group_items(client, group, response)
 
 
-def ack(client: redis.Redis, group: str, events: Iterable[StreamEvent]) -> int:
+def ack(client: RedisClient, group: str, events: Iterable[StreamEvent]) -> int:
     """Acknowledge handled events (from :func:`read_group` / :func:`claim_stale`); returns how many were pending."""
     by_stream: dict[str, list[str]] = {}
     for e in events:
@@ -381,7 +380,7 @@ def ack(client: redis.Redis, group: str, events: Iterable[StreamEvent]) -> int:
 
 
 def claim_stale(
-    client: redis.Redis,
+    client: RedisClient,
     group: str,
     consumer: str,
     *,

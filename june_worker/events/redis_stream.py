@@ -23,6 +23,14 @@ ends, so its events are in Redis before the task reports it done); a gap or an e
 report is acted on then. Everything goes over that one connection, in order: deltas never
 overtake the structural events committed before them.
 
+On a Redis Cluster (``redis+cluster://``, see :mod:`._redis_url`) the same holds per node: a
+session's stream and marker share a hash slot, so its appends and deltas go over the sink's one
+connection to that node, in order (:mod:`._wire`); its firehose partition may be on another node.
+A reply of ``MOVED`` (the slot moved) is a gap: the sink learns the slot map again and fills the
+stream from the store. Outside the pipelined path the two script calls of a publish go one after
+the other through the cluster client (a cluster pipeline refuses scripts); it follows ``MOVED``
+and ``ASK`` itself.
+
 The sink never raises into the turn: a Redis error is logged (no URL, no password) and the
 call returns. After an error the sink stays quiet for ``retry_after_s`` (publishes return
 at once), so an unreachable Redis does not slow every step of every turn; the first
@@ -65,11 +73,13 @@ from typing import Any, Protocol
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError
 from redis.retry import Retry
 
 from ..engine.events import TurnEvent, is_structural
 from ..engine.store import SessionRef
+from ._redis_url import RedisClient, connect, describe, is_cluster
+from ._wire import Wire
 from .keys import DEFAULT_KEYS, EventKeys
 
 __all__ = ["EventLog", "RedisStreamSink", "Trim", "encode_event", "redact"]
@@ -141,13 +151,6 @@ def redact(text: str) -> str:
     return _USERINFO.sub(r"\g<scheme>***@", text)
 
 
-def _where(client: Any) -> str:
-    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
-    if "path" in kwargs:
-        return f"unix:{kwargs['path']}"
-    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
-
-
 class RedisStreamSink:
     """Publishes a session's events to ``june:events:{<agent>:<session>}`` and the firehose.
 
@@ -162,7 +165,7 @@ class RedisStreamSink:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         *,
         keys: EventKeys = DEFAULT_KEYS,
         store: EventLog | None = None,
@@ -187,12 +190,12 @@ class RedisStreamSink:
         self.firehose_trim = firehose_trim
         self.retry_after_s = retry_after_s
         self.relay_batch = relay_batch
-        self._where = _where(client)
+        self._where = describe(client)
         self._sha: str | None = None
         self._quiet_until = 0.0
         self.pipelined = pipelined
-        self._conn: Any = None  # the pipelined sink's own connection, made on first use
-        self._unread: list[SessionRef | None] = []  # per reply owed on it: the session of an append, None: a delta
+        self._cluster = is_cluster(client)
+        self._wire = Wire(client)  # the pipelined sink's own connections (one per cluster node), made on first use
         self._lock = threading.Lock()
 
     @classmethod
@@ -206,7 +209,7 @@ class RedisStreamSink:
     ) -> RedisStreamSink:
         """A sink with its own client. Short timeouts and a single immediate retry on a dropped
         connection: a Redis outage costs a turn at most one timeout per ``retry_after_s``."""
-        client = redis.Redis.from_url(
+        client = connect(
             url,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=connect_timeout_s,
@@ -236,7 +239,7 @@ class RedisStreamSink:
                 self._failed(exc, f"publish of {len(structural)} event(s) of {ref}")
                 return
             calls = self._calls(ref, structural, lenient=False)
-            sent = self._send([("EVALSHA", sha, len(keys), *keys, *args) for keys, args in calls], ref)
+            sent = self._send([(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls], ref)
             self.flush(keep=sent)  # what earlier publishes owe: read after sending, their replies have arrived
             return
         try:
@@ -259,14 +262,15 @@ class RedisStreamSink:
         if self._quiet():
             return
         fields = {"type": event.type, "data": encode_event(ref, event)}
-        commands = _xadd(self.keys.session_stream(ref), fields, self.session_trim)
+        stream = self.keys.session_stream(ref)
+        commands = _xadd(stream, fields, self.session_trim)
         if self.pipelined:
-            self.flush(keep=self._send(commands, None))
+            self.flush(keep=self._send([(stream, c) for c in commands], None))
             return
         try:
-            pipe = self.client.pipeline(transaction=False)
+            pipe: Any = self.client.pipeline(transaction=False)
             for command in commands:
-                pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+                pipe.execute_command(*command)
             pipe.execute()
         except Exception as exc:
             self._failed(exc, f"delta of {ref}")
@@ -358,14 +362,18 @@ class RedisStreamSink:
         return calls
 
     def _run(self, calls: list[tuple[list[str], list[str | int]]]) -> list[list[Any]]:
-        """EVALSHA every call in one pipeline; load the script and run them all again on NOSCRIPT
-        (harmless: the script is idempotent)."""
+        """EVALSHA every call, in one pipeline on one Redis (on a cluster one after the other: a cluster
+        pipeline refuses scripts, and each call's keys may live on another node); load the script and run
+        them all again on NOSCRIPT (harmless: the script is idempotent)."""
         for attempt in (1, 2):
             sha = self._script()
-            pipe = self.client.pipeline(transaction=False)
-            for keys, args in calls:
-                pipe.evalsha(sha, len(keys), *keys, *args)
-            results = pipe.execute(raise_on_error=False)
+            if self._cluster:
+                results = [self._evalsha(sha, keys, args) for keys, args in calls]
+            else:
+                pipe = self.client.pipeline(transaction=False)
+                for keys, args in calls:
+                    pipe.evalsha(sha, len(keys), *keys, *args)
+                results = pipe.execute(raise_on_error=False)
             errors = [r for r in results if isinstance(r, Exception)]
             if not errors:
                 return [list(r) for r in results]
@@ -374,6 +382,13 @@ class RedisStreamSink:
                 continue
             raise errors[0]
         raise AssertionError("unreachable")
+
+    def _evalsha(self, sha: str, keys: list[str], args: list[str | int]) -> Any:
+        """One EVALSHA through the cluster client (it follows MOVED and ASK); a reply error is returned, not raised."""
+        try:
+            return self.client.evalsha(sha, len(keys), *keys, *args)
+        except ResponseError as exc:
+            return exc
 
     def _script(self) -> str:
         if self._sha is None:
@@ -397,69 +412,53 @@ class RedisStreamSink:
             except Exception as exc:
                 self._failed(exc, f"relay of {ref}")
 
-    def _send(self, commands: list[tuple[Any, ...]], ref: SessionRef | None) -> int:
-        """Send ``commands`` on the sink's connection, owing one reply each; return how many are owed
-        for them (0: not sent, the sink is quiet or the connection failed)."""
+    def _send(self, commands: list[tuple[str, tuple[Any, ...]]], ref: SessionRef | None) -> int:
+        """Send each ``(key, command)`` on the sink's connection to that key's node, owing one reply each; return
+        how many are owed for them (0: not sent, the sink is quiet or a connection failed)."""
         if self._quiet():
             return 0
         with self._lock:
             try:
-                if self._conn is None:
-                    self._conn = self.client.connection_pool.make_connection()
-                if not self._unread:  # (else a PING's PONG would be read in an owed reply's place)
-                    self._check_idle_connection()
-                self._conn.send_packed_command(self._conn.pack_commands(commands), check_health=False)
+                return self._wire.send(commands, ref)
             except Exception as exc:
                 self._lost(exc, "pipelined publish")
                 return 0
-            self._unread.extend([ref] * len(commands))
-            return len(commands)
-
-    def _check_idle_connection(self) -> None:
-        """The client's health check on the sink's connection: a PING once it has been idle for the
-        client's ``health_check_interval``. A connection Redis dropped meanwhile (a restart, a proxy's
-        idle timeout) is let go, so the send that follows opens a new one instead of failing."""
-        try:
-            self._conn.check_health()
-        except (redis.ConnectionError, redis.TimeoutError):
-            self._conn.disconnect()
 
     def _read_unread(self, keep: int = 0) -> list[SessionRef]:
         """Read the owed replies in order, all but the last ``keep``; return the sessions whose appends
-        found a gap."""
-        cut = len(self._unread) - keep
-        owed, self._unread = self._unread[:cut], self._unread[cut:]
+        found a gap, or did not happen (a cluster node answered MOVED: the slot moved; the relay, which
+        follows it, fills the stream from the store)."""
+        try:
+            replies = self._wire.read(keep)
+        except Exception as exc:
+            self._lost(exc, "reading pipelined replies")
+            return []  # the next publish finds the gap, if one was left
         gaps: list[SessionRef] = []
-        for ref in owed:
-            try:
-                reply = self._conn.read_response()
-            except NoScriptError:
+        for ref, reply in replies:
+            if isinstance(reply, NoScriptError):
                 self._sha = None  # Redis lost its scripts: it lost the streams too, the relay rebuilds them
                 reply = [0, 0, 1]
-            except ResponseError as exc:
-                self._failed(exc, f"append to the stream of {ref}" if ref else "delta")
+            elif isinstance(reply, AskError):  # MOVED (a subclass) or ASK: the command ran nowhere
+                if isinstance(reply, MovedError):
+                    self._wire.moved(reply)  # the slot's new node, for the next send
+                reply = [0, 0, 1]
+            elif isinstance(reply, ResponseError):
+                self._failed(reply, f"append to the stream of {ref}" if ref else "delta")
                 continue
-            except Exception as exc:
-                self._lost(exc, "reading pipelined replies")
-                return []  # the next publish finds the gap, if one was left
             if ref is not None and int(reply[2]) and ref not in gaps:
                 gaps.append(ref)
         return gaps
 
     def _lost(self, exc: Exception, what: str) -> None:
-        """The connection failed mid-reply: drop it and what it owed (the store keeps the events)."""
-        self._unread = []
-        if self._conn is not None:
-            self._conn.disconnect()
+        """A connection failed mid-reply: drop the connections and what they owed (the store keeps the events)."""
+        self._wire.drop()
         self._failed(exc, what)
 
     def close(self) -> None:
-        """Read what is owed and let the sink's own connection go (the client is the caller's)."""
+        """Read what is owed and let the sink's own connections go (the client is the caller's)."""
         self.flush()
         with self._lock:
-            if self._conn is not None:
-                self._conn.disconnect()
-                self._conn = None
+            self._wire.drop()
 
     def _quiet(self) -> bool:
         return time.monotonic() < self._quiet_until

@@ -31,6 +31,7 @@ from psycopg_pool import ConnectionPool
 from producers import JuneProducer, ResetOutcome, ResumeOutcome
 
 from ..engine.store import SessionRef, SuspendedCheckpoint, TurnRecord
+from ..events._redis_url import AsyncRedisClient, aconnect, is_cluster_url
 from ..events.keys import EventKeys
 from ..stores.postgres import PostgresStore
 from .access import SessionState
@@ -58,22 +59,26 @@ class GatewayBackend:
         self._store: PostgresStore | None = None
         self._owners: SessionOwners | None = None
         self._producer: JuneProducer | None = None
-        self._redis: aioredis.Redis | None = None
+        self._redis: AsyncRedisClient | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         s = self.settings
-        pool = aioredis.BlockingConnectionPool.from_url(
-            s.redis_url,
-            max_connections=s.redis_connections,
-            timeout=10,
-            decode_responses=True,
-            socket_timeout=s.heartbeat_s + 10,
-            socket_connect_timeout=5,
-            health_check_interval=30,
-        )
-        self._redis = aioredis.Redis(connection_pool=pool)
+        options: dict[str, Any] = {
+            "decode_responses": True,
+            "socket_timeout": s.heartbeat_s + 10,
+            "socket_connect_timeout": 5,
+            "health_check_interval": 30,
+        }
+        if is_cluster_url(s.redis_url):
+            # a cluster client keeps a pool per node; a stream's reader waits on the node of its session's slot
+            self._redis = aconnect(s.redis_url, max_connections=s.redis_connections, **options)
+        else:
+            pool = aioredis.BlockingConnectionPool.from_url(
+                s.redis_url, max_connections=s.redis_connections, timeout=10, **options
+            )
+            self._redis = aioredis.Redis(connection_pool=pool)
         # Opened without waiting: the gateway starts (and /healthz says 503) while Postgres is down.
         self._pool = ConnectionPool(
             s.database_url, min_size=1, max_size=8, kwargs={"autocommit": True}, timeout=5, open=False,
@@ -106,7 +111,7 @@ class GatewayBackend:
             await self._redis.aclose()
 
     @property
-    def redis(self) -> aioredis.Redis:
+    def redis(self) -> AsyncRedisClient:
         assert self._redis is not None, "the gateway backend is not started"
         return self._redis
 

@@ -7,7 +7,8 @@ agree); the ``JUNE_GATEWAY_*`` ones are the gateway's.
 variable                       meaning                                         default
 =============================  ==============================================  ===========================
 JUNE_DATABASE_URL              Postgres: pending input, turn and session reads  postgresql://postgres@127.0.0.1:5432/june
-JUNE_REDIS_URL                 Redis holding the event streams                  redis://127.0.0.1:6379/0
+JUNE_REDIS_URL                 Redis holding the event streams (a Redis         redis://127.0.0.1:6379/0
+                               Cluster: redis+cluster://host:port,...)
 CELERY_BROKER_URL              the broker                                       JUNE_REDIS_URL
 CELERY_RESULT_BACKEND          where control tasks' answers come back           JUNE_REDIS_URL
 JUNE_QUEUE                     queue of ``june.turn``                           june
@@ -57,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from ..events._redis_url import is_cluster_url
 from .access import AuthorizeSession
 from .auth import TokenTable, load_tokens
 from .slack_settings import SlackGatewaySettings, slack_from_env
@@ -199,6 +201,12 @@ class GatewaySettings:
             paths = tuple(p.strip() for p in env.get("JUNE_AGENTS", _DEFAULT_AGENTS).split(",") if p.strip())
             agents = agent_names(paths)
         redis_url = env.get("JUNE_REDIS_URL", cls.redis_url)
+        for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+            if is_cluster_url(env.get(name, redis_url)):
+                raise ConfigError(
+                    f"{name} is a Redis Cluster: a cluster holds june's events only; set {name} to a single Redis "
+                    "(redis://) or, for the broker, RabbitMQ (amqp://)"
+                )
         hook_path = env.get("JUNE_GATEWAY_AUTHORIZE_SESSION")
         return cls(
             agents=agents,

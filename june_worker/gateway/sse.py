@@ -38,13 +38,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ..engine.events import is_structural, is_terminal
 from ..engine.store import SessionRef
 from ..errors import StreamGapError
+from ..events._redis_url import AsyncRedisClient
 from ..events.keys import EventKeys
 from ..events.reader import StreamEvent, afollow
 from ..events.redis_stream import encode_event
@@ -106,7 +106,7 @@ def format_gap(ref: SessionRef, gap: StreamGapError) -> bytes:
 
 
 async def follow_events(
-    client: aioredis.Redis,
+    client: AsyncRedisClient,
     keys: EventKeys,
     ref: SessionRef,
     *,

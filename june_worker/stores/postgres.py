@@ -76,6 +76,7 @@ from ..errors import (
     TurnEndedError,
 )
 from ._pg_commit import commit_statement
+from ._pg_partition import partition_count, partition_tables
 from ._sql import qmark_to_format
 
 __all__ = [
@@ -534,12 +535,19 @@ def _format(sql: str) -> str:
     return qmark_to_format(sql)
 
 
+# A tool's statement: under a savepoint of its own (a failure rolls back the statement alone), planned with the
+# planner's defaults (the store's own statements run without sequential scans: see _configure).
+_TOOL_STATEMENT = "savepoint june_stmt; set local enable_seqscan = on; {}; set local enable_seqscan = off; release savepoint june_stmt"
+
+
 class _Handle:
     """A sync tool's view of the step's transaction. ``BEGIN`` goes out with the first use.
 
     Each statement runs under its own savepoint, in the same round trip (client-side binding,
     one simple query): a statement that fails rolls back alone, so a tool that catches the error
-    leaves the step's transaction usable. A statement that finds the connection lost is the
+    leaves the step's transaction usable. It is planned with the planner's defaults (sequential
+    scans allowed, unlike the store's own statements); on :meth:`unwrap`'s raw connection they are
+    not. A statement that finds the connection lost is the
     store's failure, not the tool's: :attr:`lost` keeps it, and the step is not committed whatever
     the tool does with the error.
     """
@@ -562,7 +570,7 @@ class _Handle:
             self._cursor = psycopg.ClientCursor(conn)
         cur = self._cursor
         try:
-            cur.execute(f"savepoint june_stmt; {_format(sql)}; release savepoint june_stmt", params, prepare=False)
+            cur.execute(_TOOL_STATEMENT.format(_format(sql)), params, prepare=False)
         except psycopg.Error as exc:
             if conn.broken or _is_unavailable(exc):
                 self.lost = exc
@@ -570,7 +578,8 @@ class _Handle:
             with contextlib.suppress(psycopg.Error):
                 conn.execute("rollback to savepoint june_stmt", prepare=False)
             raise
-        cur.nextset()  # the statement's own result, after the savepoint's
+        cur.nextset()  # past the savepoint's and the setting's results, to the statement's own
+        cur.nextset()
         return cur
 
     def execute(self, sql: str, *params: Any) -> int:
@@ -584,7 +593,9 @@ class _Handle:
         """The psycopg connection, inside the step's transaction: use it, never commit or roll it back.
 
         Statements run here have no savepoint of their own: a tool that catches a failed one must
-        use one itself (``with conn.transaction():`` makes one), or the step fails.
+        use one itself (``with conn.transaction():`` makes one), or the step fails. They are planned
+        as the store's own are, without sequential scans (``set local enable_seqscan = on`` first for
+        a statement that needs one).
         """
         return self.begin()
 
@@ -633,12 +644,18 @@ def _readable(conn: Conn) -> bool:
 
 
 def _configure(conn: Conn) -> None:
-    """Every statement of the store is prepared on first use; plan each once, generically.
+    """Every statement of the store is prepared on first use; plan each once, generically, along its indexes.
 
-    A custom plan of the commit CTE costs more than executing it. Tool statements run through
-    the handle are never prepared, so this setting does not touch them.
+    A custom plan of the commit CTE costs more than executing it. A generic plan is kept for the
+    connection's life, planned again only when an ANALYZE of a table it reads invalidates it (at most
+    once a minute per database from autovacuum); made while a table held a few rows, it would scan the
+    whole table (cheapest then) and go on doing so as the table grows, every turn costing more than the
+    last until the next ANALYZE. Every statement of the store finds its rows by an index (the session's
+    key, or the sweeper's partial indexes), so sequential scans are off for them. Tool statements run
+    through the handle are never prepared and run with the planner's defaults (see :class:`_Handle`).
     """
     conn.execute("set plan_cache_mode = force_generic_plan")
+    conn.execute("set enable_seqscan = off")
 
 
 def _check(conn: Conn) -> None:
@@ -733,6 +750,23 @@ class PostgresStore:
                         continue
                     conn.execute(script, prepare=False)
                     conn.execute("insert into june_schema (version) values (%s)", (version,))
+
+    def partition(self, partitions: int) -> bool:
+        """Hash-partition the per-session tables by ``(agent, session)`` into ``partitions`` partitions (after
+        :meth:`migrate`); False when they are partitioned so already. One transaction; the tables are locked while
+        their rows are copied (workers wait, then go on). See :mod:`._pg_partition`."""
+        self.migrate()
+        with self._connection() as conn:
+            conn.execute("select pg_advisory_lock(%s)", (_MIGRATION_LOCK,))
+            try:
+                return partition_tables(conn, partitions)
+            finally:
+                conn.execute("select pg_advisory_unlock(%s)", (_MIGRATION_LOCK,))
+
+    def partitions(self) -> dict[str, int]:
+        """How many hash partitions each per-session table has (0: not partitioned)."""
+        with self._connection() as conn:
+            return partition_count(conn)
 
     # --- reads -------------------------------------------------------------------------------------
 
@@ -848,7 +882,7 @@ class PostgresStore:
             try:
                 row = cur.execute(sql, params).fetchone()
             except pg_errors.UniqueViolation as exc:
-                if exc.diag.constraint_name == "june_messages_pkey":
+                if _names_messages_key(exc.diag.constraint_name, exc.diag.table_name):
                     raise StoreError(
                         f"session {ref}: a message index of this commit is taken ({exc.diag.message_detail})"
                     ) from exc
@@ -961,6 +995,14 @@ class PostgresStore:
     def close(self) -> None:
         if self._owns_pool:
             self._pool.close()
+
+
+def _names_messages_key(constraint: str | None, table: str | None) -> bool:
+    """A unique violation of the transcript's key: ``june_messages_pkey``, or its partition's (``june_messages_p3_pkey``
+    on ``june_messages_p3``) when the table is hash-partitioned."""
+    if constraint == "june_messages_pkey":
+        return True
+    return bool(table and constraint and table.startswith("june_messages_p") and constraint == f"{table}_pkey")
 
 
 def _check_fence(ref: SessionRef, current: int, fence: int | None) -> None:

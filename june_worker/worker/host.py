@@ -45,6 +45,7 @@ from ..engine.store import (
     TurnRecord,
 )
 from ..errors import ConfigError, LeaseLostError, ResumeConflictError, TransientError
+from ..events._redis_url import connect
 from ..events.keys import EventKeys
 from ..events.redis_stream import RedisStreamSink, Trim
 from ..observe.turns import TurnObserver
@@ -168,9 +169,7 @@ class WorkerHost:
             max_sessions=settings.transcript_cache, max_messages=settings.transcript_cache_messages
         )
         self.keys = EventKeys(prefix=settings.key_prefix, firehose_partitions=settings.firehose_partitions)
-        self.redis = redis.Redis.from_url(
-            settings.redis_url, health_check_interval=30, socket_timeout=5, socket_connect_timeout=2
-        )
+        self.redis = connect(settings.redis_url, health_check_interval=30, socket_timeout=5, socket_connect_timeout=2)
         trim = Trim(maxlen=settings.stream_maxlen or None, max_age_s=settings.stream_max_age_s or None)
         ttl = settings.stream_ttl_s or None
         self.sink = RedisStreamSink(self.redis, keys=self.keys, store=self.store, session_trim=trim, session_ttl_s=ttl)
@@ -483,7 +482,10 @@ class WorkerHost:
                 log.warning("lease heartbeat for %s failed; will retry", running.ref, exc_info=True)
 
     def _listen(self) -> None:
-        """Cancel signals published on the session control channels (the fast path; Postgres is the record)."""
+        """Cancel signals published on the session control channels (the fast path; Postgres is the record).
+
+        On a Redis Cluster a PUBLISH reaches every node (the cluster bus carries it), so one pattern
+        subscription on any node hears every session's channel, as on one Redis."""
         pattern = f"{self.keys.prefix}:control:*"
         while not self._stop.is_set():
             try:

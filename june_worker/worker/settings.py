@@ -4,7 +4,10 @@
 variable                    meaning                                  default
 ==========================  =======================================  ==========================
 JUNE_DATABASE_URL           Postgres, the source of truth            postgresql://postgres@127.0.0.1:5432/june
-JUNE_REDIS_URL              Redis for event streams (and results)    redis://127.0.0.1:6379/0
+JUNE_REDIS_URL              Redis for event streams (and results);   redis://127.0.0.1:6379/0
+                            redis+cluster://host:port[,host:port]
+                            for a Redis Cluster (events only: set
+                            the broker and the result backend)
 CELERY_BROKER_URL           the broker: redis:// or amqp://          JUNE_REDIS_URL
 CELERY_RESULT_BACKEND       where task summaries go                  JUNE_REDIS_URL
 JUNE_AGENTS                 agents to serve, ``module:attr`` list    june_worker.demo:build_agent
@@ -39,7 +42,7 @@ JUNE_PRUNE_BATCH            rows deleted per statement and sweep     1000
 JUNE_KEY_PREFIX             prefix of every Redis key                june
 JUNE_STREAM_MAXLEN          approximate cap of a session stream      10000
 JUNE_STREAM_MAX_AGE_S       drop stream entries older than this      0 (keep)
-JUNE_FIREHOSE_PARTITIONS    partitions of the all-sessions stream    1
+JUNE_FIREHOSE_PARTITIONS    partitions of the all-sessions stream    1 (16 on a Redis Cluster)
 JUNE_TASK_EVENTS            Celery task events (Flower); 0 = off     1
 JUNE_BROKER_QUEUE_TYPE      RabbitMQ queue type: quorum or classic   quorum
 JUNE_BROKER_VISIBILITY_S    Redis broker: a delivered message not    3 x JUNE_LEASE_S
@@ -76,8 +79,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..events._redis_url import is_cluster_url, parse_cluster_url
 
 __all__ = ["WorkerSettings"]
+
+_CLUSTER_FIREHOSE_PARTITIONS = 16
+"""On a Redis Cluster the firehose is split over this many streams by default, so that its appends spread over
+the cluster's slots (and nodes) instead of all landing on the one node that owns a single stream."""
 
 _VISIBILITY_LEASES = 3
 """The Redis broker's visibility timeout, in lease lengths: long enough that a running turn's message is
@@ -144,6 +152,20 @@ class WorkerSettings:
         lease_s = _float(env, "JUNE_LEASE_S", cls.lease_s)
         if lease_s < 0.5:
             raise ConfigError("JUNE_LEASE_S must be at least 0.5 seconds")
+        broker_url = env.get("CELERY_BROKER_URL", redis_url)
+        result_backend = env.get("CELERY_RESULT_BACKEND", redis_url)
+        for name, url in (("CELERY_BROKER_URL", broker_url), ("CELERY_RESULT_BACKEND", result_backend)):
+            if is_cluster_url(url):
+                raise ConfigError(
+                    f"{name} is a Redis Cluster ({url.split('://', 1)[0]}://): a cluster holds june's events only; "
+                    f"set {name} to a single Redis (redis://) or, for the broker, RabbitMQ (amqp://)"
+                )
+        if is_cluster_url(redis_url):
+            try:
+                parse_cluster_url(redis_url)
+            except ValueError as exc:
+                raise ConfigError(f"JUNE_REDIS_URL: {exc}") from None
+        partitions_default = _CLUSTER_FIREHOSE_PARTITIONS if is_cluster_url(redis_url) else cls.firehose_partitions
         queue_type = env.get("JUNE_BROKER_QUEUE_TYPE", cls.broker_queue_type).strip().lower()
         if queue_type not in ("quorum", "classic"):
             raise ConfigError(f"JUNE_BROKER_QUEUE_TYPE={queue_type!r}: expected quorum or classic")
@@ -156,8 +178,8 @@ class WorkerSettings:
         return cls(
             database_url=env.get("JUNE_DATABASE_URL", cls.database_url),
             redis_url=redis_url,
-            broker_url=env.get("CELERY_BROKER_URL", redis_url),
-            result_backend=env.get("CELERY_RESULT_BACKEND", redis_url),
+            broker_url=broker_url,
+            result_backend=result_backend,
             agents=agents,
             queue=env.get("JUNE_QUEUE", cls.queue),
             control_queue=env.get("JUNE_CONTROL_QUEUE", cls.control_queue),
@@ -174,7 +196,7 @@ class WorkerSettings:
             key_prefix=env.get("JUNE_KEY_PREFIX", cls.key_prefix),
             stream_maxlen=int(_float(env, "JUNE_STREAM_MAXLEN", cls.stream_maxlen)),
             stream_max_age_s=_float(env, "JUNE_STREAM_MAX_AGE_S", cls.stream_max_age_s),
-            firehose_partitions=int(_float(env, "JUNE_FIREHOSE_PARTITIONS", cls.firehose_partitions)),
+            firehose_partitions=int(_float(env, "JUNE_FIREHOSE_PARTITIONS", partitions_default)),
             broker_queue_type=queue_type,
             broker_visibility_s=max(_float(env, "JUNE_BROKER_VISIBILITY_S", _VISIBILITY_LEASES * lease_s), 1.0),
             publish_timeout_s=max(_float(env, "JUNE_PUBLISH_TIMEOUT_S", cls.publish_timeout_s), 0.1),

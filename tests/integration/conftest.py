@@ -27,7 +27,8 @@ from typing import Any, TypeVar
 
 import psycopg
 import pytest
-import redis
+
+from june_worker.events._redis_url import connect
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -75,6 +76,13 @@ def _database(database_url: str) -> Iterator[str]:
     finally:
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(f'drop database if exists "{name}" with (force)')
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def events_url(request: pytest.FixtureRequest, redis_url: str) -> str:
+    """Where events live: one Redis, or a three-node Redis Cluster of this run's own (``redis+cluster://``); a test
+    that takes it runs on both, and the sink and the readers keep the same rules on each."""
+    return str(request.getfixturevalue("redis_cluster_url")) if request.param == "cluster" else redis_url
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +133,13 @@ class Proc:
 class Stack:
     """Workers, beat, a broker client and the database of one test module."""
 
-    def __init__(self, db_url: str, redis_url: str, tmp: Path, broker_url: str | None = None) -> None:
+    def __init__(
+        self, db_url: str, redis_url: str, tmp: Path, broker_url: str | None = None, events_url: str | None = None
+    ) -> None:
         tag = uuid.uuid4().hex[:8]
         self.db_url = db_url
-        self.redis_url = redis_url
+        self.redis_url = redis_url  # the result backend, and the broker unless broker_url
+        self.events_url = events_url or redis_url  # the streams and control channels (JUNE_REDIS_URL): maybe a cluster
         self.broker_url = broker_url or redis_url
         self.broker = "amqp" if self.broker_url.startswith("amqp") else "redis"
         self.tmp = tmp
@@ -139,7 +150,7 @@ class Stack:
             **os.environ,
             "PYTHONPATH": str(ROOT),
             "JUNE_DATABASE_URL": db_url,
-            "JUNE_REDIS_URL": redis_url,
+            "JUNE_REDIS_URL": self.events_url,
             "CELERY_BROKER_URL": self.broker_url,
             "CELERY_RESULT_BACKEND": redis_url,
             "JUNE_AGENTS": "tests.integration.agents:ALL",
@@ -153,7 +164,7 @@ class Stack:
             "JUNE_IT_DELTAS": "2000",
         }
         self.procs: list[Proc] = []
-        self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.redis: Any = connect(self.events_url, decode_responses=True)
         from celery import Celery
 
         from june_worker.worker.broker import celery_options
@@ -248,8 +259,9 @@ class Stack:
         from producers import JuneProducer
 
         return JuneProducer(
-            self.redis_url,
+            self.events_url,
             broker_url=self.broker_url,
+            result_backend=self.redis_url,
             queue=self.queue,
             control_queue=self.control_queue,
             key_prefix=self.prefix,

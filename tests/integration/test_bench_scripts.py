@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPTS = {
     "turn_cost.py": (["-n", "5"], "a whole turn (wall)"),
+    "history_cost.py": (["--history", "10,40", "--history-turns", "2"], "pg trips/turn"),
     "event_latency.py": (["-n", "20", "--warmup", "5"], "target p99 < 1.5 ms"),
     "step_overhead.py": (["--steps", "2", "--rounds", "1"], "tables+indexes grew per step"),
     "storage.py": (["--turns", "3"], "after relay and pruning"),

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from june_worker import Agent, Runtime, tool
@@ -49,6 +48,7 @@ from june_worker.events import (
     read_firehose,
     read_group,
 )
+from june_worker.events._redis_url import aconnect, connect, is_cluster
 from june_worker.events.reader import decode_entry
 from june_worker.events.redis_stream import encode_event
 from june_worker.models import Reply, ScriptedModel
@@ -63,10 +63,24 @@ WAIT_S = 10.0
 
 
 @pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
+def client(events_url: str) -> Iterator[Any]:
+    c = connect(events_url)
     yield c
     c.close()
+
+
+def node_clients(client: Any) -> list[Any]:
+    """A client of each node: the client itself on one Redis, each primary's on a cluster."""
+    return [n.redis_connection for n in client.get_primaries()] if is_cluster(client) else [client]
+
+
+def kill_sink_connection(client: Any, sink: RedisStreamSink, key: str) -> None:
+    """Make Redis drop the pipelined sink's connection to the node of ``key`` (CLIENT KILL on that node)."""
+    conn = sink._wire.connection_of(key)
+    assert conn is not None, f"the sink has no connection to the node of {key}"
+    host, port = conn._sock.getsockname()[:2]
+    node = client.get_node_from_key(key).redis_connection if is_cluster(client) else client
+    assert node.client_kill(f"{host}:{port}")
 
 
 @pytest.fixture
@@ -115,9 +129,11 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = WAIT
         pause.wait(0.002)
 
 
-def blocked(client: redis.Redis, name: str) -> Callable[[], bool]:
-    """True once the connection named ``name`` is blocked in a command (XREAD BLOCK)."""
-    return lambda: any(c.get("name") == name and "b" in c.get("flags", "") for c in client.client_list())
+def blocked(client: Any, name: str) -> Callable[[], bool]:
+    """True once the connection named ``name`` is blocked in a command (XREAD BLOCK), on any node."""
+    return lambda: any(
+        c.get("name") == name and "b" in c.get("flags", "") for node in node_clients(client) for c in node.client_list()
+    )
 
 
 def closed_port() -> int:
@@ -331,13 +347,13 @@ def test_a_pipelined_publish_does_not_wait_for_the_reply_and_keeps_commit_order_
     events = turn_events("t1", 1, ["a", "b"])
     first = _published(store, ref, events[:2])
     sink.publish(ref, first)
-    assert sink._unread  # sent; the reply is read later
+    assert len(sink._wire)  # sent; the reply is read later
     sink.publish_delta(ref, MessageDelta(turn_id="t1", step="model:2", text="b"))
     rest = _published(store, ref, events[2:])
     sink.publish(ref, rest)
     sink.publish(ref, first + rest)  # a replay appends nothing
     sink.flush()
-    assert not sink._unread
+    assert not len(sink._wire)
     got = [(e.event.seq, e.event.type) for e in entries(client, keys.session_stream(ref))]
     assert got == [(1, "turn.started"), (2, "message.completed"), (None, "message.delta"), (3, "message.completed")] + [
         (4, "turn.completed")
@@ -371,8 +387,7 @@ def test_a_pipelined_sink_loses_nothing_when_its_connection_dies_with_replies_ow
     sink.publish(ref, _published(store, ref, events[:2]))
     sink.flush()
     # When Redis drops its connection, and the next publish goes into the dead socket
-    host, port = sink._conn._sock.getsockname()[:2]
-    assert client.client_kill(f"{host}:{port}")
+    kill_sink_connection(client, sink, keys.session_stream(ref))
     with caplog.at_level(logging.WARNING, logger="june_worker.events"):
         sink.publish(ref, _published(store, ref, events[2:3]))
         sink.flush()  # must not raise
@@ -385,18 +400,17 @@ def test_a_pipelined_sink_loses_nothing_when_its_connection_dies_with_replies_ow
 
 
 def test_a_pipelined_sink_checks_an_idle_connection_before_publishing_on_it(
-    redis_url: str, keys: EventKeys, ref: SessionRef, caplog: pytest.LogCaptureFixture
+    events_url: str, keys: EventKeys, ref: SessionRef, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Given a pipelined sink whose client checks connections idle for more than 50 ms
-    client = redis.Redis.from_url(redis_url, health_check_interval=0.05)
+    client = connect(events_url, health_check_interval=0.05)
     store = MemoryStore()
     sink = RedisStreamSink(client, keys=keys, store=store, pipelined=True)
     events = turn_events("t1", 1, ["a", "b"])
     sink.publish(ref, _published(store, ref, events[:2]))
     sink.flush()
     # When Redis drops the connection while it is idle (a restart, a proxy's idle timeout)
-    host, port = sink._conn._sock.getsockname()[:2]
-    assert client.client_kill(f"{host}:{port}")
+    kill_sink_connection(client, sink, keys.session_stream(ref))
     time.sleep(0.1)  # idle past the health-check interval
     with caplog.at_level(logging.WARNING, logger="june_worker.events"):
         sink.publish(ref, _published(store, ref, events[2:]))
@@ -404,6 +418,53 @@ def test_a_pipelined_sink_checks_an_idle_connection_before_publishing_on_it(
     # Then the publish found the connection dead before sending, reconnected, and nothing failed
     assert structural(client, keys.session_stream(ref)) == [(e.seq, e.type) for e in store.events(ref)]
     assert [r.getMessage() for r in caplog.records] == []
+    sink.close()
+    client.close()
+
+
+def move_slot(client: Any, key: str) -> tuple[str, str]:
+    """Move the hash slot of ``key``, with its keys, to another node of the cluster (what a resharding does);
+    return the old and the new owner's ``host:port``."""
+    slot = client.keyslot(key)
+    source = client.get_node_from_key(key)
+    target = next(n for n in client.get_primaries() if n.name != source.name)
+    src, dst = source.redis_connection, target.redis_connection
+    src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+    dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+    while names := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+        src.execute_command("MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", *names)
+    for node in client.get_primaries():
+        node.redis_connection.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+    return source.name, target.name
+
+
+def test_a_pipelined_sink_on_a_cluster_follows_a_slot_that_moved_and_loses_nothing(
+    redis_cluster_url: str, ref: SessionRef
+) -> None:
+    # Given a pipelined sink on a cluster that published the start of a turn (it knows which node owns the slot)
+    client = connect(redis_cluster_url)
+    keys = EventKeys(prefix=f"june-test-{uuid.uuid4().hex[:10]}")
+    store = MemoryStore()
+    sink = RedisStreamSink(client, keys=keys, store=store, pipelined=True, retry_after_s=0.0)
+    events = turn_events("t1", 1, ["a", "b", "c", "d"])
+    assert len(events) == 6
+    sink.publish(ref, _published(store, ref, events[:2]))
+    sink.flush()
+    # When the session's slot moves to another node (a resharding), and the turn goes on
+    stream = keys.session_stream(ref)
+    old, new = move_slot(client, stream)
+    sink.publish_delta(ref, MessageDelta(turn_id="t1", step="model:2", text="lost"))
+    sink.flush()  # the old node answered MOVED: the delta is gone (live only), the sink knows the new node now
+    sink.publish_delta(ref, MessageDelta(turn_id="t1", step="model:2", text="kept"))
+    sink.publish(ref, _published(store, ref, events[2:4]))
+    sink.flush()
+    sink.publish(ref, _published(store, ref, events[4:]))
+    sink.flush()
+    # Then the stream, now on the new node, holds every event once, in order, and the sink writes there
+    assert structural(client, stream) == [(e.seq, e.type) for e in store.events(ref)]
+    assert [e.event.text for e in entries(client, stream) if e.event.type == "message.delta"] == ["kept"]
+    assert f"{sink._wire.connection_of(stream).host}:{sink._wire.connection_of(stream).port}" == new != old
     sink.close()
     client.close()
 
@@ -429,14 +490,14 @@ def test_a_pipelined_sink_needs_a_store_to_fill_gaps_from(client: redis.Redis, k
 
 
 def test_follow_catches_up_then_follows_live_and_ends_on_the_turns_terminal_event(
-    client: redis.Redis, redis_url: str, keys: EventKeys, ref: SessionRef
+    client: redis.Redis, events_url: str, keys: EventKeys, ref: SessionRef
 ) -> None:
     # Given turn t1 half-published, and a reader of t1 alone on its own named connection
     sink = RedisStreamSink(client, keys=keys)
     t1 = turn_events("t1", 1, ["a"])
     sink.publish(ref, t1[:2])
     name = f"reader-{uuid.uuid4().hex[:8]}"
-    reader = redis.Redis.from_url(redis_url, client_name=name)
+    reader = connect(events_url, client_name=name)
 
     def write() -> None:
         # When, while the reader is blocked in XREAD, another turn and then t1's end are published
@@ -494,13 +555,13 @@ def test_following_from_dollar_sees_only_what_comes_next(client: redis.Redis, ke
 
 
 async def test_afollow_catches_up_then_follows_live_until_the_turn_ends(
-    client: redis.Redis, redis_url: str, keys: EventKeys, ref: SessionRef
+    client: redis.Redis, events_url: str, keys: EventKeys, ref: SessionRef
 ) -> None:
     sink = RedisStreamSink(client, keys=keys)
     events = turn_events("t1", 1, ["a", "b"])
     sink.publish(ref, events[:2])
     name = f"areader-{uuid.uuid4().hex[:8]}"
-    reader = aioredis.Redis.from_url(redis_url, client_name=name)
+    reader = aconnect(events_url, client_name=name)
 
     def write() -> None:
         wait_until(blocked(client, name), "the async reader to block in XREAD")
@@ -560,10 +621,28 @@ def test_the_firehose_holds_each_structural_event_of_every_session_once(client: 
     assert seen == {r.session: [1, 2, 3] for r in refs}
 
 
+def test_the_firehose_forgets_the_marker_fields_of_quiet_sessions_only(client: redis.Redis, keys: EventKeys) -> None:
+    # Given sessions that published to four firehose partitions
+    keys4 = EventKeys(prefix=keys.prefix, firehose_partitions=4)
+    sink = RedisStreamSink(client, keys=keys4)
+    refs = [SessionRef("ops", f"q{i}") for i in range(8)]
+    for r in refs:
+        sink.publish(r, turn_events("t1", 1, ["a"]))
+    fields = sum(int(client.hlen(keys4.firehose_marker(p))) for p in range(4))
+    assert fields == len(refs)
+    # When the sweeper forgets sessions quiet for an hour: none is; then those quiet for no time: all are
+    assert sink.forget_quiet_sessions(quiet_s=3600) == 0
+    assert sink.forget_quiet_sessions(quiet_s=-1) == len(refs)
+    # Then their fields (and entries of the seen set) are gone, partition by partition, and the streams stay
+    assert sum(int(client.hlen(keys4.firehose_marker(p))) for p in range(4)) == 0
+    assert sum(int(client.zcard(keys4.firehose_seen(p))) for p in range(4)) == 0
+    assert sum(int(client.xlen(keys4.firehose_stream(p))) for p in range(4)) == 3 * len(refs)
+
+
 def test_a_consumer_group_hands_each_event_to_one_consumer_until_acked(
-    redis_url: str, keys: EventKeys, ref: SessionRef
+    events_url: str, keys: EventKeys, ref: SessionRef
 ) -> None:
-    client = redis.Redis.from_url(redis_url, decode_responses=True)  # the reader copes with str replies too
+    client = connect(events_url, decode_responses=True)  # the reader copes with str replies too
     try:
         sink = RedisStreamSink(client, keys=keys)
         assert ensure_group(client, "audit", keys=keys) is True

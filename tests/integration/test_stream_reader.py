@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 
 from june_worker.engine.events import MessageDelta, TurnEvent
 from june_worker.engine.store import Commit, SessionRef
 from june_worker.errors import StreamGapError
 from june_worker.events import EventKeys, RedisStreamSink, Trim, afollow, follow
+from june_worker.events._redis_url import aconnect, connect
 from june_worker.events.redis_stream import encode_event
 from june_worker.stores import MemoryStore
 
@@ -26,8 +27,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
+def client(events_url: str) -> Iterator[Any]:
+    c = connect(events_url)
     yield c
     c.close()
 
@@ -75,10 +76,10 @@ def test_follow_drops_deltas_of_an_older_attempt_of_the_same_step(
 
 
 async def test_afollow_drops_deltas_of_an_older_attempt_of_the_same_step(
-    client: redis.Redis, redis_url: str, keys: EventKeys, ref: SessionRef
+    client: redis.Redis, events_url: str, keys: EventKeys, ref: SessionRef
 ) -> None:
     publish_retried_step(client, keys, ref)
-    reader = aioredis.Redis.from_url(redis_url)
+    reader = aconnect(events_url)
     try:
         got = [e async for e in afollow(reader, ref.agent, ref.session, turn_id="t1", keys=keys, timeout_s=0)]
     finally:
@@ -193,10 +194,10 @@ def test_following_from_an_id_the_stream_still_holds_is_not_a_gap_though_older_e
 
 
 async def test_afollow_tells_a_trimmed_position_too(
-    client: redis.Redis, redis_url: str, keys: EventKeys, ref: SessionRef
+    client: redis.Redis, events_url: str, keys: EventKeys, ref: SessionRef
 ) -> None:
     seen_id = six_events_trimmed_to_the_last_three(client, keys, ref)[0]
-    reader = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    reader = aconnect(events_url, decode_responses=True)
     try:
         with pytest.raises(StreamGapError) as raised:
             async for _ in afollow(reader, ref.agent, ref.session, keys=keys, last_id=seen_id, last_seq=1, timeout_s=0):

@@ -1,0 +1,114 @@
+"""The connections a pipelined sink writes on without waiting for replies: one Redis, or each node of a cluster.
+
+A pipelined publish sends its commands and returns; their replies are read later, in the order
+they were sent (:meth:`Wire.read`). On one Redis everything goes over one connection. On a Redis
+Cluster each command goes to the node that owns its key's hash slot, over one connection per
+node: a session's appends and deltas (one key, one slot) still share one connection, in order;
+its firehose partition may live on another node and is written there.
+
+The rule a reader must not break: **replies are read in the order the commands were sent on each
+connection**, and a connection that failed mid-reply is dropped whole with what it owed (the store
+keeps the events; the caller relays them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.exceptions import MovedError
+
+from ._redis_url import health_check_interval_s, is_cluster
+
+__all__ = ["Wire"]
+
+Command = tuple[Any, ...]
+
+
+class Wire:
+    """Send now, read the replies later; ``tag`` travels with each reply so the caller knows whose it is."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._cluster = is_cluster(client)
+        self._idle_check_s = health_check_interval_s(client)  # a cluster's node pools do not carry it
+        self._conns: dict[str, Any] = {}  # node name ("" on one Redis) -> its connection
+        self._owed: list[tuple[Any, Any]] = []  # (connection, tag) per reply owed, in send order
+
+    def __len__(self) -> int:
+        return len(self._owed)
+
+    def send(self, commands: Sequence[tuple[str, Command]], tag: Any) -> int:
+        """Send each ``(key, command)`` to the connection its key lives on; return how many replies are owed for
+        them. Raises on a connection error (nothing of this call is then owed; earlier replies may be lost too:
+        call :meth:`drop`)."""
+        batches: dict[str, list[Command]] = {}
+        for key, command in commands:
+            batches.setdefault(self._node(key), []).append(command)
+        for node, batch in batches.items():
+            conn = self._connection(node)
+            if not any(c is conn for c, _ in self._owed):  # (else a PING's PONG would be read in an owed reply's place)
+                _check_idle(conn)
+            conn.send_packed_command(conn.pack_commands(batch), check_health=False)
+            self._owed.extend((conn, tag) for _ in batch)
+        return len(commands)
+
+    def read(self, keep: int = 0) -> list[tuple[Any, Any]]:
+        """The owed replies, all but the last ``keep``, as ``(tag, reply)`` in send order; a reply that is an error
+        comes back as the exception. A connection error propagates (call :meth:`drop`)."""
+        cut = len(self._owed) - keep
+        owed, self._owed = self._owed[:cut], self._owed[cut:]
+        out: list[tuple[Any, Any]] = []
+        for i, (conn, tag) in enumerate(owed):
+            try:
+                reply = conn.read_response()
+            except redis.ResponseError as exc:
+                reply = exc
+            except BaseException:
+                self._owed = owed[i + 1 :] + self._owed  # whoever handles this drops them all
+                raise
+            out.append((tag, reply))
+        return out
+
+    def drop(self) -> None:
+        """Forget every reply owed and close every connection (the next send opens new ones)."""
+        self._owed = []
+        for conn in self._conns.values():
+            conn.disconnect()
+        self._conns.clear()
+
+    def moved(self, exc: MovedError) -> None:
+        """A node answered MOVED: the slot lives on the node it names from now on (no-op on one Redis). An ASK (a
+        slot half-way through a move) changes nothing: the next command of that slot asks again."""
+        if self._cluster:
+            self._client.nodes_manager.move_slot(exc)
+
+    def connection_of(self, key: str) -> Any:
+        """The connection this wire writes ``key`` on, if it made one (for tests and diagnostics)."""
+        return self._conns.get(self._node(key))
+
+    def _node(self, key: str) -> str:
+        return str(self._client.get_node_from_key(key).name) if self._cluster else ""
+
+    def _connection(self, node: str) -> Any:
+        conn = self._conns.get(node)
+        if conn is None:
+            pool = (
+                self._client.get_node(node_name=node).redis_connection.connection_pool
+                if self._cluster
+                else self._client.connection_pool
+            )
+            conn = self._conns[node] = pool.make_connection()
+            conn.health_check_interval = self._idle_check_s
+        return conn
+
+
+def _check_idle(conn: Any) -> None:
+    """The client's health check: a PING once the connection has been idle for ``health_check_interval``. A
+    connection Redis dropped meanwhile (a restart, a proxy's idle timeout) is let go, so the send that follows
+    opens a new one instead of failing."""
+    try:
+        conn.check_health()
+    except (redis.ConnectionError, redis.TimeoutError):
+        conn.disconnect()
