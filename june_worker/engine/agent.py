@@ -56,6 +56,11 @@ class Agent:
     ``context``: how the agent's requests stay inside its model's context window (:class:`ContextPolicy`):
     by default, compact the transcript past 80 % of the window the model declares (a model that declares
     none, like the scripted one, is never compacted); ``None`` turns it off.
+
+    ``parallel_tools``: how many of one reply's **async** tool calls run at once. 1 (the default) runs
+    every call in turn, as the June reference does; above 1, the async calls of a batch run
+    concurrently, that many at a time, each committing its own result as it finishes; sync calls still
+    run one at a time, each in its own transaction, and the model reads the results in call order.
     """
 
     name: str
@@ -66,8 +71,13 @@ class Agent:
     authorize_answer: AuthorizeAnswer | None = None
     deliver: Deliver | None = None
     context: ContextPolicy | None = field(default_factory=ContextPolicy)
+    parallel_tools: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.parallel_tools, bool) or not isinstance(self.parallel_tools, int) or self.parallel_tools < 1:
+            raise AgentDefinitionError(
+                f"agent {self.name}: parallel_tools must be a whole number of at least 1, not {self.parallel_tools!r}"
+            )
         validate_session_id(self.name, what="agent name")
         if ":" in self.name:
             raise AgentDefinitionError(f"agent name {self.name!r} must not contain ':'")

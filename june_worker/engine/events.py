@@ -95,9 +95,14 @@ class MessageCompleted(_Event):
 
 
 class ActionRequested(_Event):
+    """A tool call of the model's reply, about to run. ``batch``: the ids of the reply's calls that run
+    concurrently, this one among them (the agent's ``parallel_tools`` of them at a time); None when it
+    runs alone, in turn."""
+
     type: Literal["action.requested"] = "action.requested"
     step: str
     call: ToolCall
+    batch: list[str] | None = None
 
 
 class ActionCompleted(_Event):

@@ -430,14 +430,14 @@ class TurnRunner:
             owed = self._owed_calls()
             if owed is not None:
                 n, calls = owed
-                for call in calls:
-                    reason = self.cancel.reason()
-                    if reason is not None:
-                        return self._cancelled(reason)
-                    with self.hooks.step("tool", f"tool:{n}:{call.id}", call.name):
-                        parked = await self._tool_step(n, call)
-                    if parked is not None:
-                        return self._park(parked)
+                if self._flush_settled(n):
+                    continue  # results a crash left without their messages: in the transcript now
+                reason = self.cancel.reason()
+                if reason is not None:
+                    return self._cancelled(reason)
+                parked = await self._tool_batch(n, calls)
+                if parked is not None:
+                    return self._park(parked)
                 continue
             last = self.messages[-1]
             if isinstance(last, AssistantMessage) and last.turn_id == self.turn_id:
@@ -463,6 +463,50 @@ class TurnRunner:
                 return (i, owed) if owed else None
             return None
         return None
+
+    def _stored_result(self, n: int, call: ToolCall) -> tuple[JsonValue, str | None] | None:
+        """The result a call's own step committed, when its message is not in the transcript yet (a batch
+        run in parallel commits each result as it finishes, and the messages in call order)."""
+        stored = self.steps.get(f"tool:{n}:{call.id}")
+        if stored is None or stored.turn_id != self.turn_id or not isinstance(stored.data, dict):
+            return None
+        if "result" not in stored.data:
+            return None
+        error = stored.data.get("error")
+        return stored.data["result"], error if isinstance(error, str) else None
+
+    def _flush_settled(self, n: int) -> bool:
+        """Commit the messages of owed calls whose results are stored already, from the first one on; True if any."""
+        owed = self._owed_calls()
+        if owed is None or self._stored_result(n, owed[1][0]) is None:
+            return False
+        self._commit(Commit(messages=self._ready_messages(n, None)), f"tool:{n}:{owed[1][0].id}")
+        return True
+
+    def _ready_messages(
+        self, n: int, settling: tuple[ToolCall, JsonValue, str | None] | None
+    ) -> list[tuple[int, Message]]:
+        """The tool messages that can join the transcript now, in call order: the owed calls from the first
+        one on, as long as each has its result (stored, or ``settling``: the one this commit adds)."""
+        owed = self._owed_calls()
+        if owed is None:
+            return []
+        out: list[tuple[int, Message]] = []
+        at = len(self.messages)
+        for call in owed[1]:
+            if settling is not None and call.id == settling[0].id:
+                result, error = settling[1], settling[2]
+            else:
+                stored = self._stored_result(n, call)
+                if stored is None:
+                    break
+                result, error = stored
+            message = ToolMessage(
+                turn_id=self.turn_id, call_id=call.id, name=call.name, result=result, is_error=error is not None
+            )
+            out.append((at, message))
+            at += 1
+        return out
 
     def _check_cancel(self) -> None:
         reason = self.cancel.reason()
@@ -523,8 +567,10 @@ class TurnRunner:
         events: list[TurnEvent] = []
         if reply.text:
             events.append(MessageCompleted(turn_id=self.turn_id, step=step, text=reply.text))
+        batch = self._concurrent_ids(reply.tool_calls)
         for call in reply.tool_calls:
-            events.append(ActionRequested(turn_id=self.turn_id, step=f"tool:{n}:{call.id}", call=call))
+            together = batch if call.id in batch else None
+            events.append(ActionRequested(turn_id=self.turn_id, step=f"tool:{n}:{call.id}", call=call, batch=together))
         step_rec = StepRecord(step_id=step, turn_id=self.turn_id, data=_model_step_data(finish, usage))
         commit = Commit(messages=[(n, message)], steps=[step_rec], events=events)
         result: TurnResult | None = None
@@ -714,6 +760,68 @@ class TurnRunner:
 
     # --- tool step ---------------------------------------------------------------------------------
 
+    def _concurrent_ids(self, calls: list[ToolCall]) -> list[str]:
+        """The ids of the calls that run concurrently (async, with ``parallel_tools`` > 1); empty when none do."""
+        if self.agent.parallel_tools <= 1:
+            return []
+        ids = [c.id for c in calls if (t := self.tools.get(c.name)) is not None and t.is_async]
+        return ids if len(ids) > 1 else []
+
+    async def _tool_batch(self, n: int, calls: list[ToolCall]) -> _Park | None:
+        """Run the calls a reply still owes a result: in turn, or (``Agent.parallel_tools`` > 1) the async ones
+        concurrently. Each commits its own result as it finishes; the first park in call order wins."""
+        runnable = [c for c in calls if self._stored_result(n, c) is None]
+        together = set(self._concurrent_ids(runnable))
+        concurrent = [c for c in runnable if c.id in together]
+        if not concurrent:
+            for call in runnable:
+                reason = self.cancel.reason()
+                if reason is not None:
+                    raise _Cancel(reason)
+                with self.hooks.step("tool", f"tool:{n}:{call.id}", call.name):
+                    parked = await self._tool_step(n, call)
+                if parked is not None:
+                    return parked
+            return None
+        gate = asyncio.Semaphore(self.agent.parallel_tools)
+
+        async def one(call: ToolCall) -> _Park | None:
+            async with gate:
+                if self.cancel.reason() is not None:
+                    return None  # not started: the loop ends the turn cancelled
+                with self.hooks.step("tool", f"tool:{n}:{call.id}", call.name):
+                    return await self._tool_step(n, call)
+
+        tasks = {c.id: asyncio.ensure_future(one(c)) for c in concurrent}
+        parks: dict[str, _Park] = {}
+        try:
+            for call in runnable:  # the sync calls (and unknown tools) in turn, while the async ones run
+                if call.id in tasks:
+                    continue
+                reason = self.cancel.reason()
+                if reason is not None:
+                    raise _Cancel(reason)
+                with self.hooks.step("tool", f"tool:{n}:{call.id}", call.name):
+                    parked = await self._tool_step(n, call)
+                if parked is not None:  # a sync tool cannot park; kept for symmetry with the serial path
+                    parks[call.id] = parked
+            await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
+            failures = [t.exception() for t in tasks.values() if t.done() and not t.cancelled()]
+            failure = next((f for f in failures if f is not None), None)  # the first, in call order
+            if failure is not None:
+                raise failure
+            parks.update((call_id, found) for call_id, t in tasks.items() if (found := t.result()) is not None)
+        finally:
+            pending = [t for t in tasks.values() if not t.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        for call in runnable:
+            if call.id in parks:
+                return parks[call.id]
+        return None
+
     async def _tool_step(self, n: int, call: ToolCall) -> _Park | None:
         step = f"tool:{n}:{call.id}"
         self._at = ("tool", step)
@@ -815,11 +923,9 @@ class TurnRunner:
         return None
 
     def _tool_commit(self, step: str, call: ToolCall, result: JsonValue, *, error: str | None) -> Commit:
-        message = ToolMessage(
-            turn_id=self.turn_id, call_id=call.id, name=call.name, result=result, is_error=error is not None
-        )
+        n = int(step.split(":", 2)[1])
         return Commit(
-            messages=[(len(self.messages), message)],
+            messages=self._ready_messages(n, (call, result, error)),
             steps=[StepRecord(step_id=step, turn_id=self.turn_id, data={"result": result, "error": error})],
             events=[ActionCompleted(turn_id=self.turn_id, step=step, call=call, result=result, error=error)],
         )
@@ -867,7 +973,7 @@ class TurnRunner:
         out: list[tuple[int, Message]] = []
         at = len(self.messages)
         for call in calls:
-            result, error = result_for(call)
+            result, error = self._stored_result(n, call) or result_for(call)
             out.append(
                 (
                     at,

@@ -12,6 +12,9 @@ worker gets the same replies.
 * ``faulty`` (:mod:`.faulty`): stops at a chosen step so a test can inject a fault there.
 * ``window``: a model with a 2,000-token window whose requests carry 1,500 tokens the transcript does
   not show (:class:`tests.unit.kit.WindowModel`): a session's second turn compacts before its request.
+* ``fan`` (``parallel_tools=8``): "fan <n> <key>" asks for n async ``fan_call`` calls at once; on their
+  first attempt the even-numbered ones block until the test kills the worker (or releases them), the odd
+  ones return at once. Each logs when it starts and ends, so a test sees how many ran together.
 * ``echo``: answers with :func:`transcript_digest` of the transcript it was sent, so a test can check
   that every model call saw the stored transcript, whichever worker made it; "tick" first calls the
   sync ``tick`` tool.
@@ -107,6 +110,33 @@ def _ops_script(request: ModelRequest) -> Reply:
     return Reply(f"ok: {text}")
 
 
+@tool
+async def fan_call(ctx: ToolContext, key: str, i: int) -> dict[str, Any]:
+    """One call of a parallel batch: logs ``<pid>:start:<i>`` and ``<pid>:end:<i>``; counts its runs."""
+    r = _redis()
+    runs = r.incr(f"it:fan:{key}:{i}")
+    r.rpush(f"it:fan:{key}:log", f"{os.getpid()}:start:{i}")
+    if runs == 1 and i % 2 == 0:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not r.exists(f"it:fan:{key}:release"):
+            await asyncio.sleep(0.05)
+    else:
+        await asyncio.sleep(0.1)
+    r.rpush(f"it:fan:{key}:log", f"{os.getpid()}:end:{i}")
+    return {"i": i, "run": int(runs)}
+
+
+def _fan_script(request: ModelRequest) -> Reply:
+    last = request.messages[-1]
+    if isinstance(last, ToolMessage):
+        results = [m.result for m in request.messages if isinstance(m, ToolMessage)]
+        return Reply(f"fanned: {results}")
+    words = (last.text if isinstance(last, UserMessage) else "").split()
+    n, key = int(words[1]), words[2]
+    calls = [{"id": f"c{i}", "name": "fan_call", "input": {"key": key, "i": i}} for i in range(1, n + 1)]
+    return Reply("Fanning out.", calls=calls)
+
+
 def _authorize(req: AnswerRequest) -> bool:
     if req.by == "op-outage":  # the app's own lookup fails (its database is down)
         raise RuntimeError("operator directory unavailable")
@@ -156,6 +186,7 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
         faulty_agent(),
         Agent(name="echo", model=ScriptedModel(_echo_script), tools=[tick]),
         Agent(name="window", model=WindowModel(2000, extra_tokens=1500)),
+        Agent(name="fan", model=ScriptedModel(_fan_script), tools=[fan_call], parallel_tools=8),
     ]
 
 

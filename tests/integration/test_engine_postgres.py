@@ -31,6 +31,12 @@ from tests.unit.test_failure_policy import (  # noqa: F401 - collected here, on 
     test_the_opening_commit_refuses_a_turn_whose_cancel_is_stored,
     test_unstorable_tool_values_are_made_storable_and_the_session_goes_on,
 )
+from tests.unit.test_parallel_tools import (  # noqa: F401 - collected here, on Postgres
+    test_a_crash_anywhere_in_a_parallel_batch_reruns_only_calls_without_a_committed_result,
+    test_a_fatal_call_cancels_the_rest_of_the_batch_and_fails_the_turn_with_a_valid_transcript,
+    test_each_call_commits_its_result_as_it_finishes_and_the_events_say_which_run_together,
+    test_sync_calls_of_a_parallel_batch_run_one_at_a_time_each_in_its_transaction,
+)
 from tests.unit.test_replay import (  # noqa: F401 - collected here, on Postgres
     test_a_cached_model_step_emits_no_delta_on_replay,
     test_a_crash_mid_batch_resumes_only_the_calls_still_owed,
