@@ -38,6 +38,7 @@ __all__ = [
     "Completed",
     "ContextCompacted",
     "Failed",
+    "InputAnswered",
     "InputRequested",
     "MessageCompleted",
     "MessageDelta",
@@ -119,6 +120,15 @@ class InputRequested(_Event):
     request: InputRequest
 
 
+class InputAnswered(_Event):
+    """One of several open requests of a parked turn was answered (or expired); ``open`` are still waiting.
+    The answer that closes the last one is told by the turn's ``turn.started`` (a resume) instead."""
+
+    type: Literal["input.answered"] = "input.answered"
+    input_id: str
+    open: int
+
+
 class ContextCompacted(_Event):
     """A compaction step committed: the model summarised the transcript before ``kept_from``, and the summary
     (at ``at``) stands in for it in every later request. Those messages stay in the store."""
@@ -164,6 +174,7 @@ TurnEvent = Annotated[
     | ActionRequested
     | ActionCompleted
     | InputRequested
+    | InputAnswered
     | ContextCompacted
     | TurnCompleted
     | TurnFailed
@@ -200,8 +211,11 @@ class Completed(_Result):
 
 
 class Suspended(_Result):
+    """The turn parked: ``request`` is the first open request, ``more`` the others (calls run in parallel)."""
+
     status: Literal["suspended"] = "suspended"
     request: InputRequest
+    more: list[InputRequest] = Field(default_factory=list)
 
 
 class Failed(_Result):

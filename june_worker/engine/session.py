@@ -40,7 +40,16 @@ from .failures import DEFAULT_MAX_ATTEMPTS, backoff_s
 from .fanout import FanoutSink, Observer
 from .ids import new_turn_id, validate_session_id
 from .loop import CrashHook, TurnRunner, reject_turn
-from .resume import Grant, check_parked, grant_answer, reset_park_commit, resume_commit, timeout_commit
+from .resume import (
+    RESUME_RACES,
+    Grant,
+    check_parked,
+    grant_answer,
+    reset_park_commit,
+    resume_commit,
+    still_open,
+    timeout_commit,
+)
 from .sink import EventSink
 from .storable import unstorable_reason
 from .store import (
@@ -286,17 +295,23 @@ class AgentSession:
         exactly this turn and input (or a reset is pending), and
         :class:`~june_worker.errors.InvalidAnswerError` when the answer fails the request's schema.
         """
-        pending = self.store.pending(self.ref)
-        if pending is not None and self._expire_due(pending):
-            raise ResumeConflictError(
-                f"input {pending.request.id!r} of turn {pending.turn_id} expired before this answer came; "
-                "the turn went on without it"
-            )
-        parked = check_parked(pending, turn_id, input_id, reset_pending=self._reset_pending)
-        if granted is None:
-            granted = await grant_answer(self.agent, parked, session=self.ref.session, by=by, principal=principal)
-        self._apply(resume_commit(parked, value, by=by, granted=granted))
+        for attempt in range(1, RESUME_RACES + 1):
+            pending = self.store.pending(self.ref)
+            if pending is not None and self._expire_due(pending):
+                pending = still_open(self.store.pending(self.ref), pending, turn_id, input_id)
+            parked = check_parked(pending, turn_id, input_id, reset_pending=self._reset_pending)
+            grant = granted
+            if grant is None:
+                grant = await grant_answer(self.agent, parked, session=self.ref.session, by=by, principal=principal)
+            try:
+                self._apply(resume_commit(parked, value, by=by, granted=grant))
+                break
+            except ResumeConflictError:
+                if attempt == RESUME_RACES:
+                    raise  # else another request of the park was answered meanwhile: read it again
         self._disarm(turn_id)
+        if parked.more:
+            self._arm(turn_id)  # the park goes on with its other requests
         self._kick()
 
     def reset(self) -> asyncio.Task[ResetResult]:
@@ -429,9 +444,9 @@ class AgentSession:
     def _arm(self, turn_id: str) -> None:
         """Answer the park with a timeout when it expires (``request_input(timeout_s=...)``), by the store's stamp."""
         parked = self.store.pending(self.ref)
-        if parked is None or parked.turn_id != turn_id or parked.request.expires_at is None:
+        if parked is None or parked.turn_id != turn_id or parked.expires_at is None:
             return
-        delay = max(0.01, parked.request.expires_at - time.time())
+        delay = max(0.01, parked.expires_at - time.time())
         loop = asyncio.get_running_loop()
         self._timers[turn_id] = loop.call_later(delay, lambda: loop.create_task(self._expire()))
 
@@ -447,7 +462,7 @@ class AgentSession:
 
     def _expire_due(self, parked: SuspendedCheckpoint) -> bool:
         """Answer ``parked`` with a timeout now if its (stored) expiry has passed; True if it did."""
-        if parked.request.expires_at is None or parked.request.expires_at > time.time():
+        if parked.expires_at is None or parked.expires_at > time.time():
             return False
         commit = timeout_commit(parked)
         if commit is None:
@@ -457,6 +472,7 @@ class AgentSession:
         except ResumeConflictError:
             return False
         self._disarm(parked.turn_id)
+        self._arm(parked.turn_id)  # requests that expire later keep the park
         self._kick()
         return True
 
@@ -478,4 +494,5 @@ class AgentSession:
         except ResumeConflictError:  # answered just before the timer fired, or not expired by the store's stamp
             self._arm(parked.turn_id)
             return
+        self._arm(parked.turn_id)  # requests that expire later keep the park
         self._kick()

@@ -14,7 +14,7 @@ from typing import Any
 from ..engine.agent import Agent
 from ..engine.events import TurnResult
 from ..engine.loop import reject_turn
-from ..engine.resume import check_parked, grant_answer, resume_commit
+from ..engine.resume import RESUME_RACES, check_parked, grant_answer, resume_commit, still_open
 from ..engine.session import parked_reason
 from ..engine.store import UNFINISHED_TURN_STATUSES, SessionRef, TurnPayload, TurnRecord
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
@@ -126,7 +126,9 @@ def intake(
     else:
         existing, parked = host.queue.intake_view(ref, turn_id)  # get_turn and pending, in one round trip
         if existing is None and parked is not None and parked.turn_id != turn_id and host.expire_park(ref, parked):
-            parked = None  # it expired: it goes on without an answer, this turn queues behind it
+            # it expired: it goes on without an answer and this turn queues behind it (unless the park had
+            # requests that expire later: then it is still parked)
+            parked = host.store.pending(ref)
     if existing is None:
         if agent is None:
             return _reject(
@@ -179,18 +181,23 @@ def resume(host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch) -> dict[str
     if agent is None:
         return {**out, "status": "rejected", "reason": f"unknown agent {ref.agent!r}"}
     try:
-        pending = host.store.pending(ref)
-        if pending is not None and host.expire_park(ref, pending):
-            rec = host.store.get_turn(ref, pending.turn_id)
-            if rec is not None:
-                dispatch(rec)
-            raise ResumeConflictError(
-                f"input {pending.request.id!r} of turn {pending.turn_id} expired before this answer came; "
-                "the turn went on without it"
+        for attempt in range(1, RESUME_RACES + 1):
+            pending = host.store.pending(ref)
+            if pending is not None and host.expire_park(ref, pending):
+                rec = host.store.get_turn(ref, pending.turn_id)
+                if rec is not None and rec.status == "queued":
+                    dispatch(rec)
+                pending = still_open(host.store.pending(ref), pending, msg.turn_id, msg.input_id)
+            parked = check_parked(pending, msg.turn_id, msg.input_id, reset_pending=host.queue.reset_pending(ref))
+            granted = host.run_async(
+                grant_answer(agent, parked, session=ref.session, by=msg.by, principal=msg.principal)
             )
-        parked = check_parked(pending, msg.turn_id, msg.input_id, reset_pending=host.queue.reset_pending(ref))
-        granted = host.run_async(grant_answer(agent, parked, session=ref.session, by=msg.by, principal=msg.principal))
-        events = host.store.commit(ref, resume_commit(parked, msg.value, by=msg.by, granted=granted))
+            try:
+                events = host.store.commit(ref, resume_commit(parked, msg.value, by=msg.by, granted=granted))
+                break
+            except ResumeConflictError:
+                if attempt == RESUME_RACES:
+                    raise  # else another request of the park was answered meanwhile: read it again
     except ResumeAuthorizationError as exc:
         return _refused(agent, msg, {**out, "status": "forbidden", "reason": str(exc)})
     except InvalidAnswerError as exc:
@@ -201,6 +208,9 @@ def resume(host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch) -> dict[str
         log.exception("resume of %s %s failed before the answer was applied", ref, msg.turn_id)
         return {**out, "status": "error", "reason": f"{type(exc).__name__}: {exc}"}
     host.sink.publish(ref, events)
+    left = [i.request.id for i in parked.more]
+    if left:  # other requests of the park are still open: the turn waits for them
+        return {**out, "status": "accepted", "open": left}
     transition("turn.resumed", turn_id=msg.turn_id, agent=ref.agent, session=ref.session, step=None, attempt=None)
     rec = host.store.get_turn(ref, msg.turn_id)
     if rec is not None:

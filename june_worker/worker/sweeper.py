@@ -40,7 +40,7 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
             continue  # answered meanwhile
         expired += 1
         rec = host.store.get_turn(ref, parked.turn_id)
-        if rec is not None:
+        if rec is not None and rec.status == "queued":  # else requests that expire later keep it parked
             dispatch(rec)
     resets = 0
     for ref in host.queue.pending_resets(limit=limit):  # their holder died, or a reset found them busy
