@@ -23,6 +23,7 @@ pytestmark = pytest.mark.integration
 def workers(stack: Stack) -> None:
     PostgresStore(stack.db_url).close()
     stack.worker("desks", pool="prefork", concurrency=2)  # two processes: two answers apply at the same time
+    stack.beat()  # the sweeper: relays what a killed worker committed but did not publish
 
 
 def _parked(stack: Stack, n: int) -> tuple[str, str]:
@@ -86,3 +87,33 @@ def test_two_answers_to_the_same_request_apply_once(stack: Stack) -> None:
     assert len(answers) == 1
     assert _resume(stack, session, turn_id, "desk2", "ok", "owner-2").get(timeout=30)["status"] == "accepted"
     assert _ended(stack, session, turn_id)["type"] == "turn.completed"
+
+
+def test_a_worker_killed_after_the_park_committed_leaves_both_requests_to_the_relay_and_both_answers_apply(
+    stack: Stack,
+) -> None:
+    session = f"desks-crash-{uuid.uuid4().hex[:6]}"
+    # Given a worker (on a queue of its own) that dies right after a park on two requests committed, before
+    # its events were published
+    queue = f"{stack.queue}.{session}"
+    doomed = stack.worker(
+        f"doomed-{session[-6:]}", pool="solo", queues=queue, env={"JUNE_CRASH_AT": "before-publish@turn:end"}
+    )
+    turn_id = f"t_{uuid.uuid4().hex}"
+    stack.send("june.turn", {"turn_id": turn_id, "agent": "desks", "session": session, "text": "desks 2"}, queue=queue)
+    wait_for(lambda: doomed.popen.poll() is not None, what="the worker to kill itself at the park")
+    doomed.kill()
+
+    # Then the relay publishes both requests, once each
+    def requested() -> list[str] | None:
+        ids = [e["request"]["id"] for e in stack.structural("desks", session) if e["type"] == "input.requested"]
+        return ids if len(ids) == 2 else None
+
+    assert wait_for(requested, what="both requests relayed") == ["desk1", "desk2"]
+    # and the park takes both answers, and the turn goes on once
+    for i in (1, 2):
+        assert _resume(stack, session, turn_id, f"desk{i}", i, f"owner-{i}").get(timeout=30)["status"] == "accepted"
+    ended = _ended(stack, session, turn_id)
+    assert ended["text"] == f"signed: {[{'desk': 1, 'answer': 1}, {'desk': 2, 'answer': 2}]}"
+    types = [e["type"] for e in stack.structural("desks", session)]
+    assert types.count("input.requested") == 2 and types.count("turn.completed") == 1
