@@ -603,7 +603,11 @@ class _Handle:
 
 def _is_unavailable(exc: BaseException) -> bool:
     """A fault of the connection or the server (lost, shut down, a deadlock or serialization failure to retry),
-    not of the statement: psycopg's ``OperationalError`` family, and ``InterfaceError``."""
+    not of the statement: psycopg's ``OperationalError`` family, and ``InterfaceError``; also a statement that
+    met a concurrent schema change mid-way (``cache lookup failed``: it resolved a type or function the change
+    then dropped, as ``june migrate --partitions`` does), which runs again on the new schema."""
+    if isinstance(exc, pg_errors.InternalError_) and "cache lookup failed" in str(exc):
+        return True
     return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
 
 
