@@ -76,6 +76,8 @@ class Segment:
     ending: Ending | None = None
     cancel_reason: str | None = None
     prompt: InputRequest | None = None
+    """The first request the run parked on; ``prompts`` has them all (calls run in parallel may each ask one)."""
+    prompts: list[InputRequest] = field(default_factory=list)
     final_text: str = ""
 
     # --- folding ------------------------------------------------------------------------------
@@ -103,7 +105,9 @@ class Segment:
             if done is not None:  # a call made in an earlier run (the one that parked) is on that run's timeline
                 done.status, done.error = ("error", event.error) if event.error is not None else ("complete", None)
         elif isinstance(event, InputRequested):
-            self.ending, self.prompt = "parked", event.request
+            self.ending = "parked"
+            self.prompts.append(event.request)
+            self.prompt = self.prompt or event.request
         elif isinstance(event, TurnCompleted):
             self.ending, self.final_text = "completed", event.text
         elif isinstance(event, TurnFailed):
@@ -177,12 +181,14 @@ class Segment:
     def digest(self) -> str:
         """What the finished run is, from its committed events only, as a short hash: the live renderer and
         the delivery compute the same one, so a run the live render showed is not shown again."""
-        shown = {
+        shown: dict[str, object] = {
             "body": self.body(committed=True),
             "ending": self.ending,
             "cancel_reason": self.cancel_reason,
             "prompt": self.prompt.id if self.prompt else None,
         }
+        if len(self.prompts) > 1:  # only then: a run's digest stays what it was for one prompt
+            shown["prompts"] = [p.id for p in self.prompts]
         return hashlib.sha256(json.dumps(shown, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -89,6 +89,7 @@ def _body(ctx: RenderContext, seg: Segment) -> dict[str, Any]:
         "note": seg.note,
         "tools": [{"id": t.id, "name": t.name, "status": t.status, "error": t.error} for t in seg.tasks.values()],
         "input": {"id": seg.prompt.id, "prompt": seg.prompt.prompt} if seg.prompt else None,
+        "inputs": [{"id": p.id, "prompt": p.prompt} for p in seg.prompts],
     }
 
 

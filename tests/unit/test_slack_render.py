@@ -369,3 +369,34 @@ def test_channels_as_a_plain_deliver_hook_render_post_once_in_process(slack: Fak
     for _ in range(2):  # at least once: the second call finds it shown
         hook(target=TARGET, result=Completed(turn_id="t1", text="Hello"), events=events, session="slack:C1:1.1")
     assert slack.methods() == ["chat.postMessage"]
+
+
+SECOND = InputRequest(id="approve-2", prompt="Approve the second refund?", schema={"type": "boolean"})
+
+
+def test_a_park_on_two_requests_posts_a_prompt_for_each_and_the_continuation_closes_both(slack: FakeSlack) -> None:
+    # Two calls run in parallel parked the turn on two requests (issue 17): one message with buttons each.
+    s = Seq()
+    first = [*parked_events(s), s(InputRequested(turn_id="t1", step="tool:1:c2", request=SECOND))]
+    state = live(slack, first)
+    posts = [c.body for c in slack.calls if c.method == "chat.postMessage"]
+    assert [p["text"] for p in posts] == ["Approve refund?", "Approve the second refund?"]
+    finish(slack, state, first, Suspended(turn_id="t1", request=REQUEST, more=[SECOND]))
+    assert len([c for c in slack.calls if c.method == "chat.postMessage"]) == 2, "the delivery posts neither again"
+    first_ts, second_ts = (ts for ts, _ in sorted(slack.messages.items(), key=lambda kv: kv[1].ts))
+    # approve-1 was answered first (the park went on), approve-2 last: the run goes on under approve-2's message
+    resumed = s(TurnStarted(turn_id="t1", trigger=ResumeTrigger(call_id="c2", input_id="approve-2")))
+    before = len(slack.calls)
+    r = renderer(slack, state, history=[*first, resumed])
+    rest = [s(MessageCompleted(turn_id="t1", step="model:4", text="Both refunded.")),
+            s(TurnCompleted(turn_id="t1", text="Both refunded."))]  # fmt: skip
+    for event in rest:
+        r.feed(event)
+        r.push()
+    updates = [c.body for c in slack.calls[before:] if c.method == "chat.update"]
+    assert {u["ts"] for u in updates} == {first_ts, second_ts}
+    assert [u for u in updates if u["ts"] == second_ts][-1]["text"] == "Both refunded."
+    closed = [u for u in updates if u["ts"] == first_ts]
+    assert len(closed) == 1 and all(b["type"] != "actions" for b in closed[0]["blocks"]), "its buttons are gone"
+    finish(slack, state, [*first, resumed, *rest], Completed(turn_id="t1", text="Both refunded."))
+    assert len([c for c in slack.calls[before:] if c.body.get("ts") == first_ts]) == 1, "closed once"

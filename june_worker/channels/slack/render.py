@@ -28,9 +28,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...engine.events import TurnEvent, TurnResult
+from ...engine.events import InputRequested, TurnEvent, TurnResult, TurnStarted
 from ...engine.failures import Failure, classify
-from ...engine.types import JsonValue
+from ...engine.types import InputRequest, JsonValue
 from ...errors import ChannelError
 from ..base import RenderContext
 from ..view import Segment, Task, fold
@@ -269,8 +269,11 @@ class SlackRenderer:
         return ts if isinstance(ts, str) else None
 
     def _post_prompt(self, seg: Segment) -> None:
-        request = seg.prompt
-        if request is None or self.ctx.state.get(f"prompt:{request.id}") is not None:
+        for request in seg.prompts:  # one message each: answered on its own
+            self._post_one_prompt(request)
+
+    def _post_one_prompt(self, request: InputRequest) -> None:
+        if self.ctx.state.get(f"prompt:{request.id}") is not None:
             return
         blocks = prompt_blocks(request, turn_id=self.ctx.turn_id, session=self.ctx.session,
                                confirm=self.options.approval_confirm)  # fmt: skip
@@ -286,6 +289,7 @@ class SlackRenderer:
         shown = self._slot(seg.key)
         if shown.finished:
             return
+        self._close_other_prompts(seg.resumed_input)
         prompt = self.ctx.state.get(f"prompt:{seg.resumed_input}") or {}
         ts, prompt_text = prompt.get("ts"), str(prompt.get("prompt", ""))
         body = seg.body() if seg.visible else ""
@@ -302,6 +306,27 @@ class SlackRenderer:
         if seg.ended:
             self._done(seg, shown)
 
+    def _close_other_prompts(self, resumed: str | None) -> None:
+        """The park's other prompts (it waited on several): answered before the one that resumed the turn, shown
+        answered now, their buttons gone (the run after the answers is shown under the last one)."""
+        runs: list[list[str]] = [[]]  # the requests each run of the turn parked on; the last park is this one's
+        for event in self.ctx.history:
+            if isinstance(event, TurnStarted):
+                runs.append([])
+            elif isinstance(event, InputRequested):
+                runs[-1].append(event.request.id)
+        asked = next((r for r in reversed(runs) if r), [])
+        for input_id in dict.fromkeys(asked):
+            if input_id == resumed:
+                continue
+            data = self.ctx.state.get(f"prompt:{input_id}")
+            if data is None or data.get("answered") or not isinstance(data.get("ts"), str):
+                continue
+            text = str(data.get("prompt", ""))
+            self.api.call("chat.update", channel=self.channel_id, ts=data["ts"], text=text or " ",
+                          blocks=answered_blocks(text, ""))  # fmt: skip
+            self.ctx.state.put(f"prompt:{input_id}", {**data, "answered": True})
+
     # --- at least once --------------------------------------------------------------------------------
 
     def finish(self, events: Sequence[TurnEvent], result: TurnResult) -> None:
@@ -315,7 +340,7 @@ class SlackRenderer:
             self._shown.pop(seg.key, None)
             data = self.ctx.state.get(seg.key) or {}
             shown_ok = data.get("done") == seg.digest()
-            prompt_ok = seg.prompt is None or self.ctx.state.get(f"prompt:{seg.prompt.id}") is not None
+            prompt_ok = all(self.ctx.state.get(f"prompt:{p.id}") is not None for p in seg.prompts)
             if shown_ok and prompt_ok:
                 continue
             if not shown_ok:
