@@ -24,6 +24,7 @@ from .types import (
     ErrorInfo,
     InputRequest,
     JsonValue,
+    ParentLink,
     ToolCall,
     Trigger,
     Usage,
@@ -68,6 +69,8 @@ class _Event(BaseModel):
 class TurnStarted(_Event):
     type: Literal["turn.started"] = "turn.started"
     trigger: Trigger
+    parent: ParentLink | None = None
+    """A child turn's (subagent's) parent: session, turn and the call that delegated to it."""
 
 
 class MessageDelta(_Event):

@@ -24,6 +24,7 @@ from typing import Any
 from ..errors import (
     AgentDefinitionError,
     ConfigError,
+    JuneError,
     PayloadError,
     ResetNotSupportedError,
     ResumeConflictError,
@@ -35,6 +36,15 @@ from ..errors import (
     TurnSuspendedError,
 )
 from .agent import Agent, deliver_result
+from .children import (
+    cancel_children,
+    child_answer,
+    child_grant,
+    child_input_id,
+    child_of_park,
+    park_chain,
+    refuse_reserved,
+)
 from .events import Cancelled, Completed, Failed, Rejected, Suspended, TurnResult
 from .failures import DEFAULT_MAX_ATTEMPTS, backoff_s
 from .fanout import FanoutSink, Observer
@@ -44,6 +54,7 @@ from .resume import Grant, check_parked, grant_answer, reset_park_commit, resume
 from .sink import EventSink
 from .storable import unstorable_reason
 from .store import (
+    ENDED_TURN_STATUSES,
     UNFINISHED_TURN_STATUSES,
     Commit,
     ResetResult,
@@ -51,6 +62,7 @@ from .store import (
     SessionStore,
     SuspendedCheckpoint,
     TurnPayload,
+    TurnRecord,
 )
 from .types import InboundEvent, JsonValue, Principal, ProactiveTrigger
 
@@ -123,6 +135,43 @@ class Runtime:
             found = self._sessions[ref] = AgentSession(self, self.agent(agent), ref)
         return found
 
+    def launch(self, rec: TurnRecord) -> None:
+        """Run a child turn a tool recorded (``ctx.delegate``): it is another session of this runtime."""
+        self.session(rec.agent, rec.session)._kick()
+
+    def cancel_children(self, ref: SessionRef, turn_ids: list[str]) -> None:
+        """Cancel the unfinished child turns of these turns (durably, all the way down) and signal them."""
+        for child_ref, ids in cancel_children(self.store, ref, turn_ids, self.agents):
+            child = self._sessions.get(child_ref)
+            if child is not None:
+                for t in ids:
+                    child._signal_cancel(t, "parent")
+
+    async def child_ended(self, rec: TurnRecord, result: TurnResult) -> None:
+        """Answer the parent of a child turn that ended, through the parent session's resume.
+
+        Refused quietly when the parent is not parked on it: not yet (the parent finds the child ended when it
+        parks) or no longer (answered before, reset, expired).
+        """
+        link = rec.payload.parent
+        if link is None:
+            return
+        if self.crash is not None:
+            self.crash("before-parent-answer", rec.turn_id)
+        try:
+            parent = self.session(link.agent, link.session)
+            await parent.resume(
+                link.turn_id,
+                child_input_id(SessionRef(rec.agent, rec.session), rec.turn_id),
+                child_answer(rec, result),
+                child_turn=rec.turn_id,
+            )
+        except JuneError as exc:
+            log.debug("child turn %s did not answer its parent %s: %s", rec.turn_id, link.turn_id, exc)
+            return
+        if isinstance(result, Cancelled) and result.reason == "parent":
+            parent.cancel_all("requested", turn_ids=[link.turn_id])  # its cancel came while it was parked
+
     async def aclose(self) -> None:
         """Wait for every running turn of this runtime to reach a checkpoint-free state."""
         for s in list(self._sessions.values()):
@@ -142,6 +191,7 @@ class AgentSession:
         self._reset_pending = False
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._looked = False
+        self._wakers: set[asyncio.Task[None]] = set()
 
     @property
     def store(self) -> SessionStore:
@@ -256,17 +306,34 @@ class AgentSession:
         """The parked turn's checkpoint (its request, call id, opening text), or None."""
         return self.store.pending(self.ref)
 
+    def waiting_on(self) -> list[tuple[SessionRef, SuspendedCheckpoint]]:
+        """The parked turn's request and, while it waits for a child turn (``ctx.delegate``), the child's park,
+        all the way down: the last entry is the request a person can answer. Empty when not parked."""
+        return park_chain(self.store, self.ref)
+
     # --- control ------------------------------------------------------------------------------
 
     async def cancel(self, turn_id: str) -> bool:
-        """Ask a queued or running turn to stop at its next checkpoint boundary. False if there is none."""
-        return bool(self.cancel_all("requested", turn_ids=[turn_id]))
+        """Ask a queued or running turn to stop at its next checkpoint boundary. False if there is none.
+
+        A turn parked on a child turn (``ctx.delegate``) is cancelled through its child: True then too."""
+        parked = self.store.pending(self.ref)
+        marked = self.cancel_all("requested", turn_ids=[turn_id])
+        return bool(marked) or (
+            parked is not None and parked.turn_id == turn_id and child_of_park(self.ref, parked) is not None
+        )
 
     def cancel_all(self, reason: str = "requested", *, turn_ids: list[str] | None = None) -> list[str]:
         """Cancel every unfinished turn (or those named), durably; never a parked one. Usable from a tool."""
         marked = self.store.request_cancel(self.ref, reason, turn_ids=turn_ids)
         for t in marked:
             self._signal_cancel(t, reason)
+        parents = list(marked)
+        parked = self.store.pending(self.ref)
+        if parked is not None and (turn_ids is None or parked.turn_id in turn_ids):
+            parents.append(parked.turn_id)  # parked on a child: the child is cancelled, and its answer cancels it
+        if parents:
+            self.runtime.cancel_children(self.ref, parents)
         return marked
 
     async def resume(
@@ -278,14 +345,19 @@ class AgentSession:
         by: str | None = None,
         principal: Principal | None = None,
         granted: Grant | None = None,
+        child_turn: str | None = None,
     ) -> None:
         """Answer the parked turn and let it continue. ``by`` must be an identity you verified.
+
+        ``child_turn`` is for the runtime only: the child turn whose end answers its reserved request
+        (``child:...``, :mod:`~june_worker.engine.children`); such a request refuses every other answer.
 
         Raises :class:`~june_worker.errors.ResumeAuthorizationError` when ``by`` may not answer,
         :class:`~june_worker.errors.ResumeConflictError` when the session is not parked on
         exactly this turn and input (or a reset is pending), and
         :class:`~june_worker.errors.InvalidAnswerError` when the answer fails the request's schema.
         """
+        refuse_reserved(input_id, child_turn)
         pending = self.store.pending(self.ref)
         if pending is not None and self._expire_due(pending):
             raise ResumeConflictError(
@@ -293,7 +365,9 @@ class AgentSession:
                 "the turn went on without it"
             )
         parked = check_parked(pending, turn_id, input_id, reset_pending=self._reset_pending)
-        if granted is None:
+        if child_turn is not None:
+            granted = child_grant(child_turn)
+        elif granted is None:
             granted = await grant_answer(self.agent, parked, session=self.ref.session, by=by, principal=principal)
         self._apply(resume_commit(parked, value, by=by, granted=granted))
         self._disarm(turn_id)
@@ -373,6 +447,7 @@ class AgentSession:
                 crash=self.runtime.crash,
                 runtime=self.runtime,
                 max_attempts=self.runtime.max_attempts,
+                children=self.runtime,
             )
             try:
                 result = await runner.run()
@@ -414,6 +489,17 @@ class AgentSession:
             self._resolve(rec.turn_id, result)
             if isinstance(result, Suspended):
                 self._arm(result.turn_id)
+                await self._wake_from_child()  # its child may have ended before it parked
+            if isinstance(result, Cancelled):
+                self.runtime.cancel_children(self.ref, [rec.turn_id])
+            if rec.payload.parent is not None and result.status in ENDED_TURN_STATUSES:
+                try:
+                    await self.runtime.child_ended(rec, result)
+                except BaseException as exc:  # an injected crash: this host stops here, like a dead process
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    log.warning("turn %s of %s ended but did not answer its parent: %r", rec.turn_id, self.ref, exc)
+                    return
 
     def _fail_waiters(self, turn_id: str, exc: BaseException) -> None:
         """Hand an exception that ended a turn's run to that turn's own waiters, and no one else's."""
@@ -444,6 +530,27 @@ class AgentSession:
         parked = self.store.pending(self.ref)
         if parked is not None and parked.turn_id not in self._timers:
             self._arm(parked.turn_id)
+        if parked is not None and child_of_park(self.ref, parked) is not None:
+            # parked on a child by another process: answer it if the child ended, else make sure the child runs
+            task = asyncio.get_running_loop().create_task(self._wake_from_child())
+            self._wakers.add(task)
+            task.add_done_callback(self._wakers.discard)
+
+    async def _wake_from_child(self) -> None:
+        """If the session is parked on a child turn that has ended, answer it with the child's result;
+        if the child is unfinished, see that it runs (its process may have died)."""
+        parked = self.store.pending(self.ref)
+        found = child_of_park(self.ref, parked) if parked is not None else None
+        if found is None:
+            return
+        child_ref, child_turn = found
+        rec = self.store.get_turn(child_ref, child_turn)
+        if rec is None or child_ref.agent not in self.runtime.agents:
+            return
+        if rec.status in ENDED_TURN_STATUSES and rec.result is not None:
+            await self.runtime.child_ended(rec, rec.result)
+        elif rec.status in UNFINISHED_TURN_STATUSES:
+            self.runtime.session(child_ref.agent, child_ref.session)._kick()
 
     def _expire_due(self, parked: SuspendedCheckpoint) -> bool:
         """Answer ``parked`` with a timeout now if its (stored) expiry has passed; True if it did."""
