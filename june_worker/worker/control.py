@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine.agent import Agent
+from ..engine.children import cancel_children, child_grant, child_of_park, refuse_reserved
 from ..engine.events import TurnResult
 from ..engine.loop import reject_turn
 from ..engine.resume import check_parked, grant_answer, resume_commit
@@ -25,6 +26,7 @@ from .payloads import CancelMessage, ProactiveMessage, ResetMessage, ResumeMessa
 
 __all__ = [
     "Dispatch",
+    "cancel_children_of",
     "cancel",
     "intake",
     "proactive",
@@ -171,14 +173,21 @@ def proactive(
     return intake(host, msg, turn_id=msg.turn_id or proactive_turn_id(task_id), trace=trace)
 
 
-def resume(host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch) -> dict[str, Any]:
-    """Apply an answer to a parked turn and re-send the turn; the outcome says accepted or why not."""
+def resume(
+    host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch, *, child_turn: str | None = None
+) -> dict[str, Any]:
+    """Apply an answer to a parked turn and re-send the turn; the outcome says accepted or why not.
+
+    ``child_turn``: for the system only (:mod:`~june_worker.worker.children`), never from a message: the child
+    turn whose end answers its parent's reserved ``child:...`` request, which refuses every other answer.
+    """
     ref = SessionRef(msg.agent, msg.session)
     out: dict[str, Any] = {"turn_id": msg.turn_id, "input_id": msg.input_id}
     agent = host.agent(ref.agent)
     if agent is None:
         return {**out, "status": "rejected", "reason": f"unknown agent {ref.agent!r}"}
     try:
+        refuse_reserved(msg.input_id, child_turn)
         pending = host.store.pending(ref)
         if pending is not None and host.expire_park(ref, pending):
             rec = host.store.get_turn(ref, pending.turn_id)
@@ -189,7 +198,12 @@ def resume(host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch) -> dict[str
                 "the turn went on without it"
             )
         parked = check_parked(pending, msg.turn_id, msg.input_id, reset_pending=host.queue.reset_pending(ref))
-        granted = host.run_async(grant_answer(agent, parked, session=ref.session, by=msg.by, principal=msg.principal))
+        if child_turn is not None:
+            granted = child_grant(child_turn)
+        else:
+            granted = host.run_async(
+                grant_answer(agent, parked, session=ref.session, by=msg.by, principal=msg.principal)
+            )
         events = host.store.commit(ref, resume_commit(parked, msg.value, by=msg.by, granted=granted))
     except ResumeAuthorizationError as exc:
         return _refused(agent, msg, {**out, "status": "forbidden", "reason": str(exc)})
@@ -215,11 +229,25 @@ def _refused(agent: Agent, msg: ResumeMessage, out: dict[str, Any]) -> dict[str,
     return out
 
 
+def cancel_children_of(host: WorkerHost, ref: SessionRef, turn_ids: list[str]) -> None:
+    """Cancel the unfinished child turns (``ctx.delegate``) of these turns, all the way down, and signal them."""
+    for child_ref, ids in cancel_children(host.store, ref, turn_ids, host.agents):
+        host.signal_cancel(child_ref, ids, "parent")
+
+
 def cancel(host: WorkerHost, msg: CancelMessage) -> dict[str, Any]:
     ref = SessionRef(msg.agent, msg.session)
     ids = host.store.request_cancel(ref, "requested", turn_ids=[msg.turn_id] if msg.turn_id else None)
     if ids:
         host.signal_cancel(ref, ids, "requested")
+    parents = list(ids)
+    parked = host.store.pending(ref)
+    if parked is not None and (msg.turn_id is None or parked.turn_id == msg.turn_id):
+        parents.append(parked.turn_id)  # parked on a child: the child is cancelled, and its answer cancels it
+    if parents:
+        cancel_children_of(host, ref, parents)
+    if not ids and parked is not None and parked.turn_id in parents and child_of_park(ref, parked) is not None:
+        ids = [parked.turn_id]
     return {"status": "cancel-requested" if ids else "nothing-to-cancel", "turn_ids": ids, "turn_id": msg.turn_id}
 
 
@@ -234,6 +262,10 @@ def reset(host: WorkerHost, msg: ResetMessage, dispatch: Dispatch) -> dict[str, 
     ids = host.queue.request_reset(ref)
     if ids:
         host.signal_cancel(ref, ids, "reset")
+    parked = host.store.pending(ref)
+    parents = ids + ([parked.turn_id] if parked is not None else [])
+    if parents:
+        cancel_children_of(host, ref, parents)  # the reset cancels their children too
     held, result = host.reset_now(ref, dispatch)
     if not held:
         return {"status": "pending", "reason": "the session is busy; the reset happens when its running turn ends"}

@@ -1,0 +1,184 @@
+"""Subagents as child turns on real workers (issue 17): a tool's ``ctx.delegate`` records a child turn that any
+worker runs, the parent parks without holding a worker, and wakes with the child's result, even when the
+worker that ended the child dies before answering (the sweeper answers).
+
+Agents (tests/integration/agents.py): ``boss`` asks for ``n`` calls at once (``parallel_tools=4``), each
+delegating ``scout <key> <i> <n>`` to ``scout``, whose tool waits until two siblings have started.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+
+from june_worker.engine.children import child_turn_id
+from june_worker.engine.store import SessionRef
+from june_worker.stores.postgres import PostgresStore
+
+from .conftest import Stack, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module", autouse=True)
+def workers(stack: Stack) -> None:
+    PostgresStore(stack.db_url).close()  # the schema, before the test reads it
+    stack.worker("kids-a", pool="prefork", concurrency=1)
+    stack.worker("kids-b", pool="prefork", concurrency=1)
+    stack.beat()
+
+
+def _status(stack: Stack, agent: str, session: str, turn_id: str) -> str | None:
+    rows = stack.sql(
+        "select status from june_turns where agent = %s and session = %s and turn_id = %s", agent, session, turn_id
+    )
+    return rows[0][0] if rows else None
+
+
+def _ended(stack: Stack, agent: str, session: str, turn_id: str, timeout_s: float = 60) -> dict[str, Any]:
+    wait_for(
+        lambda: _status(stack, agent, session, turn_id) in ("completed", "failed", "cancelled"),
+        timeout_s=timeout_s,
+        what=f"turn {turn_id} of {agent}/{session} to end",
+    )
+    (result,) = stack.sql(
+        "select result from june_turns where agent = %s and session = %s and turn_id = %s", agent, session, turn_id
+    )[0]
+    return result if isinstance(result, dict) else json.loads(result)
+
+
+def _children(stack: Stack, session: str, turn_id: str) -> list[tuple[str, str, str]]:
+    return [
+        (s, t, st)
+        for s, t, st in stack.sql(
+            "select session, turn_id, status from june_turns where agent = 'scout' and session like %s "
+            "and payload->'parent'->>'turn_id' = %s order by session",
+            f"{session}:sub:%",
+            turn_id,
+        )
+    ]
+
+
+def _log(stack: Stack, key: str) -> list[tuple[int, str, int]]:
+    entries = stack.redis.lrange(f"it:scout:{key}:log", 0, -1)
+    return [(int(pid), what, int(i)) for pid, what, i in (e.split(":") for e in entries)]
+
+
+def test_four_children_run_in_parallel_on_two_workers_and_the_parent_completes_with_their_results(
+    stack: Stack,
+) -> None:
+    key, session = uuid.uuid4().hex[:8], f"boss-{uuid.uuid4().hex[:8]}"
+    # Given a parent turn whose model asks for four delegations at once
+    turn_id = stack.turn("boss", session, f"delegate 4 {key}")
+
+    # When it runs on two worker processes
+    result = _ended(stack, "boss", session, turn_id)
+
+    # Then it completed with the four children's answers, in call order
+    assert result["status"] == "completed"
+    for i in range(1, 5):
+        assert f"'text': \"scouted {{'i': {i}}}\"" in result["text"] or f"scouted {{'i': {i}}}" in result["text"]
+    # one child turn per call, each completed, each child's work done once
+    children = _children(stack, session, turn_id)
+    assert [(s, st) for s, _, st in children] == [(f"{session}:sub:c{i}", "completed") for i in range(1, 5)]
+    assert {t for _, t, _ in children} == {
+        child_turn_id(SessionRef("boss", session), turn_id, f"c{i}") for i in range(1, 5)
+    }
+    assert [int(stack.redis.get(f"it:scout:{key}:{i}") or 0) for i in range(1, 5)] == [1, 1, 1, 1]
+    # and the children ran at the same time, on both processes: two had started before any ended
+    log = _log(stack, key)
+    first_end = next(n for n, (_, what, _) in enumerate(log) if what == "end")
+    assert first_end >= 2
+    assert len({pid for pid, what, _ in log if what == "start"}) == 2
+    # the parent's stream names each child it waited for; each child's opening names its parent and call
+    parked = [e["request"]["id"] for e in stack.structural("boss", session) if e["type"] == "input.requested"]
+    assert parked and all(p.startswith("child:scout:t_c") for p in parked)
+    for i in range(1, 5):
+        started = [e for e in stack.structural("scout", f"{session}:sub:c{i}") if e["type"] == "turn.started"]
+        assert started[0]["parent"]["turn_id"] == turn_id and started[0]["parent"]["call_id"] == f"c{i}"
+
+
+def test_a_worker_killed_after_its_child_ended_before_answering_leaves_the_parent_to_the_sweeper(
+    stack: Stack,
+) -> None:
+    key, session = uuid.uuid4().hex[:8], f"boss-kill-{uuid.uuid4().hex[:8]}"
+    turn_id = f"t_{uuid.uuid4().hex}"
+    child = child_turn_id(SessionRef("boss", session), turn_id, "c1")
+    # Given a solo worker on a queue of its own (its child turns go there too) that dies right after the child
+    # turn it ran ended, before it answers the parent
+    doomed_queue = f"{stack.queue}.{session}"
+    doomed = stack.worker(
+        f"doomed-{session[-6:]}",
+        pool="solo",
+        queues=doomed_queue,
+        env={"JUNE_CRASH_AT": f"before-parent-answer@{child}", "JUNE_QUEUE": doomed_queue},
+    )
+    stack.send(
+        "june.turn",
+        {"turn_id": turn_id, "agent": "boss", "session": session, "text": f"delegate 1 {key}"},
+        queue=doomed_queue,
+    )
+    wait_for(lambda: doomed.popen.poll() is not None, timeout_s=60, what="the worker to die at the crash point")
+    doomed.kill()
+    assert _status(stack, "scout", f"{session}:sub:c1", child) == "completed"
+    assert _status(stack, "boss", session, turn_id) == "suspended"  # nobody answered it
+
+    # When the sweeper runs, Then the parent wakes with the child's result and completes on another worker
+    result = _ended(stack, "boss", session, turn_id)
+    assert result["status"] == "completed" and "scouted {'i': 1}" in result["text"]
+    assert len(_children(stack, session, turn_id)) == 1  # one child for the call
+    assert int(stack.redis.get(f"it:scout:{key}:1") or 0) == 1  # its work ran once
+
+
+def test_a_person_cannot_answer_a_parent_parked_on_its_child(stack: Stack) -> None:
+    key, session = uuid.uuid4().hex[:8], f"boss-forge-{uuid.uuid4().hex[:8]}"
+    # Given a parent parked on a child
+    turn_id = stack.turn("boss", session, f"delegate 1 {key} hold")
+    child = child_turn_id(SessionRef("boss", session), turn_id, "c1")
+    wait_for(lambda: _status(stack, "boss", session, turn_id) == "suspended", timeout_s=30, what="the parent to park")
+    # When someone answers the child request from outside
+    out = stack.send(
+        "june.resume",
+        {
+            "agent": "boss",
+            "session": session,
+            "turn_id": turn_id,
+            "input_id": f"child:scout:{child}",
+            "value": {"status": "completed", "text": "forged"},
+            "by": "op-1",
+        },
+    ).get(timeout=30)
+    # Then it is refused, saying who answers it, and the parent still waits for its child
+    assert out["status"] == "forbidden" and "answered by its child turn" in out["reason"]
+    assert _status(stack, "boss", session, turn_id) == "suspended"
+    stack.redis.set(f"it:scout:{key}:release", "1")
+    result = _ended(stack, "boss", session, turn_id)
+    assert result["status"] == "completed" and "forged" not in result["text"] and "scouted" in result["text"]
+
+
+def test_cancelling_a_parent_parked_on_its_child_cancels_both_and_the_session_serves_its_next_turn(
+    stack: Stack,
+) -> None:
+    key, session = uuid.uuid4().hex[:8], f"boss-cancel-{uuid.uuid4().hex[:8]}"
+    # Given a parent parked on a child that is still working
+    turn_id = stack.turn("boss", session, f"delegate 1 {key} hold")
+    child = child_turn_id(SessionRef("boss", session), turn_id, "c1")
+    wait_for(lambda: stack.redis.llen(f"it:scout:{key}:log") == 1, timeout_s=30, what="the child to start working")
+    wait_for(lambda: _status(stack, "boss", session, turn_id) == "suspended", timeout_s=30, what="the parent to park")
+
+    # When the parent is cancelled (and the child's work then returns)
+    out = stack.send("june.cancel", {"agent": "boss", "session": session, "turn_id": turn_id}).get(timeout=30)
+    assert out["status"] == "cancel-requested"
+    stack.redis.set(f"it:scout:{key}:release", "1")
+
+    # Then the child ends cancelled (its parent's cancel), and so does the parent
+    child_result = _ended(stack, "scout", f"{session}:sub:c1", child)
+    assert child_result["status"] == "cancelled" and child_result["reason"] == "parent"
+    assert _ended(stack, "boss", session, turn_id)["status"] == "cancelled"
+    # and neither session is wedged: the parent's serves its next turn
+    assert stack.sql("select suspended from june_sessions where agent = 'boss' and session = %s", session) == [(None,)]
+    nxt = stack.turn("boss", session, "hello again")
+    assert _ended(stack, "boss", session, nxt)["text"] == "ok: hello again"
