@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..engine.children import parse_child_input
 from ..engine.events import (
     ActionCompleted,
     ActionRequested,
@@ -103,7 +104,9 @@ class Segment:
             if done is not None:  # a call made in an earlier run (the one that parked) is on that run's timeline
                 done.status, done.error = ("error", event.error) if event.error is not None else ("complete", None)
         elif isinstance(event, InputRequested):
-            self.ending, self.prompt = "parked", event.request
+            # a request of its child turn (ctx.delegate) is nobody's to answer here: no prompt, no buttons
+            self.ending = "parked"
+            self.prompt = event.request if parse_child_input(event.request.id) is None else None
         elif isinstance(event, TurnCompleted):
             self.ending, self.final_text = "completed", event.text
         elif isinstance(event, TurnFailed):

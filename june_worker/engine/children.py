@@ -19,12 +19,13 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import DelegationError, ResumeAuthorizationError, ResumeConflictError
-from .events import TurnResult
+from .events import ChildInputRequested, TurnEvent, TurnResult
 from .resume import Grant
 from .signals import SyncParkError
 from .store import (
     ENDED_TURN_STATUSES,
     UNFINISHED_TURN_STATUSES,
+    Commit,
     SessionRef,
     SessionStore,
     SuspendedCheckpoint,
@@ -43,6 +44,7 @@ __all__ = [
     "CHILD_INPUT_PREFIX",
     "CHILD_POLICY",
     "ChildLauncher",
+    "announce_child_park",
     "Delegator",
     "cancel_children",
     "child_answer",
@@ -146,6 +148,32 @@ def child_answer(rec: TurnRecord, result: TurnResult) -> dict[str, JsonValue]:
         out["error"] = result.error.message
     elif result.status in ("cancelled", "rejected"):
         out["reason"] = result.reason
+    return out
+
+
+def announce_child_park(
+    store: SessionStore, rec: TurnRecord, parked: SuspendedCheckpoint, *, max_depth: int = 32
+) -> list[tuple[SessionRef, list[TurnEvent]]]:
+    """Tell the parent session (and its parents, up to the top) that the child turn ``rec`` parked on a request a
+    person answers: a ``child.input_requested`` event on each ancestor's stream. Returns the committed events
+    for the caller to publish. Written after the child's park commit: a crash in between leaves it untold
+    (the park itself is durable, and :func:`park_chain` finds it)."""
+    if parse_child_input(parked.request.id) is not None:
+        return []  # parked on its own child: that one tells
+    out: list[tuple[SessionRef, list[TurnEvent]]] = []
+    link = rec.payload.parent
+    while link is not None and len(out) < max_depth:
+        ref = SessionRef(link.agent, link.session)
+        event = ChildInputRequested(
+            turn_id=link.turn_id,
+            child_agent=rec.agent,
+            child_session=rec.session,
+            child_turn_id=rec.turn_id,
+            request=parked.request,
+        )
+        out.append((ref, store.commit(ref, Commit(events=[event]))))
+        above = store.get_turn(ref, link.turn_id)
+        link = above.payload.parent if above is not None else None
     return out
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "ActionCompleted",
     "ActionRequested",
     "Cancelled",
+    "ChildInputRequested",
     "Completed",
     "ContextCompacted",
     "Failed",
@@ -141,6 +142,17 @@ class ContextCompacted(_Event):
     request as too long."""
 
 
+class ChildInputRequested(_Event):
+    """A child turn of this turn (``ctx.delegate``, or a child's child) parked on a request a person answers:
+    it is answered on the child's session (``child_agent`` / ``child_session``, turn ``child_turn_id``)."""
+
+    type: Literal["child.input_requested"] = "child.input_requested"
+    child_agent: str
+    child_session: str
+    child_turn_id: str
+    request: InputRequest
+
+
 class TurnCompleted(_Event):
     type: Literal["turn.completed"] = "turn.completed"
     text: str
@@ -167,6 +179,7 @@ TurnEvent = Annotated[
     | ActionRequested
     | ActionCompleted
     | InputRequested
+    | ChildInputRequested
     | ContextCompacted
     | TurnCompleted
     | TurnFailed

@@ -37,6 +37,7 @@ from ..errors import (
 )
 from .agent import Agent, deliver_result
 from .children import (
+    announce_child_park,
     cancel_children,
     child_answer,
     child_grant,
@@ -490,6 +491,10 @@ class AgentSession:
             if isinstance(result, Suspended):
                 self._arm(result.turn_id)
                 await self._wake_from_child()  # its child may have ended before it parked
+                parked = self.store.pending(self.ref)
+                if rec.payload.parent is not None and parked is not None and parked.turn_id == rec.turn_id:
+                    for ref, events in announce_child_park(self.store, rec, parked):
+                        self.runtime.fanout.publish(ref, events)
             if isinstance(result, Cancelled):
                 self.runtime.cancel_children(self.ref, [rec.turn_id])
             if rec.payload.parent is not None and result.status in ENDED_TURN_STATUSES:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ..engine.children import child_answer, child_input_id, child_of_park
+from ..engine.children import announce_child_park, child_answer, child_input_id, child_of_park
 from ..engine.events import Cancelled, TurnResult
 from ..engine.store import ENDED_TURN_STATUSES, SessionRef, TurnRecord
 from . import control
@@ -77,6 +77,10 @@ def turn_ended(host: WorkerHost, ref: SessionRef, rec: TurnRecord, result: TurnR
     """What a worker does after running a turn, for the subagents it involves."""
     if result.status == "suspended":
         wake_parent(host, ref, dispatch)  # its child may have ended before it parked
+        parked = host.store.pending(ref)
+        if rec.payload.parent is not None and parked is not None and parked.turn_id == rec.turn_id:
+            for parent_ref, events in announce_child_park(host.store, rec, parked):
+                host.sink.publish(parent_ref, events)
         return
     if isinstance(result, Cancelled):
         control.cancel_children_of(host, ref, [rec.turn_id])

@@ -181,8 +181,9 @@ async def delegate_to(ctx: ToolContext, agent: str, text: str, wait: bool = True
 
 
 def _boss_script(request: ModelRequest) -> Reply:
-    """``delegate <n> <key> [start|hold]``: n calls at once, each delegating ``scout <key> <i> <n>`` to the scout
-    agent (``start``: without waiting for it; ``hold``: the children wait for a release key)."""
+    """``delegate <n> <key> [start|hold|ask]``: n calls at once, each delegating ``scout <key> <i> <n>`` to the scout
+    agent (``start``: without waiting for it; ``hold``: the children wait for a release key; ``ask``: each child
+    asks a person, ``go``)."""
     last = request.messages[-1]
     if isinstance(last, ToolMessage):
         results = [m.result for m in request.messages if isinstance(m, ToolMessage)]
@@ -196,7 +197,11 @@ def _boss_script(request: ModelRequest) -> Reply:
         {
             "id": f"c{i}",
             "name": "delegate_to",
-            "input": {"agent": "scout", "text": f"scout {key} {i} {barrier}", "wait": mode != ["start"]},
+            "input": {
+                "agent": "scout",
+                "text": f"ask {key}" if mode == ["ask"] else f"scout {key} {i} {barrier}",
+                "wait": mode != ["start"],
+            },
         }
         for i in range(1, n + 1)
     ]
@@ -223,11 +228,19 @@ async def scout_work(ctx: ToolContext, key: str, i: int, n: int) -> dict[str, An
     return {"i": i}
 
 
+@tool
+async def scout_ask(ctx: ToolContext) -> dict[str, Any]:
+    """Ask a person whether to go on."""
+    return {"go": await ctx.request_input(id="go", prompt="Go on?", schema={"type": "boolean"})}
+
+
 def _scout_script(request: ModelRequest) -> Reply:
     last = request.messages[-1]
     if isinstance(last, ToolMessage):
         return Reply(f"scouted {last.result}")
     words = (last.text if isinstance(last, UserMessage) else "").split()
+    if words[:1] == ["ask"]:
+        return Reply("Asking.", calls=[{"id": "a1", "name": "scout_ask", "input": {}}])
     if words[:1] == ["scout"] and len(words) == 4:
         work = {"key": words[1], "i": int(words[2]), "n": int(words[3])}
         return Reply("Working.", calls=[{"id": "w1", "name": "scout_work", "input": work}])
@@ -249,7 +262,7 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
         Agent(name="window", model=WindowModel(2000, extra_tokens=1500)),
         Agent(name="fan", model=ScriptedModel(_fan_script), tools=[fan_call], parallel_tools=8),
         Agent(name="boss", model=ScriptedModel(_boss_script), tools=[delegate_to], parallel_tools=4),
-        Agent(name="scout", model=ScriptedModel(_scout_script), tools=[scout_work]),
+        Agent(name="scout", model=ScriptedModel(_scout_script), tools=[scout_work, scout_ask]),
     ]
 
 

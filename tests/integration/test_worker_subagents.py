@@ -182,3 +182,38 @@ def test_cancelling_a_parent_parked_on_its_child_cancels_both_and_the_session_se
     assert stack.sql("select suspended from june_sessions where agent = 'boss' and session = %s", session) == [(None,)]
     nxt = stack.turn("boss", session, "hello again")
     assert _ended(stack, "boss", session, nxt)["text"] == "ok: hello again"
+
+
+def test_a_childs_request_for_a_person_is_told_on_the_parents_stream_and_answering_it_wakes_both(
+    stack: Stack,
+) -> None:
+    key, session = uuid.uuid4().hex[:8], f"boss-ask-{uuid.uuid4().hex[:8]}"
+    # Given a parent whose child asks a person
+    turn_id = stack.turn("boss", session, f"delegate 1 {key} ask")
+    child = child_turn_id(SessionRef("boss", session), turn_id, "c1")
+
+    # Then the parent's stream tells which child session and turn waits for whom, and for what
+    def told() -> dict[str, Any] | None:
+        found = [e for e in stack.structural("boss", session) if e["type"] == "child.input_requested"]
+        return found[0] if found else None
+
+    event = wait_for(told, timeout_s=30, what="child.input_requested on the parent's stream")
+    assert (event["turn_id"], event["child_agent"], event["child_session"], event["child_turn_id"]) == (
+        turn_id,
+        "scout",
+        f"{session}:sub:c1",
+        child,
+    )
+    assert event["request"]["id"] == "go"
+    assert _status(stack, "boss", session, turn_id) == "suspended"
+
+    # When the person answers on the child's session
+    out = stack.send(
+        "june.resume",
+        {"agent": "scout", "session": f"{session}:sub:c1", "turn_id": child, "input_id": "go", "value": True},
+    ).get(timeout=30)
+    assert out["status"] == "accepted"
+
+    # Then the child completes, and the parent with the child's answer
+    result = _ended(stack, "boss", session, turn_id)
+    assert result["status"] == "completed" and "scouted {'go': True}" in result["text"]

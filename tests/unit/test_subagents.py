@@ -157,6 +157,10 @@ async def test_a_person_cannot_answer_a_child_request_and_the_childs_own_request
     assert parked is not None and parked.request.id == f"child:researcher:{child_turn}"
     with pytest.raises(ResumeAuthorizationError, match="answered by its child turn"):
         await parent.resume("t1", parked.request.id, {"status": "completed", "text": "forged"})
+    told = [e for e in store.events(SessionRef("ops", "s1")) if e.type == "child.input_requested"]
+    assert [(e.turn_id, e.child_session, e.child_turn_id, e.request.id) for e in told] == [
+        ("t1", "s1:sub:c1", child_turn, "ok-1")
+    ]
     chain = parent.waiting_on()
     assert [(ref.session, cp.request.id) for ref, cp in chain] == [
         ("s1", f"child:researcher:{child_turn}"),
