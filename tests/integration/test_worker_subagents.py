@@ -133,6 +133,40 @@ def test_a_worker_killed_after_its_child_ended_before_answering_leaves_the_paren
     assert int(stack.redis.get(f"it:scout:{key}:1") or 0) == 1  # its work ran once
 
 
+@pytest.mark.parametrize("point", ["after-child-start", "after-parent-answer"])
+def test_a_worker_killed_at_a_child_commit_point_still_gives_one_child_per_call_and_a_parent_that_completes(
+    stack: Stack, point: str
+) -> None:
+    key, session = uuid.uuid4().hex[:8], f"boss-{point[:11]}-{uuid.uuid4().hex[:6]}"
+    turn_id = f"t_{uuid.uuid4().hex}"
+    child = child_turn_id(SessionRef("boss", session), turn_id, "c1")
+    # Given a solo worker that dies after recording the child (before sending it and before the parent parks),
+    # or after answering the parent (before sending the parent on)
+    step = "tool:1:c1" if point == "after-child-start" else child
+    doomed_queue = f"{stack.queue}.{session}"
+    doomed = stack.worker(
+        f"doomed-{session[-6:]}",
+        pool="solo",
+        queues=doomed_queue,
+        env={"JUNE_CRASH_AT": f"{point}@{step}", "JUNE_QUEUE": doomed_queue},
+    )
+    stack.send(
+        "june.turn",
+        {"turn_id": turn_id, "agent": "boss", "session": session, "text": f"delegate 1 {key}"},
+        queue=doomed_queue,
+    )
+    wait_for(lambda: doomed.popen.poll() is not None, timeout_s=60, what="the worker to die at the crash point")
+    doomed.kill()
+
+    # When the sweeper finds what it left, Then the parent completes with the child's answer
+    result = _ended(stack, "boss", session, turn_id)
+    assert result["status"] == "completed" and "scouted {'i': 1}" in result["text"]
+    assert [t for _, t, _ in _children(stack, session, turn_id)] == [child]  # one child for the call
+    assert int(stack.redis.get(f"it:scout:{key}:1") or 0) == 1  # its work ran once
+    if point == "after-child-start":
+        assert int(stack.redis.get(f"it:delegate:{session}:c1") or 0) >= 2  # the call ran again, found the child
+
+
 def test_a_person_cannot_answer_a_parent_parked_on_its_child(stack: Stack) -> None:
     key, session = uuid.uuid4().hex[:8], f"boss-forge-{uuid.uuid4().hex[:8]}"
     # Given a parent parked on a child
@@ -217,3 +251,24 @@ def test_a_childs_request_for_a_person_is_told_on_the_parents_stream_and_answeri
     # Then the child completes, and the parent with the child's answer
     result = _ended(stack, "boss", session, turn_id)
     assert result["status"] == "completed" and "scouted {'go': True}" in result["text"]
+
+
+def test_resetting_a_parent_parked_on_its_child_cancels_the_child_and_archives_the_park(stack: Stack) -> None:
+    key, session = uuid.uuid4().hex[:8], f"boss-reset-{uuid.uuid4().hex[:8]}"
+    # Given a parent parked on a child that is still working
+    turn_id = stack.turn("boss", session, f"delegate 1 {key} hold")
+    child = child_turn_id(SessionRef("boss", session), turn_id, "c1")
+    wait_for(lambda: stack.redis.llen(f"it:scout:{key}:log") == 1, timeout_s=30, what="the child to start working")
+    wait_for(lambda: _status(stack, "boss", session, turn_id) == "suspended", timeout_s=30, what="the parent to park")
+
+    # When the parent's session is reset (and the child's work then returns)
+    out = stack.send("june.reset", {"agent": "boss", "session": session}).get(timeout=30)
+    assert out["status"] == "reset"
+    stack.redis.set(f"it:scout:{key}:release", "1")
+
+    # Then the child ends cancelled, the parent's park was ended by the reset, and the session goes on
+    child_result = _ended(stack, "scout", f"{session}:sub:c1", child)
+    assert child_result["status"] == "cancelled" and child_result["reason"] == "parent"
+    assert _ended(stack, "boss", session, turn_id)["status"] == "cancelled"
+    nxt = stack.turn("boss", session, "fresh start")
+    assert _ended(stack, "boss", session, nxt)["text"] == "ok: fresh start"

@@ -186,8 +186,6 @@ async def test_crash_after_child_start_reruns_the_call_and_finds_the_same_child(
 
     assert result.status == "completed"
     assert runs.runs >= 2  # the call ran again (at least once)...
-    child_sessions = [r for r in [child_ref()] if store.unfinished_turns(r) == []]
-    assert child_sessions and len(store.events(child_ref())) > 0
     children = store.child_turns(SessionRef("ops", "s1"), "t1", ["researcher"])
     assert len(children) == 1  # ...and found the child its first run recorded: one child for the call
     assert child_calls.runs == 1  # the child's model was asked once
@@ -199,7 +197,7 @@ async def test_crash_before_the_parent_is_answered_wakes_the_parent_on_the_next_
     child_turn = child_turn_id(SessionRef("ops", "s1"), "t1", "c1")
     rt1.crash = CrashAt("before-parent-answer", child_turn)
     await rt1.session("ops", "s1").start("q", turn_id="t1")
-    child = store.get_turn(child_ref(), child_turn)
+    child = None
     for _ in range(200):  # the child runs on its own session's drainer
         child = store.get_turn(child_ref(), child_turn)
         if child is not None and child.status == "completed":
