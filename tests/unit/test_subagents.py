@@ -197,14 +197,12 @@ async def test_crash_before_the_parent_is_answered_wakes_the_parent_on_the_next_
     child_turn = child_turn_id(SessionRef("ops", "s1"), "t1", "c1")
     rt1.crash = CrashAt("before-parent-answer", child_turn)
     await rt1.session("ops", "s1").start("q", turn_id="t1")
-    child = None
-    for _ in range(200):  # the child runs on its own session's drainer
-        child = store.get_turn(child_ref(), child_turn)
-        if child is not None and child.status == "completed":
-            break
-        await rt1.session("researcher", "s1:sub:c1").idle()
-        await asyncio.sleep(0)
+    assert (await rt1.session("ops", "s1").result("t1")).status == "suspended"
+    assert (await ended(rt1, "researcher", "s1:sub:c1", child_turn)).status == "completed"
+    await rt1.session("researcher", "s1:sub:c1").idle()  # its drainer dies before answering the parent
     await rt1.session("ops", "s1").idle()
+    assert rt1.crash.fired
+    child = store.get_turn(child_ref(), child_turn)
     assert child is not None and child.status == "completed"
     assert store.pending(SessionRef("ops", "s1")) is not None  # the parent was never answered
 
