@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..errors import DelegationError, ResumeAuthorizationError, ResumeConflictError
 from .events import ChildInputRequested, TurnEvent, TurnResult
+from .ids import validate_session_id
 from .resume import Grant
 from .signals import SyncParkError
+from .storable import unstorable_reason
 from .store import (
     ENDED_TURN_STATUSES,
     UNFINISHED_TURN_STATUSES,
@@ -255,7 +257,14 @@ class Delegator:
                 f"cannot delegate to {agent!r}: the child would be at depth {depth}, and agent {self._agent.name} "
                 f"allows {limit} (max_child_depth)"
             )
+        unstorable = unstorable_reason({"text": text})
+        if unstorable is not None:
+            raise DelegationError(f"cannot delegate to {agent!r}: the text cannot be stored ({unstorable})")
         child = SessionRef(agent, child_session_id(self._ref.session, ctx.call.id))
+        try:
+            validate_session_id(child.session)
+        except ValueError as exc:
+            raise DelegationError(f"cannot delegate to {agent!r}: the child session id is not usable ({exc})") from None
         turn_id = child_turn_id(self._ref, ctx.turn_id, ctx.call.id)
         input_id = child_input_id(child, turn_id)
         request = PolicyAnswerer(policy=CHILD_POLICY, scope=turn_id)
