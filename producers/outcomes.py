@@ -41,6 +41,9 @@ class ResumeOutcome:
     status: ResumeStatus
     reason: str | None = None
     turn_id: str | None = None
+    open: tuple[str, ...] = ()
+    """Requests of the park still open after this answer (calls run in parallel may each have asked one): the
+    turn goes on once none is."""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -93,6 +96,7 @@ def parse_resume(value: Any) -> ResumeOutcome:
         status=cast(ResumeStatus, status),
         reason=_optional_str("june.resume", data, "reason"),
         turn_id=_optional_str("june.resume", data, "turn_id"),
+        open=tuple(str(i) for i in data.get("open") or ()),
         raw=data,
     )
 

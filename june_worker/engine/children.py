@@ -52,7 +52,7 @@ __all__ = [
     "child_answer",
     "child_grant",
     "child_input_id",
-    "child_of_park",
+    "children_of_park",
     "child_session_id",
     "child_turn_id",
     "park_chain",
@@ -88,32 +88,31 @@ def parse_child_input(input_id: str) -> tuple[str, str] | None:
     return (agent, turn_id) if sep and agent and turn_id else None
 
 
-def child_of_park(ref: SessionRef, parked: SuspendedCheckpoint) -> tuple[SessionRef, str] | None:
-    """The child session and turn a parked turn waits for, or None when it waits for a person."""
-    found = parse_child_input(parked.request.id)
-    if found is None:
-        return None
-    agent, turn_id = found
-    return SessionRef(agent, child_session_id(ref.session, parked.call_id)), turn_id
+def children_of_park(ref: SessionRef, parked: SuspendedCheckpoint) -> list[tuple[SessionRef, str]]:
+    """The child sessions and turns a parked turn waits for (one per open ``child:`` request), in call order."""
+    out: list[tuple[SessionRef, str]] = []
+    for open_input in parked.inputs():
+        found = parse_child_input(open_input.request.id)
+        if found is not None:
+            agent, turn_id = found
+            out.append((SessionRef(agent, child_session_id(ref.session, open_input.call_id)), turn_id))
+    return out
 
 
 def park_chain(
     store: SessionStore, ref: SessionRef, *, limit: int = 32
 ) -> list[tuple[SessionRef, SuspendedCheckpoint]]:
-    """The session's park and, while it waits for a child turn, the child session's park, all the way down.
-
-    The last entry is the request someone can answer (or a child still running, when it ends on a child's).
-    """
+    """The session's park and, for each child turn it waits for, the child session's park, all the way down
+    (breadth first): every request of the tree, the ones a person answers among them."""
     out: list[tuple[SessionRef, SuspendedCheckpoint]] = []
-    while len(out) < limit:
-        parked = store.pending(ref)
+    todo = [ref]
+    while todo and len(out) < limit:
+        at = todo.pop(0)
+        parked = store.pending(at)
         if parked is None:
-            break
-        out.append((ref, parked))
-        found = child_of_park(ref, parked)
-        if found is None:
-            break
-        ref = found[0]
+            continue
+        out.append((at, parked))
+        todo.extend(child for child, _ in children_of_park(at, parked))
     return out
 
 
@@ -160,20 +159,24 @@ def announce_child_park(
     person answers: a ``child.input_requested`` event on each ancestor's stream. Returns the committed events
     for the caller to publish. Written after the child's park commit: a crash in between leaves it untold
     (the park itself is durable, and :func:`park_chain` finds it)."""
-    if parse_child_input(parked.request.id) is not None:
-        return []  # parked on its own child: that one tells
+    asked = [i.request for i in parked.inputs() if parse_child_input(i.request.id) is None]
+    if not asked:
+        return []  # parked on its own children only: they tell
     out: list[tuple[SessionRef, list[TurnEvent]]] = []
     link = rec.payload.parent
     while link is not None and len(out) < max_depth:
         ref = SessionRef(link.agent, link.session)
-        event = ChildInputRequested(
-            turn_id=link.turn_id,
-            child_agent=rec.agent,
-            child_session=rec.session,
-            child_turn_id=rec.turn_id,
-            request=parked.request,
-        )
-        out.append((ref, store.commit(ref, Commit(events=[event]))))
+        events: list[TurnEvent] = [
+            ChildInputRequested(
+                turn_id=link.turn_id,
+                child_agent=rec.agent,
+                child_session=rec.session,
+                child_turn_id=rec.turn_id,
+                request=request,
+            )
+            for request in asked
+        ]
+        out.append((ref, store.commit(ref, Commit(events=events))))
         above = store.get_turn(ref, link.turn_id)
         link = above.payload.parent if above is not None else None
     return out

@@ -40,6 +40,7 @@ __all__ = [
     "Completed",
     "ContextCompacted",
     "Failed",
+    "InputAnswered",
     "InputRequested",
     "MessageCompleted",
     "MessageDelta",
@@ -123,6 +124,15 @@ class InputRequested(_Event):
     request: InputRequest
 
 
+class InputAnswered(_Event):
+    """One of several open requests of a parked turn was answered (or expired); ``open`` are still waiting.
+    The answer that closes the last one is told by the turn's ``turn.started`` (a resume) instead."""
+
+    type: Literal["input.answered"] = "input.answered"
+    input_id: str
+    open: int
+
+
 class ContextCompacted(_Event):
     """A compaction step committed: the model summarised the transcript before ``kept_from``, and the summary
     (at ``at``) stands in for it in every later request. Those messages stay in the store."""
@@ -179,6 +189,7 @@ TurnEvent = Annotated[
     | ActionRequested
     | ActionCompleted
     | InputRequested
+    | InputAnswered
     | ChildInputRequested
     | ContextCompacted
     | TurnCompleted
@@ -216,8 +227,11 @@ class Completed(_Result):
 
 
 class Suspended(_Result):
+    """The turn parked: ``request`` is the first open request, ``more`` the others (calls run in parallel)."""
+
     status: Literal["suspended"] = "suspended"
     request: InputRequest
+    more: list[InputRequest] = Field(default_factory=list)
 
 
 class Failed(_Result):

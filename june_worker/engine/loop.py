@@ -69,6 +69,7 @@ from .store import (
     INITIATOR_STEP,
     Commit,
     CommitBuilder,
+    OpenInput,
     SessionRef,
     SessionSnapshot,
     SessionStore,
@@ -304,7 +305,8 @@ class TurnRunner:
         self.principal = event.principal if event else None
         if snap.suspended is not None and snap.suspended.turn_id == self.turn_id:
             # A parked turn delivered again: it stays parked and announces nothing new.
-            return Suspended(turn_id=self.turn_id, request=snap.suspended.request)
+            parked = snap.suspended
+            return Suspended(turn_id=self.turn_id, request=parked.request, more=[i.request for i in parked.more])
         initiator_step = self.steps.get(INITIATOR_STEP)
         self.initiator = Principal.model_validate(initiator_step.data) if initiator_step else None
         opening = self._opening_index()
@@ -451,9 +453,9 @@ class TurnRunner:
                 reason = self.cancel.reason()
                 if reason is not None:
                     return self._cancelled(reason)
-                parked = await self._tool_batch(n, calls)
-                if parked is not None:
-                    return self._park(parked)
+                parks = await self._tool_batch(n, calls)
+                if parks:
+                    return self._park(parks)
                 continue
             last = self.messages[-1]
             if isinstance(last, AssistantMessage) and last.turn_id == self.turn_id:
@@ -783,9 +785,10 @@ class TurnRunner:
         ids = [c.id for c in calls if (t := self.tools.get(c.name)) is not None and t.is_async]
         return ids if len(ids) > 1 else []
 
-    async def _tool_batch(self, n: int, calls: list[ToolCall]) -> _Park | None:
+    async def _tool_batch(self, n: int, calls: list[ToolCall]) -> list[_Park]:
         """Run the calls a reply still owes a result: in turn, or (``Agent.parallel_tools`` > 1) the async ones
-        concurrently. Each commits its own result as it finishes; the first park in call order wins."""
+        concurrently. Each commits its own result as it finishes. Returns the parks, in call order: in turn,
+        the first one stops the batch; in parallel, every call that asked for input parks the turn with it."""
         runnable = [c for c in calls if self._stored_result(n, c) is None]
         together = set(self._concurrent_ids(runnable))
         concurrent = [c for c in runnable if c.id in together]
@@ -797,8 +800,8 @@ class TurnRunner:
                 with self.hooks.step("tool", f"tool:{n}:{call.id}", call.name):
                     parked = await self._tool_step(n, call)
                 if parked is not None:
-                    return parked
-            return None
+                    return [parked]
+            return []
         gate = asyncio.Semaphore(self.agent.parallel_tools)
 
         async def one(call: ToolCall) -> _Park | None:
@@ -833,10 +836,7 @@ class TurnRunner:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
-        for call in runnable:
-            if call.id in parks:
-                return parks[call.id]
-        return None
+        return [parks[c.id] for c in runnable if c.id in parks]
 
     async def _tool_step(self, n: int, call: ToolCall) -> _Park | None:
         step = f"tool:{n}:{call.id}"
@@ -954,22 +954,29 @@ class TurnRunner:
 
     # --- endings -----------------------------------------------------------------------------------
 
-    def _park(self, park: _Park) -> Suspended:
-        request = InputRequest.model_validate(storable_json(park.request.model_dump(by_alias=True)))
+    def _park(self, parks: list[_Park]) -> Suspended:
+        """Park the turn on the requests its calls left open (several when calls ran in parallel; one request
+        per id: calls that asked the same id get the same answer)."""
+        opened: dict[str, tuple[_Park, InputRequest]] = {}
+        for park in parks:
+            request = InputRequest.model_validate(storable_json(park.request.model_dump(by_alias=True)))
+            opened.setdefault(request.id, (park, request))
+        (first, request), *others = opened.values()
         event = self.record.payload.event
         checkpoint = SuspendedCheckpoint(
             turn_id=self.turn_id,
             request=request,
-            call_id=park.call.id,
+            call_id=first.call.id,
             opening_text=self.record.payload.text,
             policy=self.policy,
             event=event.without_raw() if event else None,
             principal=self.principal,
+            more=[OpenInput(request=r, call_id=p.call.id) for p, r in others],
         )
-        result = Suspended(turn_id=self.turn_id, request=request)
+        result = Suspended(turn_id=self.turn_id, request=request, more=[r for _, r in others])
         self._commit(
             Commit(
-                events=[InputRequested(turn_id=self.turn_id, step=park.step, request=request)],
+                events=[InputRequested(turn_id=self.turn_id, step=p.step, request=r) for p, r in opened.values()],
                 status="suspended",
                 suspended=checkpoint,
                 turn_id=self.turn_id,

@@ -13,11 +13,20 @@ from dataclasses import dataclass
 
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
 from .agent import Agent, AnswerRequest
-from .events import Cancelled, TurnCancelled, TurnStarted
-from .store import Commit, StepRecord, SuspendedCheckpoint, input_step_id
+from .events import Cancelled, InputAnswered, TurnCancelled, TurnStarted
+from .store import Commit, OpenInput, StepRecord, SuspendedCheckpoint, input_step_id
 from .types import JsonValue, PolicyAnswerer, Principal, ResumeTrigger, UserAnswerer
 
-__all__ = ["Grant", "check_parked", "grant_answer", "reset_park_commit", "resume_commit", "timeout_commit"]
+__all__ = [
+    "RESUME_RACES",
+    "Grant",
+    "check_parked",
+    "grant_answer",
+    "reset_park_commit",
+    "resume_commit",
+    "still_open",
+    "timeout_commit",
+]
 
 
 @dataclass(frozen=True)
@@ -39,9 +48,11 @@ def check_parked(
         raise ResumeConflictError(f"turn {turn_id} is not suspended: the session is not waiting for input")
     if parked.turn_id != turn_id:
         raise ResumeConflictError(f"turn {turn_id} is not suspended: the session is parked on turn {parked.turn_id}")
-    if parked.request.id != input_id:
-        raise ResumeConflictError(f"turn {turn_id} is waiting for input {parked.request.id!r}, not {input_id!r}")
-    return parked
+    answering = parked.answering(input_id)
+    if answering is None:
+        waiting = ", ".join(repr(i.request.id) for i in parked.inputs())
+        raise ResumeConflictError(f"turn {turn_id} is waiting for input {waiting}, not {input_id!r}")
+    return answering
 
 
 async def grant_answer(
@@ -124,38 +135,67 @@ def resume_commit(
     """Authorize and validate the answer, then build the commit that applies it and re-queues the turn."""
     _authorize(parked, by, granted)
     _validate_answer(parked, value)
-    return _answer_commit(parked, {"answer": value, "by": by})
+    return _answer_commit(parked, [(parked.inputs()[0], {"answer": value, "by": by})])
 
 
 def timeout_commit(parked: SuspendedCheckpoint) -> Commit | None:
-    """The commit that answers a park with a timeout once it expired, or None for a park without a timeout.
+    """The commit that answers the park's first-expiring requests with a timeout once they expired, or None
+    for a park without a timeout. The requests that expire later stay open.
 
     Whether it expired is the store's to say, by its own clock, when the commit applies
     (``Commit.expect_expired``): a process's clock is never compared with another's.
     """
-    if parked.request.timeout_s is None and parked.request.expires_at is None:
+    due = parked.due()
+    if not due:
         return None
-    commit = _answer_commit(parked, {"timeout": True})
+    commit = _answer_commit(parked, [(i, {"timeout": True}) for i in due])
     commit.expect_expired = True
     return commit
 
 
-def _answer_commit(parked: SuspendedCheckpoint, data: dict[str, JsonValue]) -> Commit:
-    if parked.policy is not None:
-        data["policy"] = parked.policy.model_dump()
+def _answer_commit(parked: SuspendedCheckpoint, answers: list[tuple[OpenInput, dict[str, JsonValue]]]) -> Commit:
+    """Answer some of the park's open requests: the turn re-queues when none is left open, else the park stays
+    with the others (a new ``version`` of the checkpoint, its expiry still counted from the park)."""
+    answered = {i.request.id for i, _ in answers}
+    steps = []
+    for open_input, data in answers:
+        if parked.policy is not None:
+            data["policy"] = parked.policy.model_dump()
+        steps.append(
+            StepRecord(step_id=input_step_id(parked.turn_id, open_input.request.id), turn_id=parked.turn_id, data=data)
+        )
+    first = answers[0][0]
+    expect = (parked.turn_id, first.request.id)
+    left = [i for i in parked.inputs() if i.request.id not in answered]
+    if left:
+        rest = parked.model_copy(
+            update={
+                "request": left[0].request,
+                "call_id": left[0].call_id,
+                "more": left[1:],
+                "version": parked.version + 1,
+            }
+        )
+        return Commit(
+            steps=steps,
+            events=[InputAnswered(turn_id=parked.turn_id, input_id=i.request.id, open=len(left)) for i, _ in answers],
+            suspended=rest,
+            repark_from=parked.park_timeout(),
+            expect_suspended=expect,
+            expect_version=parked.version,
+        )
     return Commit(
-        steps=[StepRecord(step_id=input_step_id(parked.turn_id, parked.request.id), turn_id=parked.turn_id, data=data)],
+        steps=steps,
         events=[
-            TurnStarted(
-                turn_id=parked.turn_id, trigger=ResumeTrigger(call_id=parked.call_id, input_id=parked.request.id)
-            )
+            TurnStarted(turn_id=parked.turn_id, trigger=ResumeTrigger(call_id=first.call_id, input_id=first.request.id))
         ],
         status="running",
         clear_suspended=True,
         turn_id=parked.turn_id,
         turn_status="queued",
         turn_result=None,
-        expect_suspended=(parked.turn_id, parked.request.id),
+        expect_suspended=expect,
+        expect_version=parked.version,
     )
 
 
@@ -168,3 +208,21 @@ def reset_park_commit(parked: SuspendedCheckpoint) -> Commit:
         turn_status="cancelled",
         turn_result=Cancelled(turn_id=parked.turn_id, reason="reset"),
     )
+
+
+RESUME_RACES = 5
+"""Tries of one answer against a park whose other requests keep being answered at the same moment."""
+
+
+def still_open(
+    now: SuspendedCheckpoint | None, before: SuspendedCheckpoint, turn_id: str, input_id: str
+) -> SuspendedCheckpoint | None:
+    """After expired requests were answered with a timeout: the park, if the request being answered is still
+    open in it; else the conflict that says it expired."""
+    if now is not None and now.turn_id == turn_id and now.answering(input_id) is not None:
+        return now
+    if before.turn_id == turn_id and any(i.request.id == input_id for i in before.due()):
+        raise ResumeConflictError(
+            f"input {input_id!r} of turn {before.turn_id} expired before this answer came; the turn went on without it"
+        )
+    return now

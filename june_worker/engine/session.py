@@ -42,7 +42,7 @@ from .children import (
     child_answer,
     child_grant,
     child_input_id,
-    child_of_park,
+    children_of_park,
     park_chain,
     refuse_reserved,
 )
@@ -51,7 +51,16 @@ from .failures import DEFAULT_MAX_ATTEMPTS, backoff_s
 from .fanout import FanoutSink, Observer
 from .ids import new_turn_id, validate_session_id
 from .loop import CrashHook, TurnRunner, reject_turn
-from .resume import Grant, check_parked, grant_answer, reset_park_commit, resume_commit, timeout_commit
+from .resume import (
+    RESUME_RACES,
+    Grant,
+    check_parked,
+    grant_answer,
+    reset_park_commit,
+    resume_commit,
+    still_open,
+    timeout_commit,
+)
 from .sink import EventSink
 from .storable import unstorable_reason
 from .store import (
@@ -321,7 +330,7 @@ class AgentSession:
         parked = self.store.pending(self.ref)
         marked = self.cancel_all("requested", turn_ids=[turn_id])
         return bool(marked) or (
-            parked is not None and parked.turn_id == turn_id and child_of_park(self.ref, parked) is not None
+            parked is not None and parked.turn_id == turn_id and bool(children_of_park(self.ref, parked))
         )
 
     def cancel_all(self, reason: str = "requested", *, turn_ids: list[str] | None = None) -> list[str]:
@@ -359,19 +368,25 @@ class AgentSession:
         :class:`~june_worker.errors.InvalidAnswerError` when the answer fails the request's schema.
         """
         refuse_reserved(input_id, child_turn)
-        pending = self.store.pending(self.ref)
-        if pending is not None and self._expire_due(pending):
-            raise ResumeConflictError(
-                f"input {pending.request.id!r} of turn {pending.turn_id} expired before this answer came; "
-                "the turn went on without it"
-            )
-        parked = check_parked(pending, turn_id, input_id, reset_pending=self._reset_pending)
-        if child_turn is not None:
-            granted = child_grant(child_turn)
-        elif granted is None:
-            granted = await grant_answer(self.agent, parked, session=self.ref.session, by=by, principal=principal)
-        self._apply(resume_commit(parked, value, by=by, granted=granted))
+        for attempt in range(1, RESUME_RACES + 1):
+            pending = self.store.pending(self.ref)
+            if pending is not None and self._expire_due(pending):
+                pending = still_open(self.store.pending(self.ref), pending, turn_id, input_id)
+            parked = check_parked(pending, turn_id, input_id, reset_pending=self._reset_pending)
+            grant = granted
+            if child_turn is not None:
+                grant = child_grant(child_turn)
+            elif grant is None:
+                grant = await grant_answer(self.agent, parked, session=self.ref.session, by=by, principal=principal)
+            try:
+                self._apply(resume_commit(parked, value, by=by, granted=grant))
+                break
+            except ResumeConflictError:
+                if attempt == RESUME_RACES:
+                    raise  # else another request of the park was answered meanwhile: read it again
         self._disarm(turn_id)
+        if parked.more:
+            self._arm(turn_id)  # the park goes on with its other requests
         self._kick()
 
     def reset(self) -> asyncio.Task[ResetResult]:
@@ -490,7 +505,8 @@ class AgentSession:
             self._resolve(rec.turn_id, result)
             if isinstance(result, Suspended):
                 self._arm(result.turn_id)
-                await self._wake_from_child()  # its child may have ended before it parked
+                last = None  # a park is progress: answered at once below, the turn is queued again, and runs on
+                await self._wake_from_child()  # its children may have ended before it parked
                 parked = self.store.pending(self.ref)
                 if rec.payload.parent is not None and parked is not None and parked.turn_id == rec.turn_id:
                     for ref, events in announce_child_park(self.store, rec, parked):
@@ -520,9 +536,9 @@ class AgentSession:
     def _arm(self, turn_id: str) -> None:
         """Answer the park with a timeout when it expires (``request_input(timeout_s=...)``), by the store's stamp."""
         parked = self.store.pending(self.ref)
-        if parked is None or parked.turn_id != turn_id or parked.request.expires_at is None:
+        if parked is None or parked.turn_id != turn_id or parked.expires_at is None:
             return
-        delay = max(0.01, parked.request.expires_at - time.time())
+        delay = max(0.01, parked.expires_at - time.time())
         loop = asyncio.get_running_loop()
         self._timers[turn_id] = loop.call_later(delay, lambda: loop.create_task(self._expire()))
 
@@ -535,31 +551,28 @@ class AgentSession:
         parked = self.store.pending(self.ref)
         if parked is not None and parked.turn_id not in self._timers:
             self._arm(parked.turn_id)
-        if parked is not None and child_of_park(self.ref, parked) is not None:
+        if parked is not None and children_of_park(self.ref, parked):
             # parked on a child by another process: answer it if the child ended, else make sure the child runs
             task = asyncio.get_running_loop().create_task(self._wake_from_child())
             self._wakers.add(task)
             task.add_done_callback(self._wakers.discard)
 
     async def _wake_from_child(self) -> None:
-        """If the session is parked on a child turn that has ended, answer it with the child's result;
-        if the child is unfinished, see that it runs (its process may have died)."""
+        """Answer each child request of the park whose child turn has ended with the child's result; see that
+        the unfinished children run (the process that started them may have died)."""
         parked = self.store.pending(self.ref)
-        found = child_of_park(self.ref, parked) if parked is not None else None
-        if found is None:
-            return
-        child_ref, child_turn = found
-        rec = self.store.get_turn(child_ref, child_turn)
-        if rec is None or child_ref.agent not in self.runtime.agents:
-            return
-        if rec.status in ENDED_TURN_STATUSES and rec.result is not None:
-            await self.runtime.child_ended(rec, rec.result)
-        elif rec.status in UNFINISHED_TURN_STATUSES:
-            self.runtime.session(child_ref.agent, child_ref.session)._kick()
+        for child_ref, child_turn in children_of_park(self.ref, parked) if parked is not None else []:
+            rec = self.store.get_turn(child_ref, child_turn)
+            if rec is None or child_ref.agent not in self.runtime.agents:
+                continue
+            if rec.status in ENDED_TURN_STATUSES and rec.result is not None:
+                await self.runtime.child_ended(rec, rec.result)
+            elif rec.status in UNFINISHED_TURN_STATUSES:
+                self.runtime.session(child_ref.agent, child_ref.session)._kick()
 
     def _expire_due(self, parked: SuspendedCheckpoint) -> bool:
         """Answer ``parked`` with a timeout now if its (stored) expiry has passed; True if it did."""
-        if parked.request.expires_at is None or parked.request.expires_at > time.time():
+        if parked.expires_at is None or parked.expires_at > time.time():
             return False
         commit = timeout_commit(parked)
         if commit is None:
@@ -569,6 +582,7 @@ class AgentSession:
         except ResumeConflictError:
             return False
         self._disarm(parked.turn_id)
+        self._arm(parked.turn_id)  # requests that expire later keep the park
         self._kick()
         return True
 
@@ -590,4 +604,5 @@ class AgentSession:
         except ResumeConflictError:  # answered just before the timer fired, or not expired by the store's stamp
             self._arm(parked.turn_id)
             return
+        self._arm(parked.turn_id)  # requests that expire later keep the park
         self._kick()

@@ -25,6 +25,7 @@ from .types import InboundEvent, InputRequest, JsonValue, Message, ParentLink, P
 
 __all__ = [
     "INITIATOR_STEP",
+    "OpenInput",
     "UNFINISHED_TURN_STATUSES",
     "Commit",
     "CommitBuilder",
@@ -42,6 +43,8 @@ __all__ = [
     "TurnRecord",
     "TurnStatus",
     "input_step_id",
+    "park_expiry",
+    "parked_on",
 ]
 
 SessionStatus = Literal["new", "running", "suspended", "done"]
@@ -128,8 +131,23 @@ class StepRecord(_Record):
     data: JsonValue = None
 
 
+class OpenInput(_Record):
+    """One open request of a parked turn, and the tool call that asked it."""
+
+    request: InputRequest
+    call_id: str
+
+
 class SuspendedCheckpoint(_Record):
-    """Everything a parked turn needs to continue days later, in another process."""
+    """Everything a parked turn needs to continue days later, in another process.
+
+    A turn parks with every request its calls left open (calls run in parallel may each ask one):
+    ``request``/``call_id`` is the first open one, ``more`` the others, in call order. Each is answered
+    on its own; an answer that leaves others open rewrites the checkpoint without them and moves
+    ``version`` on (an answer applies only to the version it read, so two answers racing for different
+    requests both apply, one after the other, and two for the same request apply once); the answer
+    that closes the last one re-queues the turn.
+    """
 
     turn_id: str
     request: InputRequest
@@ -138,12 +156,77 @@ class SuspendedCheckpoint(_Record):
     policy: SurfacePolicy | None = None
     event: InboundEvent | None = None
     principal: Principal | None = None
+    more: list[OpenInput] = Field(default_factory=list)
+    version: int = 0
+
+    def inputs(self) -> list[OpenInput]:
+        """Every open request, the first one first."""
+        return [OpenInput(request=self.request, call_id=self.call_id), *self.more]
+
+    def answering(self, input_id: str) -> SuspendedCheckpoint | None:
+        """This checkpoint seen from one of its open requests (``request`` is that one, ``more`` the others in
+        their order); None when no open request has that id."""
+        inputs = self.inputs()
+        found = next((i for i in inputs if i.request.id == input_id), None)
+        if found is None:
+            return None
+        if found.request.id == self.request.id:
+            return self
+        others = [i for i in inputs if i.request.id != input_id]
+        return self.model_copy(update={"request": found.request, "call_id": found.call_id, "more": others})
+
+    def park_timeout(self) -> float | None:
+        """The shortest ``timeout_s`` of the open requests: what the store's expiry stamp counts from the park."""
+        timeouts = [i.request.timeout_s for i in self.inputs() if i.request.timeout_s is not None]
+        return min(timeouts) if timeouts else None
+
+    @property
+    def expires_at(self) -> float | None:
+        """When the first open request expires, as the store stamped it; None: none of them does."""
+        stamps = [i.request.expires_at for i in self.inputs() if i.request.expires_at is not None]
+        return min(stamps) if stamps else None
+
+    def due(self) -> list[OpenInput]:
+        """The open requests that expire first (the ones the store's expiry stamp is for)."""
+        first = self.park_timeout()
+        return [i for i in self.inputs() if first is not None and i.request.timeout_s == first]
 
     def with_expiry(self, expires_at: float | None) -> SuspendedCheckpoint:
-        """This checkpoint as a store reports it: the request's expiry is the store's own stamp."""
-        if expires_at is None:
+        """This checkpoint as a store reports it: each request's expiry from the store's own stamp (the stamp is
+        the first expiry, ``park_timeout()`` after the park; a request expires ``timeout_s`` after the park)."""
+        first = self.park_timeout()
+        if expires_at is None or first is None:
             return self
-        return self.model_copy(update={"request": self.request.model_copy(update={"expires_at": expires_at})})
+        parked_at = expires_at - first
+
+        def stamped(r: InputRequest) -> InputRequest:
+            if r.timeout_s is None:
+                return r
+            return r.model_copy(update={"expires_at": parked_at + r.timeout_s})
+
+        more = [i.model_copy(update={"request": stamped(i.request)}) for i in self.more]
+        return self.model_copy(update={"request": stamped(self.request), "more": more})
+
+
+def parked_on(parked: SuspendedCheckpoint | None, turn_id: str, input_id: str, version: int) -> bool:
+    """Whether ``parked`` is that turn's park at that version with that request open (``Commit.expect_suspended``)."""
+    return (
+        parked is not None
+        and parked.turn_id == turn_id
+        and parked.version == version
+        and parked.answering(input_id) is not None
+    )
+
+
+def park_expiry(commit: Commit, now: float, current: float | None) -> float | None:
+    """The expiry stamp a commit that sets ``suspended`` gives the park, by the store's clock ``now``."""
+    assert commit.suspended is not None
+    first = commit.suspended.park_timeout()
+    if first is None:
+        return None
+    if commit.repark_from is not None and current is not None:
+        return current - commit.repark_from + first
+    return now + first
 
 
 class SessionSnapshot(_Record):
@@ -189,8 +272,14 @@ class Commit:
     turn_result: TurnResult | None = None
     """Written whenever ``turn_status`` is: None clears a previous result (a resumed turn)."""
     expect_suspended: tuple[str, str] | None = None
-    """(turn_id, input_id): apply only if the session is parked on exactly that, else
-    :class:`~june_worker.errors.ResumeConflictError`. Makes racing resumes apply once."""
+    """(turn_id, input_id): apply only if the session is parked on that turn with that request open, at
+    checkpoint ``expect_version``, else :class:`~june_worker.errors.ResumeConflictError`. Makes racing
+    resumes apply once."""
+    expect_version: int = 0
+    """With ``expect_suspended``: the checkpoint's ``version`` the answer was made from."""
+    repark_from: float | None = None
+    """With ``suspended``: the checkpoint replaces the current park's (an answer left other requests open),
+    whose ``park_timeout()`` this was: the expiry stays counted from the original park, not from now."""
     expect_not_cancelled: bool = False
     """Apply only if no cancel was requested for ``turn_id``, else
     :class:`~june_worker.errors.CancelRequestedError`: the commit that opens a turn never opens a
@@ -201,8 +290,9 @@ class Commit:
     """With ``expect_suspended``: apply only if the park's stored expiry has passed by the store's clock,
     else :class:`~june_worker.errors.ResumeConflictError` (not expired yet)."""
 
-    # A commit that sets ``suspended`` makes the store stamp the park's expiry (``request.timeout_s``
-    # from now, by the store's clock); ``pending`` and ``load`` report that stamp as ``request.expires_at``.
+    # A commit that sets ``suspended`` makes the store stamp the park's expiry (``park_timeout()`` from now,
+    # by the store's clock; with ``repark_from``, moved by the difference from the old park's); ``pending``
+    # and ``load`` report each request's ``expires_at`` from that stamp (``SuspendedCheckpoint.with_expiry``).
 
     # Every commit that sets ``turn_status`` applies only while the turn has not ended
     # (completed, failed, cancelled, rejected): else :class:`~june_worker.errors.TurnEndedError`.

@@ -210,7 +210,8 @@ def may_answer(request: InputRequest, principal: Principal) -> bool | None:
 def inbox_page(
     conn: Any, agents: list[str], principal: Principal, limit: int, cursor: str | None, now: float
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Parked sessions, longest waiting first: what each waits for, who may answer, and since when."""
+    """Parked sessions, longest waiting first: what each waits for (an item per open request), who may answer,
+    and since when."""
     from ..engine.store import SuspendedCheckpoint
 
     params: dict[str, Any] = {"agents": agents, "limit": limit + 1}
@@ -222,23 +223,24 @@ def inbox_page(
     rows, nxt = _page(rows, limit, lambda r: (r[2], r[0], r[1]))
     items = []
     for agent, session, parked_at, suspended, expires_at, reset_pending in rows:
-        parked = SuspendedCheckpoint.model_validate_json(suspended)
-        request = parked.request
-        items.append(
-            {
-                "agent": agent,
-                "session": session,
-                "turn_id": parked.turn_id,
-                "input_id": request.id,
-                "prompt": request.prompt,
-                "schema": request.json_schema,
-                "who_may_answer": answerers_text(request),
-                "may_answer": False if reset_pending else may_answer(request, principal),
-                "parked_at": parked_at,
-                "age_s": max(now - parked_at, 0.0),
-                "expires_at": expires_at,
-            }
-        )
+        parked = SuspendedCheckpoint.model_validate_json(suspended).with_expiry(expires_at)
+        for open_input in parked.inputs():  # a turn whose calls ran in parallel may wait on several requests
+            request = open_input.request
+            items.append(
+                {
+                    "agent": agent,
+                    "session": session,
+                    "turn_id": parked.turn_id,
+                    "input_id": request.id,
+                    "prompt": request.prompt,
+                    "schema": request.json_schema,
+                    "who_may_answer": answerers_text(request),
+                    "may_answer": False if reset_pending else may_answer(request, principal),
+                    "parked_at": parked_at,
+                    "age_s": max(now - parked_at, 0.0),
+                    "expires_at": request.expires_at,
+                }
+            )
     return items, nxt
 
 

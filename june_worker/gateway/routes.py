@@ -149,7 +149,8 @@ def recorded_outcome(rec: TurnRecord, last_id: str) -> TurnOutcome | None:
     if isinstance(r, Completed):
         return TurnOutcome(status="completed", text=r.text, **base)
     if isinstance(r, Suspended):
-        return TurnOutcome(status="suspended", input=r.request.model_dump(mode="json", by_alias=True), **base)
+        inputs = [q.model_dump(mode="json", by_alias=True) for q in (r.request, *r.more)]
+        return TurnOutcome(status="suspended", input=inputs[0], inputs=inputs, **base)
     if isinstance(r, Failed):
         error = {"message": r.error.message, "type": r.error.type, "phase": r.phase, "step": r.step}
         return TurnOutcome(status="failed", error=error, **base)
@@ -347,6 +348,9 @@ async def resume(
             status_code=500, detail=f"the answer was NOT applied; the same answer can be retried ({reason})"
         )
     log.info("turn %s of %s resumed (input %s) by %s", turn_id, ref, body.input_id, principal.id)
+    if result.open and not wants_sse(request):  # other requests still open: the turn waits for them
+        accepted = ResumeAccepted(turn_id=turn_id, input_id=body.input_id, by=principal.id, open=list(result.open))
+        return JSONResponse(accepted.model_dump(), status_code=202, headers={"Location": events_path(ref, turn_id)})
     if wants_sse(request):
         return sse_response(backend, ref, turn_id, start_id)
     if wait:

@@ -36,7 +36,8 @@ async def pending(
     parked = await backend.pending(ref)
     found = None
     if parked is not None:
-        found = Pending(turn_id=parked.turn_id, input=parked.request.model_dump(mode="json", by_alias=True))
+        inputs = [i.request.model_dump(mode="json", by_alias=True) for i in parked.inputs()]
+        found = Pending(turn_id=parked.turn_id, input=inputs[0], inputs=inputs)
     return PendingInput(agent=agent, session=session, pending=found)
 
 

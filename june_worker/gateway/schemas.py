@@ -70,6 +70,9 @@ class TurnOutcome(BaseModel):
     status: Literal["completed", "suspended", "failed", "cancelled"]
     text: str | None = None
     input: dict[str, Any] | None = Field(default=None, description="The pending request, when suspended.")
+    inputs: list[dict[str, Any]] | None = Field(
+        default=None, description="Every open request when suspended, when known (GET .../pending lists them all)."
+    )
     error: dict[str, Any] | None = Field(default=None, description="message, type, phase and step, when failed.")
     reason: str | None = Field(default=None, description="Why it was cancelled.")
     last_event_id: str = Field(description="Stream id of the terminal event: follow on from it after a resume.")
@@ -77,7 +80,12 @@ class TurnOutcome(BaseModel):
 
 class Pending(BaseModel):
     turn_id: str
-    input: dict[str, Any] = Field(description="id, prompt, schema and answerers of the request.")
+    input: dict[str, Any] = Field(description="id, prompt, schema and answerers of the (first) open request.")
+    inputs: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Every open request, the first one first: a turn whose calls ran in parallel may wait on "
+        "several, each answered on its own; it goes on after the last.",
+    )
 
 
 class PendingInput(BaseModel):
@@ -91,6 +99,10 @@ class ResumeAccepted(BaseModel):
     input_id: str
     status: Literal["accepted"] = "accepted"
     by: str = Field(description="The principal the answer was recorded as.")
+    open: list[str] = Field(
+        default_factory=list,
+        description="Requests of the park still open after this answer: the turn goes on once none is.",
+    )
 
 
 class CancelOutcome(BaseModel):

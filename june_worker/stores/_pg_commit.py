@@ -57,7 +57,7 @@ class _Shape(NamedTuple):
     steps: int
     events: int
     status: bool
-    suspended: str  # "keep" | "set" | "clear"
+    suspended: str  # "keep" | "set" | "repark" | "clear"
     fenced: bool
     expect: bool
     expired: bool
@@ -83,7 +83,13 @@ def commit_statement(
         steps=_count(len(steps)),
         events=_count(len(events)),
         status=commit.status is not None,
-        suspended="set" if commit.suspended is not None else "clear" if commit.clear_suspended else "keep",
+        suspended=(
+            ("repark" if commit.repark_from is not None else "set")
+            if commit.suspended is not None
+            else "clear"
+            if commit.clear_suspended
+            else "keep"
+        ),
         fenced=fence is not None,
         expect=commit.expect_suspended is not None,
         expired=commit.expect_expired,
@@ -100,9 +106,12 @@ def commit_statement(
         p["status"] = commit.status
     if commit.suspended is not None:
         p["suspended"] = commit.suspended.model_dump_json(by_alias=True)
-        p["park_timeout"] = commit.suspended.request.timeout_s
+        p["park_timeout"] = commit.suspended.park_timeout()
+        if commit.repark_from is not None:
+            p["repark_from"] = commit.repark_from
     if commit.expect_suspended is not None:
         p["exp_turn"], p["exp_input"] = commit.expect_suspended
+        p["exp_version"] = commit.expect_version
     _rows(
         p,
         "m",
@@ -186,6 +195,9 @@ def _sql(shape: _Shape) -> str:
     if shape.suspended == "set":
         sets.append("suspended = %(suspended)s::json")
         sets.append("park_expires_at = extract(epoch from now()) + %(park_timeout)s::float8")
+    elif shape.suspended == "repark":  # the same park, fewer requests: its expiry still counts from the park
+        sets.append("suspended = %(suspended)s::json")
+        sets.append("park_expires_at = s.park_expires_at - %(repark_from)s::float8 + %(park_timeout)s::float8")
     elif shape.suspended == "clear":
         sets.append("suspended = null, park_expires_at = null")
     if shape.release:
@@ -200,7 +212,11 @@ def _sql(shape: _Shape) -> str:
         where.append("s.fence = %(fence)s::bigint")
     if shape.expect:
         where.append("s.suspended->>'turn_id' = %(exp_turn)s::text")
-        where.append("s.suspended->'request'->>'id' = %(exp_input)s::text")
+        where.append("coalesce((s.suspended->>'version')::integer, 0) = %(exp_version)s::integer")
+        where.append(
+            "(s.suspended->'request'->>'id' = %(exp_input)s::text or exists (select 1 from "
+            "json_array_elements(coalesce(s.suspended->'more', '[]'::json)) o where o->'request'->>'id' = %(exp_input)s::text))"
+        )
     if shape.expired:
         where.append("s.park_expires_at <= extract(epoch from now())")
     refused = []  # the turn's own state that refuses the commit: it ended, or (opening) a cancel is stored

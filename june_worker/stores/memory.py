@@ -30,6 +30,8 @@ from ..engine.store import (
     SuspendedCheckpoint,
     TurnPayload,
     TurnRecord,
+    park_expiry,
+    parked_on,
 )
 from ..engine.tools import NoTransactionHandle
 from ..engine.types import Message
@@ -108,8 +110,7 @@ class MemoryStore:
             if commit.clear_suspended:
                 s.suspended, s.park_expires_at = None, None
             if commit.suspended is not None:
-                timeout_s = commit.suspended.request.timeout_s
-                s.park_expires_at = time.time() + timeout_s if timeout_s is not None else None
+                s.park_expires_at = park_expiry(commit, time.time(), s.park_expires_at)
                 s.suspended = commit.suspended.with_expiry(s.park_expires_at)
             rec = s.turns.get(commit.turn_id) if commit.turn_id is not None else None
             if rec is not None and commit.turn_status is not None:
@@ -134,7 +135,7 @@ class MemoryStore:
             raise CancelRequestedError(rec.cancel_reason)
         if commit.expect_suspended is not None:
             turn_id, input_id = commit.expect_suspended
-            if s.suspended is None or s.suspended.turn_id != turn_id or s.suspended.request.id != input_id:
+            if not parked_on(s.suspended, turn_id, input_id, commit.expect_version):
                 raise ResumeConflictError(f"session {ref} is not parked on turn {turn_id} input {input_id!r}")
             if commit.expect_expired and (s.park_expires_at is None or s.park_expires_at > time.time()):
                 raise ResumeConflictError(f"session {ref}: input {input_id!r} has not expired")

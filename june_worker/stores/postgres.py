@@ -65,6 +65,7 @@ from ..engine.store import (
     SuspendedCheckpoint,
     TurnPayload,
     TurnRecord,
+    parked_on,
 )
 from ..engine.types import Message
 from ..errors import (
@@ -399,7 +400,7 @@ _MIGRATIONS: list[str] = [
 ]
 
 _WHY_NOT = """
-select s.fence, s.suspended->>'turn_id', s.suspended->'request'->>'id',
+select s.fence, s.suspended::text,
        coalesce(s.park_expires_at <= extract(epoch from now()), false), t.status, t.cancel_reason
   from june_sessions s
   left join june_turns t on t.agent = s.agent and t.session = s.session and t.turn_id = %(t_id)s::text
@@ -612,7 +613,11 @@ class _Handle:
 
 def _is_unavailable(exc: BaseException) -> bool:
     """A fault of the connection or the server (lost, shut down, a deadlock or serialization failure to retry),
-    not of the statement: psycopg's ``OperationalError`` family, and ``InterfaceError``."""
+    not of the statement: psycopg's ``OperationalError`` family, and ``InterfaceError``; also a statement that
+    met a concurrent schema change mid-way (``cache lookup failed``: it resolved a type or function the change
+    then dropped, as ``june migrate --partitions`` does), which runs again on the new schema."""
+    if isinstance(exc, pg_errors.InternalError_) and "cache lookup failed" in str(exc):
+        return True
     return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
 
 
@@ -915,14 +920,15 @@ class PostgresStore:
                 return events, release and bool(row[1])
             # Nothing was written. Ask why: off the happy path, so a second round trip is fine.
             found = conn.execute(_WHY_NOT, {"t_id": None, **params}).fetchone()
-            current_fence, parked_turn, parked_input, expired, turn_status, cancel_reason = (
-                found if found is not None else (0, None, None, False, None, None)
+            current_fence, parked_text, expired, turn_status, cancel_reason = (
+                found if found is not None else (0, None, False, None, None)
             )
             if fence is not None and fence != current_fence:
                 raise LeaseLostError(f"session {ref} is leased under fence {current_fence}, not {fence}")
             if commit.expect_suspended is not None:
                 turn_id, input_id = commit.expect_suspended
-                if parked_turn != turn_id or parked_input != input_id:
+                parked = SuspendedCheckpoint.model_validate_json(parked_text) if parked_text else None
+                if not parked_on(parked, turn_id, input_id, commit.expect_version):
                     raise ResumeConflictError(f"session {ref} is not parked on turn {turn_id} input {input_id!r}")
                 if commit.expect_expired and not expired:
                     raise ResumeConflictError(f"session {ref}: input {input_id!r} has not expired")

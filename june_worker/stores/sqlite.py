@@ -36,6 +36,8 @@ from ..engine.store import (
     SuspendedCheckpoint,
     TurnPayload,
     TurnRecord,
+    park_expiry,
+    parked_on,
 )
 from ..engine.types import MessageAdapter
 from ..errors import CancelRequestedError, LeaseLostError, ResumeConflictError, StoreError, TurnEndedError
@@ -342,7 +344,7 @@ class SQLiteStore:
             if commit.expect_suspended is not None:
                 parked = SuspendedCheckpoint.model_validate_json(suspended) if suspended else None
                 turn_id, input_id = commit.expect_suspended
-                if parked is None or parked.turn_id != turn_id or parked.request.id != input_id:
+                if not parked_on(parked, turn_id, input_id, commit.expect_version):
                     raise ResumeConflictError(f"session {ref} is not parked on turn {turn_id} input {input_id!r}")
                 if commit.expect_expired and (park_expires_at is None or park_expires_at > now):
                     raise ResumeConflictError(f"session {ref}: input {input_id!r} has not expired")
@@ -380,12 +382,8 @@ class SQLiteStore:
                 sets.append("status = ?")
                 params.append(commit.status)
             if commit.suspended is not None:
-                timeout_s = commit.suspended.request.timeout_s
                 sets += ["suspended = ?", "park_expires_at = ?"]
-                params += [
-                    commit.suspended.model_dump_json(by_alias=True),
-                    now + timeout_s if timeout_s is not None else None,
-                ]
+                params += [commit.suspended.model_dump_json(by_alias=True), park_expiry(commit, now, park_expires_at)]
             elif commit.clear_suspended:
                 sets.append("suspended = null, park_expires_at = null")
             conn.execute(f"update june_sessions set {', '.join(sets)} where agent = ? and session = ?", (*params, *key))

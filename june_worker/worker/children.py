@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ..engine.children import announce_child_park, child_answer, child_input_id, child_of_park
+from ..engine.children import announce_child_park, child_answer, child_input_id, children_of_park
 from ..engine.events import Cancelled, TurnResult
 from ..engine.store import ENDED_TURN_STATUSES, SessionRef, TurnRecord
 from . import control
@@ -60,17 +60,15 @@ def answer_parent(host: WorkerHost, rec: TurnRecord, result: TurnResult, dispatc
     return True
 
 
-def wake_parent(host: WorkerHost, ref: SessionRef, dispatch: Dispatch) -> bool:
-    """If ``ref`` is parked on a child turn that has ended, answer it; True if it was answered here."""
+def wake_parent(host: WorkerHost, ref: SessionRef, dispatch: Dispatch) -> int:
+    """Answer each child request ``ref`` is parked on whose child turn has ended; how many were answered here."""
     parked = host.store.pending(ref)
-    found = child_of_park(ref, parked) if parked is not None else None
-    if found is None:
-        return False
-    child_ref, child_turn = found
-    rec = host.store.get_turn(child_ref, child_turn)
-    if rec is None or rec.status not in ENDED_TURN_STATUSES or rec.result is None:
-        return False
-    return answer_parent(host, rec, rec.result, dispatch)
+    answered = 0
+    for child_ref, child_turn in children_of_park(ref, parked) if parked is not None else []:
+        rec = host.store.get_turn(child_ref, child_turn)
+        if rec is not None and rec.status in ENDED_TURN_STATUSES and rec.result is not None:
+            answered += answer_parent(host, rec, rec.result, dispatch)
+    return answered
 
 
 def turn_ended(host: WorkerHost, ref: SessionRef, rec: TurnRecord, result: TurnResult, dispatch: Dispatch) -> None:

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine.agent import Agent
-from ..engine.children import cancel_children, child_grant, child_of_park, refuse_reserved
+from ..engine.children import cancel_children, child_grant, children_of_park, refuse_reserved
 from ..engine.events import TurnResult
 from ..engine.loop import reject_turn
-from ..engine.resume import check_parked, grant_answer, resume_commit
+from ..engine.resume import RESUME_RACES, check_parked, grant_answer, resume_commit, still_open
 from ..engine.session import parked_reason
 from ..engine.store import UNFINISHED_TURN_STATUSES, SessionRef, TurnPayload, TurnRecord
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
@@ -128,7 +128,9 @@ def intake(
     else:
         existing, parked = host.queue.intake_view(ref, turn_id)  # get_turn and pending, in one round trip
         if existing is None and parked is not None and parked.turn_id != turn_id and host.expire_park(ref, parked):
-            parked = None  # it expired: it goes on without an answer, this turn queues behind it
+            # it expired: it goes on without an answer and this turn queues behind it (unless the park had
+            # requests that expire later: then it is still parked)
+            parked = host.store.pending(ref)
     if existing is None:
         if agent is None:
             return _reject(
@@ -188,23 +190,26 @@ def resume(
         return {**out, "status": "rejected", "reason": f"unknown agent {ref.agent!r}"}
     try:
         refuse_reserved(msg.input_id, child_turn)
-        pending = host.store.pending(ref)
-        if pending is not None and host.expire_park(ref, pending):
-            rec = host.store.get_turn(ref, pending.turn_id)
-            if rec is not None:
-                dispatch(rec)
-            raise ResumeConflictError(
-                f"input {pending.request.id!r} of turn {pending.turn_id} expired before this answer came; "
-                "the turn went on without it"
-            )
-        parked = check_parked(pending, msg.turn_id, msg.input_id, reset_pending=host.queue.reset_pending(ref))
-        if child_turn is not None:
-            granted = child_grant(child_turn)
-        else:
-            granted = host.run_async(
-                grant_answer(agent, parked, session=ref.session, by=msg.by, principal=msg.principal)
-            )
-        events = host.store.commit(ref, resume_commit(parked, msg.value, by=msg.by, granted=granted))
+        for attempt in range(1, RESUME_RACES + 1):
+            pending = host.store.pending(ref)
+            if pending is not None and host.expire_park(ref, pending):
+                rec = host.store.get_turn(ref, pending.turn_id)
+                if rec is not None and rec.status == "queued":
+                    dispatch(rec)
+                pending = still_open(host.store.pending(ref), pending, msg.turn_id, msg.input_id)
+            parked = check_parked(pending, msg.turn_id, msg.input_id, reset_pending=host.queue.reset_pending(ref))
+            if child_turn is not None:
+                granted = child_grant(child_turn)
+            else:
+                granted = host.run_async(
+                    grant_answer(agent, parked, session=ref.session, by=msg.by, principal=msg.principal)
+                )
+            try:
+                events = host.store.commit(ref, resume_commit(parked, msg.value, by=msg.by, granted=granted))
+                break
+            except ResumeConflictError:
+                if attempt == RESUME_RACES:
+                    raise  # else another request of the park was answered meanwhile: read it again
     except ResumeAuthorizationError as exc:
         return _refused(agent, msg, {**out, "status": "forbidden", "reason": str(exc)})
     except InvalidAnswerError as exc:
@@ -215,6 +220,9 @@ def resume(
         log.exception("resume of %s %s failed before the answer was applied", ref, msg.turn_id)
         return {**out, "status": "error", "reason": f"{type(exc).__name__}: {exc}"}
     host.sink.publish(ref, events)
+    left = [i.request.id for i in parked.more]
+    if left:  # other requests of the park are still open: the turn waits for them
+        return {**out, "status": "accepted", "open": left}
     transition("turn.resumed", turn_id=msg.turn_id, agent=ref.agent, session=ref.session, step=None, attempt=None)
     rec = host.store.get_turn(ref, msg.turn_id)
     if rec is not None:
@@ -246,7 +254,7 @@ def cancel(host: WorkerHost, msg: CancelMessage) -> dict[str, Any]:
         parents.append(parked.turn_id)  # parked on a child: the child is cancelled, and its answer cancels it
     if parents:
         cancel_children_of(host, ref, parents)
-    if not ids and parked is not None and parked.turn_id in parents and child_of_park(ref, parked) is not None:
+    if not ids and parked is not None and parked.turn_id in parents and children_of_park(ref, parked):
         ids = [parked.turn_id]
     return {"status": "cancel-requested" if ids else "nothing-to-cancel", "turn_ids": ids, "turn_id": msg.turn_id}
 

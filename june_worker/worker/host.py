@@ -305,7 +305,8 @@ class WorkerHost:
 
     def expire_park(self, ref: SessionRef, parked: SuspendedCheckpoint) -> bool:
         """Answer ``parked`` with a timeout if its expiry (stamped by the database) has passed; the database's
-        clock decides, in the commit. True if it did: the turn is queued again to go on without an answer."""
+        clock decides, in the commit. True if it did: the turn is queued again to go on without an answer, unless
+        the park has requests that expire later (it stays parked on those)."""
         commit = timeout_commit(parked)
         if commit is None:
             return False

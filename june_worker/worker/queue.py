@@ -31,17 +31,23 @@ __all__ = ["Intake", "Lease", "SessionQueue", "Stranded"]
 _NOW = "extract(epoch from clock_timestamp())"
 
 _PARKED_ON_ENDED_CHILDREN = """
-select s.agent, s.session from june_sessions s
+select distinct s.agent, s.session from june_sessions s
+ cross join lateral (
+       select s.suspended->'request'->>'id' as input_id, s.suspended->>'call_id' as call_id
+       union all
+       select m->'request'->>'id', m->>'call_id' from json_array_elements(coalesce(s.suspended->'more', '[]')) m
+      ) o
   join june_turns c
-    on c.agent = split_part(s.suspended->'request'->>'id', ':', 2)
-   and c.session = s.session || ':sub:' || (s.suspended->>'call_id')
-   and c.turn_id = split_part(s.suspended->'request'->>'id', ':', 3)
+    on c.agent = split_part(o.input_id, ':', 2)
+   and c.session = s.session || ':sub:' || o.call_id
+   and c.turn_id = split_part(o.input_id, ':', 3)
  where s.suspended is not null
-   and s.suspended->'request'->>'id' like 'child:%%'
+   and o.input_id like 'child:%%'
    and c.status in ('completed', 'failed', 'cancelled', 'rejected')
  limit %(limit)s
 """
-"""Parents whose child request (``child:<agent>:<turn>``) names a turn of ``<session>:sub:<call id>`` that ended."""
+"""Parents with an open child request (``child:<agent>:<turn>``, the first or one of ``more``) naming a turn of
+``<session>:sub:<call id>`` that ended."""
 _INTAKE_ATTEMPTS = 3
 
 # A lease may be taken when nobody holds it, when it expired, or when its holder's process is

@@ -43,7 +43,7 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
             continue  # answered meanwhile
         expired += 1
         rec = host.store.get_turn(ref, parked.turn_id)
-        if rec is not None:
+        if rec is not None and rec.status == "queued":  # else requests that expire later keep it parked
             dispatch(rec)
     woken = wake_parents(host, dispatch, limit=limit)  # parents of child turns whose worker died before answering
     resets = 0

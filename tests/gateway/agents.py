@@ -5,6 +5,8 @@
   (a database outage): a resume is a 500 and the answer is not applied.
 * ``form``: asks for a shipping form (an object schema) with no ``answerers``: the default
   answerer is the turn's speaker, whom the gateway attests (the token's principal).
+* ``pair``: asks two yes/no questions at once (two async calls run in parallel): the turn parks on both,
+  answered by the turn's speaker, each on its own.
 * ``bulk``: "stream <n> <size>" streams ``n`` text deltas of ``size`` characters at once, then
   answers "streamed <n>": load for the SSE tests.
 """
@@ -66,10 +68,25 @@ def _form_script(request: ModelRequest) -> Reply:
     return Reply("Asking for the address.", calls=[{"id": "c1", "name": "ask_shipping", "input": {}}])
 
 
+@tool
+async def ask_desk(ctx: ToolContext, desk: str) -> dict[str, Any]:
+    """Ask the speaker whether a desk may go ahead."""
+    return {desk: await ctx.request_input(id=f"ok-{desk}", prompt=f"May {desk} go ahead?", schema={"type": "boolean"})}
+
+
+def _pair_script(request: ModelRequest) -> Reply:
+    last = request.messages[-1]
+    if isinstance(last, ToolMessage):
+        return Reply(f"Answers: {[m.result for m in request.messages if isinstance(m, ToolMessage)]}")
+    calls = [{"id": f"c{i}", "name": "ask_desk", "input": {"desk": d}} for i, d in enumerate(("finance", "legal"), 1)]
+    return Reply("Asking both desks.", calls=calls)
+
+
 def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
     return [
         Agent(name="boom", model=ExplodingModel()),
         Agent(name="fragile", model=ScriptedModel(_ops_script), tools=[approve], authorize_answer=_refuse_with_outage),
         Agent(name="form", model=ScriptedModel(_form_script), tools=[ask_shipping]),
         Agent(name="bulk", model=BulkModel()),
+        Agent(name="pair", model=ScriptedModel(_pair_script), tools=[ask_desk], parallel_tools=2),
     ]

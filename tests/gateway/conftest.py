@@ -19,7 +19,7 @@ from tests.integration.conftest import Stack, _admin_url
 
 from .kit import Gateway, LogCapture, ServedApp
 
-AGENTS = ("ops", "dribble", "boom", "fragile", "form", "bulk")
+AGENTS = ("ops", "dribble", "boom", "fragile", "form", "bulk", "pair")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

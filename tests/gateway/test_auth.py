@@ -163,7 +163,7 @@ def test_settings_read_the_worker_variables_and_load_agent_names() -> None:
         "JUNE_GATEWAY_HEARTBEAT_S": "2.5",
     }
     s = GatewaySettings.from_env(env)
-    assert s.agents == ("boom", "fragile", "form", "bulk")
+    assert s.agents == ("boom", "fragile", "form", "bulk", "pair")
     assert (s.queue, s.control_queue, s.key_prefix, s.port, s.heartbeat_s) == ("q1", "q1.control", "pfx", 9001, 2.5)
     assert s.broker_url == s.result_backend == "redis://:s3cret@cache:6379/2"
     assert PLAIN not in repr(s) and "s3cret" not in repr(s)

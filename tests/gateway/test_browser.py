@@ -150,3 +150,20 @@ def test_switching_sessions_leaves_nothing_of_the_previous_one_on_the_page(page:
     expect(page.locator("#transcript")).not_to_contain_text("hello second")
     page.select_option("#agent", "form")  # another agent: another session too
     expect(page.locator("#transcript")).to_have_text("")
+
+
+def test_the_page_shows_every_open_request_of_a_turn_and_answers_each_on_its_own(page: Page, tmp_path: Path) -> None:
+    start(page, "pair", "go")
+    requests = page.locator("#pending .request")
+    expect(requests).to_have_count(2)
+    page.screenshot(path=str(tmp_path / "two-requests.png"), full_page=True)
+    expect(requests.nth(0).locator(".prompt")).to_have_text("May finance go ahead?")
+    expect(requests.nth(1).locator(".prompt")).to_have_text("May legal go ahead?")
+    requests.nth(1).get_by_role("button", name="Deny").click()
+    expect(requests).to_have_count(1)
+    expect(page.locator("#status")).to_have_text("waiting for 1 more input")
+    expect(page.locator("#prompt")).to_have_text("May finance go ahead?")
+    page.get_by_role("button", name="Approve").click()
+    expect(page.locator("#status")).to_have_text("completed")
+    expect(page.locator("#transcript")).to_contain_text("Answers: [{'finance': True}, {'legal': False}]")
+    expect(page.locator("#pending")).to_be_hidden()

@@ -210,6 +210,24 @@ def test_pending_shows_the_request_and_is_null_when_not_parked(gateway: Gateway)
         "agent": "ops", "session": other, "pending": None}  # fmt: skip
 
 
+def test_pending_lists_every_open_request_and_an_answer_that_leaves_others_open_says_which(gateway: Gateway) -> None:
+    session = new_session()
+    parked = gateway.client().post(gateway.path("pair", session, "/turns"), json={"text": "go"}, params={"wait": 1})
+    assert parked.json()["status"] == "suspended"
+    turn_id = parked.json()["turn_id"]
+    pending = gateway.client().get(gateway.path("pair", session, "/pending")).json()["pending"]
+    assert [i["id"] for i in pending["inputs"]] == ["ok-finance", "ok-legal"]
+    assert pending["input"]["id"] == "ok-finance"
+    resume = gateway.path("pair", session, f"/turns/{turn_id}/resume")
+    first = gateway.client().post(resume, json={"input_id": "ok-legal", "value": True}, params={"wait": 1})
+    assert first.status_code == 202 and first.json()["open"] == ["ok-finance"]  # at once: the turn still waits
+    pending = gateway.client().get(gateway.path("pair", session, "/pending")).json()["pending"]
+    assert [i["id"] for i in pending["inputs"]] == ["ok-finance"]
+    last = gateway.client().post(resume, json={"input_id": "ok-finance", "value": False}, params={"wait": 1})
+    assert last.json()["status"] == "completed"
+    assert last.json()["text"] == "Answers: [{'finance': False}, {'legal': True}]"
+
+
 def test_resume_by_a_principal_the_policy_refuses_is_403_and_applies_nothing(gateway: Gateway) -> None:
     session, turn_id = park(gateway, who="viewer")  # bob's own session: he may use it, but not approve refunds
     r = gateway.client("viewer").post(
@@ -236,7 +254,8 @@ def test_an_accepted_resume_is_202_recorded_by_the_principal(gateway: Gateway) -
         gateway.path("ops", session, f"/turns/{turn_id}/resume"), json={"input_id": "approve-refund", "value": False}
     )
     assert r.status_code == 202
-    assert r.json() == {"turn_id": turn_id, "input_id": "approve-refund", "status": "accepted", "by": "op-alice"}
+    assert r.json() == {
+        "turn_id": turn_id, "input_id": "approve-refund", "status": "accepted", "by": "op-alice", "open": []}  # fmt: skip
     end = wait_event(gateway, "ops", session, turn_id, "turn.completed")
     assert end["text"] == "Done: approve -> {'refunded': False}"
     rows = gateway.stack.sql(

@@ -15,6 +15,8 @@ worker gets the same replies.
 * ``fan`` (``parallel_tools=8``): "fan <n> <key>" asks for n async ``fan_call`` calls at once; on their
   first attempt the even-numbered ones block until the test kills the worker (or releases them), the odd
   ones return at once. Each logs when it starts and ends, so a test sees how many ran together.
+* ``desks`` (``parallel_tools=8``): "desks <n>" asks n desks to sign off at once (async ``sign_off``
+  calls, request ``desk<i>``, answered by user ``owner-<i>``): the turn parks on all n requests.
 * ``echo``: answers with :func:`transcript_digest` of the transcript it was sent, so a test can check
   that every model call saw the stored transcript, whichever worker made it; "tick" first calls the
   sync ``tick`` tool.
@@ -135,6 +137,23 @@ def _fan_script(request: ModelRequest) -> Reply:
     n, key = int(words[1]), words[2]
     calls = [{"id": f"c{i}", "name": "fan_call", "input": {"key": key, "i": i}} for i in range(1, n + 1)]
     return Reply("Fanning out.", calls=calls)
+
+
+@tool
+async def sign_off(ctx: ToolContext, desk: int) -> dict[str, Any]:
+    """Ask one desk to sign off."""
+    ok = await ctx.request_input(
+        id=f"desk{desk}", prompt=f"Desk {desk}: sign off?", answerers={"user": f"owner-{desk}"}
+    )
+    return {"desk": desk, "answer": ok}
+
+
+def _desks_script(request: ModelRequest) -> Reply:
+    last = request.messages[-1]
+    if isinstance(last, ToolMessage):
+        return Reply(f"signed: {[m.result for m in request.messages if isinstance(m, ToolMessage)]}")
+    n = int((last.text if isinstance(last, UserMessage) else "desks 2").split()[1])
+    return Reply("Asking.", calls=[{"id": f"c{i}", "name": "sign_off", "input": {"desk": i}} for i in range(1, n + 1)])
 
 
 def _authorize(req: AnswerRequest) -> bool:
@@ -261,6 +280,7 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
         Agent(name="echo", model=ScriptedModel(_echo_script), tools=[tick]),
         Agent(name="window", model=WindowModel(2000, extra_tokens=1500)),
         Agent(name="fan", model=ScriptedModel(_fan_script), tools=[fan_call], parallel_tools=8),
+        Agent(name="desks", model=ScriptedModel(_desks_script), tools=[sign_off], parallel_tools=8),
         Agent(name="boss", model=ScriptedModel(_boss_script), tools=[delegate_to], parallel_tools=4),
         Agent(name="scout", model=ScriptedModel(_scout_script), tools=[scout_work, scout_ask]),
     ]

@@ -215,9 +215,11 @@ class Stack:
 
     def _wait_ready(self, proc: Proc) -> None:
         def ready() -> bool:
+            if "ready." in proc.log.read_text(errors="replace"):
+                return True  # it started; a test's crash hook may have taken it down already
             if proc.popen.poll() is not None:
                 raise AssertionError(f"worker {proc.name} exited:\n{proc.tail()}")
-            return "ready." in proc.log.read_text(errors="replace")
+            return False
 
         wait_for(ready, timeout_s=60, every_s=0.1, what=f"worker {proc.name} to be ready")
 

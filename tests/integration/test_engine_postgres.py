@@ -47,6 +47,13 @@ from tests.unit.test_replay import (  # noqa: F401 - collected here, on Postgres
     test_s8_sync_tool_crashed_after_commit_leaves_one_row_and_runs_once,
     test_sync_tool_crashed_before_commit_rolls_back_and_leaves_one_row_after_replay,
 )
+from tests.unit.test_several_inputs import (  # noqa: F401 - collected here, on Postgres
+    test_a_crash_at_the_park_replays_to_one_park_on_both_requests,
+    test_a_request_that_expires_is_answered_with_a_timeout_and_the_turn_waits_for_the_other,
+    test_an_answer_made_from_an_older_checkpoint_is_refused_by_the_store,
+    test_each_request_is_answered_on_its_own_and_the_turn_goes_on_after_the_last,
+    test_two_parallel_calls_park_the_turn_on_both_requests,
+)
 
 pytestmark = pytest.mark.integration
 

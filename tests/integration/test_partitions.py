@@ -24,6 +24,7 @@ import pytest
 from psycopg import ClientCursor
 
 from june_worker.engine.store import SessionRef, TurnPayload
+from june_worker.errors import StoreUnavailableError
 from june_worker.stores import PostgresStore
 from june_worker.stores._pg_partition import SESSION_TABLES, partition_tables
 from june_worker.worker import control
@@ -49,9 +50,9 @@ def _host(db_url: str, redis_url: str) -> WorkerHost:
     return WorkerHost(WorkerSettings.from_env(env), agents={a.name: a for a in agents.ALL()})
 
 
-def _turn(host: WorkerHost, session: str, text: str, agent: str = "ops") -> dict[str, Any]:
+def _turn(host: WorkerHost, session: str, text: str, agent: str = "ops", turn_id: str | None = None) -> dict[str, Any]:
     message = TurnMessage.model_validate(
-        {"turn_id": f"t_{uuid.uuid4().hex}", "agent": agent, "session": session, "text": text}
+        {"turn_id": turn_id or f"t_{uuid.uuid4().hex}", "agent": agent, "session": session, "text": text}
     )
     return control.intake(host, message)
 
@@ -284,13 +285,21 @@ def test_a_worker_that_keeps_running_turns_while_the_database_is_converted_loses
     sessions = [f"live-{uuid.uuid4().hex[:6]}-{i}" for i in range(4)]
     outcomes: list[str] = []
     errors: list[BaseException] = []
+    retried: list[int] = []  # turns whose statement met the conversion mid-way (a transient fault)
     stop = threading.Event()
 
     def run() -> None:
         try:
             n = 0
             while not stop.is_set() or n < 8:
-                outcomes.append(_turn(host, sessions[n % len(sessions)], f"order {n + 1} widget")["status"])
+                turn_id = f"t_{n}_{uuid.uuid4().hex}"
+                while True:
+                    try:
+                        outcome = _turn(host, sessions[n % len(sessions)], f"order {n + 1} widget", turn_id=turn_id)
+                        break
+                    except StoreUnavailableError:
+                        retried.append(n)  # as june.turn's autoretry does: the same message again
+                outcomes.append(outcome["status"])
                 n += 1
         except BaseException as exc:  # noqa: BLE001 - handed to the test below
             errors.append(exc)

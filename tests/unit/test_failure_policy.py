@@ -373,3 +373,16 @@ async def test_an_async_tools_result_whose_commit_meets_a_transient_fault_is_com
     s = kit.runtime_with(store, model, [charge]).session("ops", "s1")
     assert await s.turn("go") == "charged"
     assert store.refused == 1 and calls.runs == 1  # the step ran again from the store; the tool did not
+
+
+def test_a_statement_that_met_a_concurrent_schema_change_is_transient_and_other_internal_errors_are_not() -> None:
+    # `june migrate --partitions` drops and re-creates the function june_intake and the tables' row types in one
+    # transaction; a statement that resolved them just before it commits fails with "cache lookup failed" and
+    # runs fine again: a transient fault (the task's autoretry), not the turn's failure.
+    from psycopg import errors as pg_errors
+
+    from june_worker.stores.postgres import _is_unavailable
+
+    assert _is_unavailable(pg_errors.InternalError_("cache lookup failed for type 26332"))
+    assert not _is_unavailable(pg_errors.InternalError_("unexpected chunk number 3"))
+    assert not _is_unavailable(pg_errors.UniqueViolation("duplicate key"))

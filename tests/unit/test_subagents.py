@@ -365,3 +365,24 @@ async def test_resetting_a_parent_parked_on_its_child_cancels_the_child(store_ki
     assert child.status == "cancelled" and child.reason == "parent"
     assert parent.pending() is None
     assert (await parent.result("t1")).status == "cancelled"
+
+
+async def test_parallel_calls_each_delegating_park_the_parent_once_on_all_its_children(store_kind: str) -> None:
+    store = make_store(store_kind)
+    runs = Counter()
+    rt = runtime(store, tool_runs=runs, calls=4, parallel_tools=4)
+    parent = rt.session("ops", "s1")
+    await parent.start("q", turn_id="t1")
+
+    result = await ended(rt, "ops", "s1", "t1")
+
+    assert result.status == "completed"
+    children = store.child_turns(SessionRef("ops", "s1"), "t1", ["researcher"])
+    assert sorted(t.session for t in children) == [f"s1:sub:c{i}" for i in range(1, 5)]
+    events = store.events(SessionRef("ops", "s1"))
+    asked = [e.request.id for e in events if e.type == "input.requested"]
+    # the children had not ended when the batch parked: one park with four child requests, one resume
+    assert sorted(asked) == sorted(f"child:researcher:{t.turn_id}" for t in children)
+    assert [e.trigger.kind for e in events if e.type == "turn.started"] == ["proactive", "resume"]
+    assert [tool_result(store, f"tool:1:c{i}")["result"]["status"] for i in range(1, 5)] == ["completed"] * 4
+    assert runs.runs == 8  # each call ran to its park, then once more to read its answer
