@@ -200,9 +200,9 @@ async def delegate_to(ctx: ToolContext, agent: str, text: str, wait: bool = True
 
 
 def _boss_script(request: ModelRequest) -> Reply:
-    """``delegate <n> <key> [start|hold|ask]``: n calls at once, each delegating ``scout <key> <i> <n>`` to the scout
+    """``delegate <n> <key> [start|hold|ask|mixed]``: n calls at once, each delegating ``scout <key> <i> <n>`` to the scout
     agent (``start``: without waiting for it; ``hold``: the children wait for a release key; ``ask``: each child
-    asks a person, ``go``)."""
+    asks a person, ``go``; ``mixed``: the first child holds, the others end at once)."""
     last = request.messages[-1]
     if isinstance(last, ToolMessage):
         results = [m.result for m in request.messages if isinstance(m, ToolMessage)]
@@ -211,14 +211,17 @@ def _boss_script(request: ModelRequest) -> Reply:
     if words[:1] != ["delegate"]:
         return Reply(f"ok: {' '.join(words)}")
     n, key, mode = int(words[1]), words[2], words[3:4]
-    barrier = 0 if mode == ["hold"] else n  # hold: each child waits for it:scout:<key>:release
+    # hold: each child waits for it:scout:<key>:release; mixed: the first does, the others end at once
+    barrier = 0 if mode == ["hold"] else n
     calls = [
         {
             "id": f"c{i}",
             "name": "delegate_to",
             "input": {
                 "agent": "scout",
-                "text": f"ask {key}" if mode == ["ask"] else f"scout {key} {i} {barrier}",
+                "text": f"ask {key}"
+                if mode == ["ask"]
+                else f"scout {key} {i} {(0 if i == 1 else 1) if mode == ['mixed'] else barrier}",
                 "wait": mode != ["start"],
             },
         }

@@ -276,3 +276,53 @@ def test_resetting_a_parent_parked_on_its_child_cancels_the_child_and_archives_t
     assert _ended(stack, "boss", session, turn_id)["status"] == "cancelled"
     nxt = stack.turn("boss", session, "fresh start")
     assert _ended(stack, "boss", session, nxt)["text"] == "ok: fresh start"
+
+
+def test_a_child_that_ended_behind_another_open_request_is_answered_by_the_sweeper_after_its_worker_died(
+    stack: Stack,
+) -> None:
+    key, session = uuid.uuid4().hex[:8], f"boss-more-{uuid.uuid4().hex[:8]}"
+    turn_id = f"t_{uuid.uuid4().hex}"
+    first = child_turn_id(SessionRef("boss", session), turn_id, "c1")
+    second = child_turn_id(SessionRef("boss", session), turn_id, "c2")
+    # Given a parent parked on two children, the first still working, on a worker whose process dies right after
+    # the second child ended, before it answers the parent (its request is the park's second, in ``more``)
+    doomed_queue = f"{stack.queue}.{session}"
+    doomed = stack.worker(
+        f"doomed-{session[-6:]}",
+        pool="prefork",
+        concurrency=2,
+        queues=doomed_queue,
+        env={"JUNE_CRASH_AT": f"before-parent-answer@{second}", "JUNE_QUEUE": doomed_queue},
+    )
+    stack.send(
+        "june.turn",
+        {"turn_id": turn_id, "agent": "boss", "session": session, "text": f"delegate 2 {key} mixed"},
+        queue=doomed_queue,
+    )
+    wait_for(
+        lambda: _status(stack, "scout", f"{session}:sub:c2", second) == "completed",
+        timeout_s=60,
+        what="the second child to end",
+    )
+
+    # When the sweeper comes by, Then it answers the second child's request while the first is still open
+    def open_requests() -> list[str]:
+        (parked,) = stack.sql("select suspended from june_sessions where agent = 'boss' and session = %s", session)[0]
+        parked = parked if isinstance(parked, dict) or parked is None else json.loads(parked)
+        if parked is None:
+            return []
+        return [parked["request"]["id"], *(m["request"]["id"] for m in parked.get("more", []))]
+
+    wait_for(lambda: open_requests() == [f"child:scout:{first}"], timeout_s=60, what="the sweeper to answer c2")
+    # and once the first child ends, the parent completes with both answers
+    stack.redis.set(f"it:scout:{key}:release", "1")
+    result = _ended(stack, "boss", session, turn_id)
+    assert (
+        result["status"] == "completed"
+        and "scouted {'i': 1}" in result["text"]
+        and "scouted {'i': 2}" in result["text"]
+    )
+    assert len(_children(stack, session, turn_id)) == 2
+    assert [int(stack.redis.get(f"it:scout:{key}:{i}") or 0) for i in (1, 2)] == [1, 1]
+    doomed.kill()
