@@ -149,13 +149,17 @@ class Runtime:
         """Run a child turn a tool recorded (``ctx.delegate``): it is another session of this runtime."""
         self.session(rec.agent, rec.session)._kick()
 
-    def cancel_children(self, ref: SessionRef, turn_ids: list[str]) -> None:
-        """Cancel the unfinished child turns of these turns (durably, all the way down) and signal them."""
+    def cancel_children(self, ref: SessionRef, turn_ids: list[str]) -> list[str]:
+        """Cancel the unfinished child turns of these turns (durably, all the way down) and signal them; the
+        child turn ids marked (a child parked on a person is not: no parked turn is cancelled)."""
+        marked: list[str] = []
         for child_ref, ids in cancel_children(self.store, ref, turn_ids, self.agents):
+            marked.extend(ids)
             child = self._sessions.get(child_ref)
             if child is not None:
                 for t in ids:
                     child._signal_cancel(t, "parent")
+        return marked
 
     async def child_ended(self, rec: TurnRecord, result: TurnResult) -> None:
         """Answer the parent of a child turn that ended, through the parent session's resume.
@@ -326,15 +330,19 @@ class AgentSession:
     async def cancel(self, turn_id: str) -> bool:
         """Ask a queued or running turn to stop at its next checkpoint boundary. False if there is none.
 
-        A turn parked on a child turn (``ctx.delegate``) is cancelled through its child: True then too."""
-        parked = self.store.pending(self.ref)
-        marked = self.cancel_all("requested", turn_ids=[turn_id])
-        return bool(marked) or (
-            parked is not None and parked.turn_id == turn_id and bool(children_of_park(self.ref, parked))
-        )
+        A turn parked on child turns (``ctx.delegate``) is cancelled through them: True when one of them was
+        marked (a child parked on a person is not: answer or reset it, or reset this session)."""
+        marked, children = self._cancel("requested", turn_ids=[turn_id])
+        return bool(marked or children)
 
     def cancel_all(self, reason: str = "requested", *, turn_ids: list[str] | None = None) -> list[str]:
-        """Cancel every unfinished turn (or those named), durably; never a parked one. Usable from a tool."""
+        """Cancel every unfinished turn (or those named), durably; never a parked one. Usable from a tool.
+
+        Their child turns, and those of a turn parked on its children, are cancelled too (reason ``parent``)."""
+        return self._cancel(reason, turn_ids=turn_ids)[0]
+
+    def _cancel(self, reason: str, *, turn_ids: list[str] | None) -> tuple[list[str], list[str]]:
+        """:meth:`cancel_all`; returns the turns marked and the child turns marked."""
         marked = self.store.request_cancel(self.ref, reason, turn_ids=turn_ids)
         for t in marked:
             self._signal_cancel(t, reason)
@@ -342,9 +350,8 @@ class AgentSession:
         parked = self.store.pending(self.ref)
         if parked is not None and (turn_ids is None or parked.turn_id in turn_ids):
             parents.append(parked.turn_id)  # parked on a child: the child is cancelled, and its answer cancels it
-        if parents:
-            self.runtime.cancel_children(self.ref, parents)
-        return marked
+        children = self.runtime.cancel_children(self.ref, parents) if parents else []
+        return marked, children
 
     async def resume(
         self,

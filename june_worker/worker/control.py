@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine.agent import Agent
-from ..engine.children import cancel_children, child_grant, children_of_park, refuse_reserved
+from ..engine.children import cancel_children, child_grant, refuse_reserved
 from ..engine.events import TurnResult
 from ..engine.loop import reject_turn
 from ..engine.resume import RESUME_RACES, check_parked, grant_answer, resume_commit, still_open
@@ -237,10 +237,14 @@ def _refused(agent: Agent, msg: ResumeMessage, out: dict[str, Any]) -> dict[str,
     return out
 
 
-def cancel_children_of(host: WorkerHost, ref: SessionRef, turn_ids: list[str]) -> None:
-    """Cancel the unfinished child turns (``ctx.delegate``) of these turns, all the way down, and signal them."""
+def cancel_children_of(host: WorkerHost, ref: SessionRef, turn_ids: list[str]) -> list[str]:
+    """Cancel the unfinished child turns (``ctx.delegate``) of these turns, all the way down, and signal them;
+    the child turn ids marked."""
+    marked: list[str] = []
     for child_ref, ids in cancel_children(host.store, ref, turn_ids, host.agents):
         host.signal_cancel(child_ref, ids, "parent")
+        marked.extend(ids)
+    return marked
 
 
 def cancel(host: WorkerHost, msg: CancelMessage) -> dict[str, Any]:
@@ -252,11 +256,15 @@ def cancel(host: WorkerHost, msg: CancelMessage) -> dict[str, Any]:
     parked = host.store.pending(ref)
     if parked is not None and (msg.turn_id is None or parked.turn_id == msg.turn_id):
         parents.append(parked.turn_id)  # parked on a child: the child is cancelled, and its answer cancels it
-    if parents:
-        cancel_children_of(host, ref, parents)
-    if not ids and parked is not None and parked.turn_id in parents and children_of_park(ref, parked):
-        ids = [parked.turn_id]
-    return {"status": "cancel-requested" if ids else "nothing-to-cancel", "turn_ids": ids, "turn_id": msg.turn_id}
+    children = cancel_children_of(host, ref, parents) if parents else []
+    out: dict[str, Any] = {
+        "status": "cancel-requested" if ids or children else "nothing-to-cancel",
+        "turn_ids": ids,
+        "turn_id": msg.turn_id,
+    }
+    if children:
+        out["child_turn_ids"] = children  # a child parked on a person is not among them: answer or reset it
+    return out
 
 
 def reset(host: WorkerHost, msg: ResetMessage, dispatch: Dispatch) -> dict[str, Any]:

@@ -386,3 +386,29 @@ async def test_parallel_calls_each_delegating_park_the_parent_once_on_all_its_ch
     assert [e.trigger.kind for e in events if e.type == "turn.started"] == ["proactive", "resume"]
     assert [tool_result(store, f"tool:1:c{i}")["result"]["status"] for i in range(1, 5)] == ["completed"] * 4
     assert runs.runs == 8  # each call ran to its park, then once more to read its answer
+
+
+async def test_cancelling_a_parent_whose_child_waits_for_a_person_says_nothing_was_cancelled(store_kind: str) -> None:
+    @tool
+    async def check(ctx: ToolContext) -> dict[str, Any]:
+        """Ask a person."""
+        return {"ok": await ctx.request_input(id="ok-1", prompt="Go ahead?")}
+
+    store = make_store(store_kind)
+    rt = runtime(
+        store,
+        child_tools=[check],
+        child_script=[Reply("Checking.", calls=[{"id": "k1", "name": "check", "input": {}}]), Reply(ANSWER)],
+    )
+    parent = rt.session("ops", "s1")
+    await parent.start("q", turn_id="t1")
+    child_turn = child_turn_id(SessionRef("ops", "s1"), "t1", "c1")
+    assert (await parent.result("t1")).status == "suspended"
+    assert (await rt.session("researcher", "s1:sub:c1").result(child_turn)).status == "suspended"
+
+    # a parked child is never cancelled, so neither is its parent: the answer says so instead of pretending
+    assert await parent.cancel("t1") is False
+    assert parent.pending() is not None
+    # and neither session is wedged: answering the child lets both finish
+    await rt.session("researcher", "s1:sub:c1").resume(child_turn, "ok-1", True)
+    assert (await ended(rt, "ops", "s1", "t1")).status == "completed"
