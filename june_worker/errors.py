@@ -29,6 +29,7 @@
     │   ├── ResumeConflictError       wrong turn, wrong input id, not suspended, reset pending (409)
     │   └── InvalidAnswerError        the answer does not match the request's JSON schema (HTTP 422)
     ├── InputTimeoutError             a parked input expired before anyone answered
+    ├── DelegationError               a tool may not start this child turn (depth, fan-out, agent); the model reads it
     ├── StreamGapError                a follower's position was trimmed from a session stream, or a seq is missing
     ├── ChannelError                  a channel (Slack, a webhook) refused or failed a call (``retryable`` says which)
     └── PayloadError                  a task payload failed validation (never retried)
@@ -49,6 +50,7 @@ __all__ = [
     "ChannelError",
     "ConfigError",
     "ContextWindowExceededError",
+    "DelegationError",
     "FatalToolError",
     "InputTimeoutError",
     "InvalidAnswerError",
@@ -81,6 +83,10 @@ class JuneError(Exception):
     """Base class of every error june-worker raises on purpose."""
 
     retryable = False
+
+
+class DelegationError(JuneError):
+    """A tool may not start this child turn: too deep, too many for one turn, or an agent nobody serves."""
 
 
 class ConfigError(JuneError):

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..engine.children import parse_child_input
 from ..engine.events import (
     ActionCompleted,
     ActionRequested,
@@ -106,8 +107,10 @@ class Segment:
                 done.status, done.error = ("error", event.error) if event.error is not None else ("complete", None)
         elif isinstance(event, InputRequested):
             self.ending = "parked"
-            self.prompts.append(event.request)
-            self.prompt = self.prompt or event.request
+            # a request of its child turn (ctx.delegate) is nobody's to answer here: no prompt, no buttons
+            if parse_child_input(event.request.id) is None:
+                self.prompts.append(event.request)
+                self.prompt = self.prompt or event.request
         elif isinstance(event, TurnCompleted):
             self.ending, self.final_text = "completed", event.text
         elif isinstance(event, TurnFailed):

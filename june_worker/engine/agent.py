@@ -72,8 +72,16 @@ class Agent:
     deliver: Deliver | None = None
     context: ContextPolicy | None = field(default_factory=ContextPolicy)
     parallel_tools: int = 1
+    max_child_depth: int = 3
+    """How deep ``ctx.delegate`` may nest: a child of a top-level turn is depth 1 (docs/subagents.md)."""
+    max_children_per_turn: int = 16
+    """How many child turns one turn of this agent may start (``ctx.delegate``)."""
 
     def __post_init__(self) -> None:
+        for limit in ("max_child_depth", "max_children_per_turn"):
+            value = getattr(self, limit)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise AgentDefinitionError(f"agent {self.name}: {limit} must be a whole number >= 0, not {value!r}")
         if isinstance(self.parallel_tools, bool) or not isinstance(self.parallel_tools, int) or self.parallel_tools < 1:
             raise AgentDefinitionError(
                 f"agent {self.name}: parallel_tools must be a whole number of at least 1, not {self.parallel_tools!r}"

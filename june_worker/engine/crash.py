@@ -31,6 +31,9 @@ CRASH_POINTS = frozenset(
         "after-compact-commit",
         "before-publish",
         "before-deliver",  # the worker host, after a turn with a target ended, with its turn id as the step
+        "after-child-start",  # a tool's child turn recorded (ctx.delegate), its parent not parked yet; the call's step
+        "before-parent-answer",  # a child turn ended, its parent not answered yet; the child's turn id
+        "after-parent-answer",  # the parent answered (queued again), not yet sent to a worker; the child's turn id
         "before-intake",  # the worker, a june.turn message received and not yet recorded; its turn id as the step
     }
 )

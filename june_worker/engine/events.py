@@ -24,6 +24,7 @@ from .types import (
     ErrorInfo,
     InputRequest,
     JsonValue,
+    ParentLink,
     ToolCall,
     Trigger,
     Usage,
@@ -35,6 +36,7 @@ __all__ = [
     "ActionCompleted",
     "ActionRequested",
     "Cancelled",
+    "ChildInputRequested",
     "Completed",
     "ContextCompacted",
     "Failed",
@@ -69,6 +71,8 @@ class _Event(BaseModel):
 class TurnStarted(_Event):
     type: Literal["turn.started"] = "turn.started"
     trigger: Trigger
+    parent: ParentLink | None = None
+    """A child turn's (subagent's) parent: session, turn and the call that delegated to it."""
 
 
 class MessageDelta(_Event):
@@ -148,6 +152,17 @@ class ContextCompacted(_Event):
     request as too long."""
 
 
+class ChildInputRequested(_Event):
+    """A child turn of this turn (``ctx.delegate``, or a child's child) parked on a request a person answers:
+    it is answered on the child's session (``child_agent`` / ``child_session``, turn ``child_turn_id``)."""
+
+    type: Literal["child.input_requested"] = "child.input_requested"
+    child_agent: str
+    child_session: str
+    child_turn_id: str
+    request: InputRequest
+
+
 class TurnCompleted(_Event):
     type: Literal["turn.completed"] = "turn.completed"
     text: str
@@ -175,6 +190,7 @@ TurnEvent = Annotated[
     | ActionCompleted
     | InputRequested
     | InputAnswered
+    | ChildInputRequested
     | ContextCompacted
     | TurnCompleted
     | TurnFailed

@@ -34,6 +34,7 @@ from ..errors import (
 )
 from .agent import Agent
 from .cancel import NO_CANCEL, CancelProbe
+from .children import ChildLauncher, Delegator
 from .context import Due, compaction_due, plan_compaction, refused_due, request_view
 from .crash import CrashHook
 from .endings import error_info, reject_turn
@@ -198,6 +199,7 @@ class TurnRunner:
         step_retries: int = STEP_RETRIES,
         attempt: int | None = None,
         hooks: TurnHooks = NO_HOOKS,
+        children: ChildLauncher | None = None,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -228,6 +230,20 @@ class TurnRunner:
         self.initiator: Principal | None = None
         self.tools: dict[str, Tool] = {}
         self._broker = InputBroker(self.steps)
+        self._delegator = (
+            Delegator(
+                agent=agent,
+                store=store,
+                launcher=children,
+                ref=ref,
+                record=record,
+                steps=self.steps,
+                broker=self._broker,
+                crash=crash,
+            )
+            if children is not None
+            else None
+        )
         self._counted = False
         self._settled: dict[str, tuple[JsonValue, str | None]] = {}
         """Outcomes of async tool calls this run got but may not have committed (a transient fault)."""
@@ -401,7 +417,7 @@ class TurnRunner:
         commit = Commit(
             messages=[(len(self.messages), opening)],
             steps=steps,
-            events=[TurnStarted(turn_id=self.turn_id, trigger=self._trigger())],
+            events=[TurnStarted(turn_id=self.turn_id, trigger=self._trigger(), parent=payload.parent)],
             status="running",
             turn_id=self.turn_id,
             turn_status="running",
@@ -854,6 +870,7 @@ class TurnRunner:
             runtime=self.runtime,
             is_sync=is_sync,
             _broker=self._broker,
+            _delegator=self._delegator,
         )
         if store is not None:
             ctx.store = store

@@ -24,6 +24,7 @@ from typing import Any
 from ..errors import (
     AgentDefinitionError,
     ConfigError,
+    JuneError,
     PayloadError,
     ResetNotSupportedError,
     ResumeConflictError,
@@ -35,6 +36,16 @@ from ..errors import (
     TurnSuspendedError,
 )
 from .agent import Agent, deliver_result
+from .children import (
+    announce_child_park,
+    cancel_children,
+    child_answer,
+    child_grant,
+    child_input_id,
+    children_of_park,
+    park_chain,
+    refuse_reserved,
+)
 from .events import Cancelled, Completed, Failed, Rejected, Suspended, TurnResult
 from .failures import DEFAULT_MAX_ATTEMPTS, backoff_s
 from .fanout import FanoutSink, Observer
@@ -53,6 +64,7 @@ from .resume import (
 from .sink import EventSink
 from .storable import unstorable_reason
 from .store import (
+    ENDED_TURN_STATUSES,
     UNFINISHED_TURN_STATUSES,
     Commit,
     ResetResult,
@@ -60,6 +72,7 @@ from .store import (
     SessionStore,
     SuspendedCheckpoint,
     TurnPayload,
+    TurnRecord,
 )
 from .types import InboundEvent, JsonValue, Principal, ProactiveTrigger
 
@@ -132,6 +145,47 @@ class Runtime:
             found = self._sessions[ref] = AgentSession(self, self.agent(agent), ref)
         return found
 
+    def launch(self, rec: TurnRecord) -> None:
+        """Run a child turn a tool recorded (``ctx.delegate``): it is another session of this runtime."""
+        self.session(rec.agent, rec.session)._kick()
+
+    def cancel_children(self, ref: SessionRef, turn_ids: list[str]) -> list[str]:
+        """Cancel the unfinished child turns of these turns (durably, all the way down) and signal them; the
+        child turn ids marked (a child parked on a person is not: no parked turn is cancelled)."""
+        marked: list[str] = []
+        for child_ref, ids in cancel_children(self.store, ref, turn_ids, self.agents):
+            marked.extend(ids)
+            child = self._sessions.get(child_ref)
+            if child is not None:
+                for t in ids:
+                    child._signal_cancel(t, "parent")
+        return marked
+
+    async def child_ended(self, rec: TurnRecord, result: TurnResult) -> None:
+        """Answer the parent of a child turn that ended, through the parent session's resume.
+
+        Refused quietly when the parent is not parked on it: not yet (the parent finds the child ended when it
+        parks) or no longer (answered before, reset, expired).
+        """
+        link = rec.payload.parent
+        if link is None:
+            return
+        if self.crash is not None:
+            self.crash("before-parent-answer", rec.turn_id)
+        try:
+            parent = self.session(link.agent, link.session)
+            await parent.resume(
+                link.turn_id,
+                child_input_id(SessionRef(rec.agent, rec.session), rec.turn_id),
+                child_answer(rec, result),
+                child_turn=rec.turn_id,
+            )
+        except JuneError as exc:
+            log.debug("child turn %s did not answer its parent %s: %s", rec.turn_id, link.turn_id, exc)
+            return
+        if isinstance(result, Cancelled) and result.reason == "parent":
+            parent.cancel_all("requested", turn_ids=[link.turn_id])  # its cancel came while it was parked
+
     async def aclose(self) -> None:
         """Wait for every running turn of this runtime to reach a checkpoint-free state."""
         for s in list(self._sessions.values()):
@@ -151,6 +205,7 @@ class AgentSession:
         self._reset_pending = False
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._looked = False
+        self._wakers: set[asyncio.Task[None]] = set()
 
     @property
     def store(self) -> SessionStore:
@@ -265,18 +320,38 @@ class AgentSession:
         """The parked turn's checkpoint (its request, call id, opening text), or None."""
         return self.store.pending(self.ref)
 
+    def waiting_on(self) -> list[tuple[SessionRef, SuspendedCheckpoint]]:
+        """The parked turn's request and, while it waits for a child turn (``ctx.delegate``), the child's park,
+        all the way down: the last entry is the request a person can answer. Empty when not parked."""
+        return park_chain(self.store, self.ref)
+
     # --- control ------------------------------------------------------------------------------
 
     async def cancel(self, turn_id: str) -> bool:
-        """Ask a queued or running turn to stop at its next checkpoint boundary. False if there is none."""
-        return bool(self.cancel_all("requested", turn_ids=[turn_id]))
+        """Ask a queued or running turn to stop at its next checkpoint boundary. False if there is none.
+
+        A turn parked on child turns (``ctx.delegate``) is cancelled through them: True when one of them was
+        marked (a child parked on a person is not: answer or reset it, or reset this session)."""
+        marked, children = self._cancel("requested", turn_ids=[turn_id])
+        return bool(marked or children)
 
     def cancel_all(self, reason: str = "requested", *, turn_ids: list[str] | None = None) -> list[str]:
-        """Cancel every unfinished turn (or those named), durably; never a parked one. Usable from a tool."""
+        """Cancel every unfinished turn (or those named), durably; never a parked one. Usable from a tool.
+
+        Their child turns, and those of a turn parked on its children, are cancelled too (reason ``parent``)."""
+        return self._cancel(reason, turn_ids=turn_ids)[0]
+
+    def _cancel(self, reason: str, *, turn_ids: list[str] | None) -> tuple[list[str], list[str]]:
+        """:meth:`cancel_all`; returns the turns marked and the child turns marked."""
         marked = self.store.request_cancel(self.ref, reason, turn_ids=turn_ids)
         for t in marked:
             self._signal_cancel(t, reason)
-        return marked
+        parents = list(marked)
+        parked = self.store.pending(self.ref)
+        if parked is not None and (turn_ids is None or parked.turn_id in turn_ids):
+            parents.append(parked.turn_id)  # parked on a child: the child is cancelled, and its answer cancels it
+        children = self.runtime.cancel_children(self.ref, parents) if parents else []
+        return marked, children
 
     async def resume(
         self,
@@ -287,21 +362,28 @@ class AgentSession:
         by: str | None = None,
         principal: Principal | None = None,
         granted: Grant | None = None,
+        child_turn: str | None = None,
     ) -> None:
         """Answer the parked turn and let it continue. ``by`` must be an identity you verified.
+
+        ``child_turn`` is for the runtime only: the child turn whose end answers its reserved request
+        (``child:...``, :mod:`~june_worker.engine.children`); such a request refuses every other answer.
 
         Raises :class:`~june_worker.errors.ResumeAuthorizationError` when ``by`` may not answer,
         :class:`~june_worker.errors.ResumeConflictError` when the session is not parked on
         exactly this turn and input (or a reset is pending), and
         :class:`~june_worker.errors.InvalidAnswerError` when the answer fails the request's schema.
         """
+        refuse_reserved(input_id, child_turn)
         for attempt in range(1, RESUME_RACES + 1):
             pending = self.store.pending(self.ref)
             if pending is not None and self._expire_due(pending):
                 pending = still_open(self.store.pending(self.ref), pending, turn_id, input_id)
             parked = check_parked(pending, turn_id, input_id, reset_pending=self._reset_pending)
             grant = granted
-            if grant is None:
+            if child_turn is not None:
+                grant = child_grant(child_turn)
+            elif grant is None:
                 grant = await grant_answer(self.agent, parked, session=self.ref.session, by=by, principal=principal)
             try:
                 self._apply(resume_commit(parked, value, by=by, granted=grant))
@@ -388,6 +470,7 @@ class AgentSession:
                 crash=self.runtime.crash,
                 runtime=self.runtime,
                 max_attempts=self.runtime.max_attempts,
+                children=self.runtime,
             )
             try:
                 result = await runner.run()
@@ -429,6 +512,22 @@ class AgentSession:
             self._resolve(rec.turn_id, result)
             if isinstance(result, Suspended):
                 self._arm(result.turn_id)
+                last = None  # a park is progress: answered at once below, the turn is queued again, and runs on
+                await self._wake_from_child()  # its children may have ended before it parked
+                parked = self.store.pending(self.ref)
+                if rec.payload.parent is not None and parked is not None and parked.turn_id == rec.turn_id:
+                    for ref, events in announce_child_park(self.store, rec, parked):
+                        self.runtime.fanout.publish(ref, events)
+            if isinstance(result, Cancelled):
+                self.runtime.cancel_children(self.ref, [rec.turn_id])
+            if rec.payload.parent is not None and result.status in ENDED_TURN_STATUSES:
+                try:
+                    await self.runtime.child_ended(rec, result)
+                except BaseException as exc:  # an injected crash: this host stops here, like a dead process
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    log.warning("turn %s of %s ended but did not answer its parent: %r", rec.turn_id, self.ref, exc)
+                    return
 
     def _fail_waiters(self, turn_id: str, exc: BaseException) -> None:
         """Hand an exception that ended a turn's run to that turn's own waiters, and no one else's."""
@@ -459,6 +558,24 @@ class AgentSession:
         parked = self.store.pending(self.ref)
         if parked is not None and parked.turn_id not in self._timers:
             self._arm(parked.turn_id)
+        if parked is not None and children_of_park(self.ref, parked):
+            # parked on a child by another process: answer it if the child ended, else make sure the child runs
+            task = asyncio.get_running_loop().create_task(self._wake_from_child())
+            self._wakers.add(task)
+            task.add_done_callback(self._wakers.discard)
+
+    async def _wake_from_child(self) -> None:
+        """Answer each child request of the park whose child turn has ended with the child's result; see that
+        the unfinished children run (the process that started them may have died)."""
+        parked = self.store.pending(self.ref)
+        for child_ref, child_turn in children_of_park(self.ref, parked) if parked is not None else []:
+            rec = self.store.get_turn(child_ref, child_turn)
+            if rec is None or child_ref.agent not in self.runtime.agents:
+                continue
+            if rec.status in ENDED_TURN_STATUSES and rec.result is not None:
+                await self.runtime.child_ended(rec, rec.result)
+            elif rec.status in UNFINISHED_TURN_STATUSES:
+                self.runtime.session(child_ref.agent, child_ref.session)._kick()
 
     def _expire_due(self, parked: SuspendedCheckpoint) -> bool:
         """Answer ``parked`` with a timeout now if its (stored) expiry has passed; True if it did."""

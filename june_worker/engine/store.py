@@ -14,14 +14,14 @@ the event loop for it costs less than a thread hop.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .events import TurnEvent, TurnResult
-from .types import InboundEvent, InputRequest, JsonValue, Message, Principal
+from .types import InboundEvent, InputRequest, JsonValue, Message, ParentLink, Principal
 
 __all__ = [
     "INITIATOR_STEP",
@@ -98,6 +98,8 @@ class TurnPayload(_Record):
     replace: bool = False
     target: dict[str, JsonValue] | None = None
     """Where the agent's ``deliver`` hook renders the result (proactive turns)."""
+    parent: ParentLink | None = None
+    """Set for a child turn started by a tool of another turn (``ctx.delegate``): its end answers that turn."""
     trace: dict[str, str] | None = None
     """The W3C trace context (``traceparent``, ``tracestate``) of whoever sent the turn, from its message's
     headers: whichever process runs the turn makes its span a child of that one (june_worker/observe)."""
@@ -382,6 +384,14 @@ class SessionStore(Protocol):
 
     def events(self, ref: SessionRef, *, turn_id: str | None = None, after_seq: int = 0) -> list[TurnEvent]:
         """Committed structural events, in ``seq`` order."""
+        ...
+
+    def child_turns(self, parent: SessionRef, parent_turn_id: str, agents: Collection[str]) -> list[TurnRecord]:
+        """The child turns (``TurnPayload.parent``) that turn ``parent_turn_id`` started, on any of ``agents``.
+
+        They live in the sessions ``"<parent session>:sub:<call id>"``: a range of session ids, read along
+        the turns' primary key (agent, session, ...), never a scan of every turn.
+        """
         ...
 
     def reset(self, ref: SessionRef, *, fence: int | None = None) -> ResetResult:

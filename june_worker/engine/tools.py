@@ -32,6 +32,7 @@ from .store import SessionRef, StoreHandle
 from .types import Answerers, InboundEvent, JsonValue, PolicyAnswerer, Principal, ToolCall, UserAnswerer
 
 if TYPE_CHECKING:
+    from .children import Delegator
     from .inputs import InputBroker
 
 __all__ = [
@@ -153,6 +154,7 @@ class ToolContext:
     """The in-process runtime, for tools that drive a child session (subagents)."""
     is_sync: bool = False
     _broker: InputBroker | None = None
+    _delegator: Delegator | None = None
 
     @property
     def session_id(self) -> str:
@@ -188,6 +190,26 @@ class ToolContext:
                 else PolicyAnswerer.model_validate(answerers)
             )
         return self._broker.ask(self, id=id, prompt=prompt, schema=schema, answerers=answerers, timeout_s=timeout_s)
+
+    def delegate(self, *, agent: str, text: str, wait: bool = True) -> Awaitable[dict[str, JsonValue]]:
+        """Run a turn of ``agent`` in the child session ``"<this session>:sub:<call id>"`` and return its result.
+
+        The turn parks until the child turn ends (it holds no worker meanwhile), then this returns
+        ``{"status": "completed", "text": ...}`` (or ``failed`` with ``error``, ``cancelled``/``rejected`` with
+        ``reason``), plus the child's ``agent``, ``session`` and ``turn_id``. One child per call, however often
+        the tool runs. ``wait=False`` starts the child and returns ``{"status": "started", ...}`` at once.
+        Async tools only; raises :class:`~june_worker.errors.DelegationError` (the model reads it) past the
+        agent's ``max_child_depth`` or ``max_children_per_turn``, or for an agent this host does not serve.
+        """
+        if self.is_sync:
+            from .signals import SyncParkError
+
+            raise SyncParkError(
+                f"tool {self.call.name!r} runs sync (def); only an async tool can delegate to a child agent"
+            )
+        if self._delegator is None:
+            raise FatalToolError("delegate is not available in this context (no host to run a child turn)")
+        return self._delegator.delegate(self, agent=agent, text=text, wait=wait)
 
 
 def store_write(ctx: ToolContext, sql: str, *params: Any) -> int:

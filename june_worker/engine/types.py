@@ -29,6 +29,7 @@ __all__ = [
     "Message",
     "MessageAdapter",
     "ModelReply",
+    "ParentLink",
     "PolicyAnswerer",
     "Principal",
     "ProactiveTrigger",
@@ -300,9 +301,23 @@ class InputRequest(_Model):
     the parking process's estimate of the same moment."""
 
 
+class ParentLink(_Model):
+    """Where a child turn (a subagent, ``ctx.delegate``) came from: the parent's session, turn and tool call.
+
+    ``depth`` is 1 for a child of a top-level turn, 2 for a grandchild, and so on.
+    """
+
+    agent: str
+    session: str
+    turn_id: str
+    call_id: str
+    depth: int = 1
+
+
 # --- errors and results -----------------------------------------------------------------------------
 
-CancelReason = Literal["requested", "replaced", "reset"]
+CancelReason = Literal["requested", "replaced", "reset", "parent"]
+"""``parent``: a child turn (subagent) whose parent turn was cancelled or reset (docs/subagents.md)."""
 
 
 class ErrorInfo(_Model):

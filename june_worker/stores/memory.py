@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,6 +197,19 @@ class MemoryStore:
         with self._lock:
             turns = [t for t in self._get(ref).turns.values() if t.status in UNFINISHED_TURN_STATUSES]
             return sorted(turns, key=lambda t: t.position)
+
+    def child_turns(self, parent: SessionRef, parent_turn_id: str, agents: Collection[str]) -> list[TurnRecord]:
+        prefix = f"{parent.session}:sub:"
+        with self._lock:
+            return [
+                t
+                for r, s in self._sessions.items()
+                if r.agent in agents and r.session.startswith(prefix)
+                for t in s.turns.values()
+                if t.payload.parent is not None
+                and t.payload.parent.turn_id == parent_turn_id
+                and (t.payload.parent.agent, t.payload.parent.session) == (parent.agent, parent.session)
+            ]
 
     def request_cancel(self, ref: SessionRef, reason: str, *, turn_ids: Sequence[str] | None = None) -> list[str]:
         with self._lock:

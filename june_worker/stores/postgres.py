@@ -40,7 +40,7 @@ import functools
 import json
 import select
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, TypeAlias, TypeVar, cast
 
 import psycopg
@@ -453,6 +453,16 @@ _GET_TURN = (
     f"select {TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s"
 )
 
+_CHILD_TURNS = (
+    f"select agent, session, {TURN_COLUMNS} from june_turns"
+    " where agent = any(%(agents)s) and session >= %(low)s and session < %(high)s"
+    " and payload->'parent'->>'turn_id' = %(parent_turn)s and payload->'parent'->>'agent' = %(parent_agent)s"
+    " and payload->'parent'->>'session' = %(parent_session)s"
+    " order by session, position"
+)
+"""The child turns of one turn: a range of the child sessions' ids (``<session>:sub:...``; ';' follows ':'), along
+the primary key, each turn's parent link checked."""
+
 _UNFINISHED = (
     f"select {TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s "
     "and status in ('queued', 'running') order by position"
@@ -804,6 +814,18 @@ class PostgresStore:
         key = {"agent": ref.agent, "session": ref.session, "turn_id": turn_id}
         row = self._read(lambda c: c.execute(_GET_TURN, key).fetchone())
         return turn_from_row(ref, row) if row else None
+
+    def child_turns(self, parent: SessionRef, parent_turn_id: str, agents: Collection[str]) -> list[TurnRecord]:
+        key = {
+            "agents": sorted(agents),
+            "low": f"{parent.session}:sub:",
+            "high": f"{parent.session}:sub;",
+            "parent_turn": parent_turn_id,
+            "parent_agent": parent.agent,
+            "parent_session": parent.session,
+        }
+        rows = self._read(lambda c: c.execute(_CHILD_TURNS, key).fetchall())
+        return [turn_from_row(SessionRef(r[0], r[1]), r[2:]) for r in rows]
 
     def unfinished_turns(self, ref: SessionRef) -> list[TurnRecord]:
         key = {"agent": ref.agent, "session": ref.session}

@@ -17,7 +17,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -292,6 +292,20 @@ class SQLiteStore:
                 (ref.agent, ref.session, turn_id),
             ).fetchone()
         return _turn(ref, row) if row else None
+
+    def child_turns(self, parent: SessionRef, parent_turn_id: str, agents: Collection[str]) -> list[TurnRecord]:
+        low, high = f"{parent.session}:sub:", f"{parent.session}:sub;"  # ';' follows ':': the ids under the prefix
+        out: list[TurnRecord] = []
+        with self._lock:
+            for agent in sorted(agents):
+                rows = self._conn.execute(
+                    f"select session, {_TURN_COLUMNS} from june_turns where agent = ? and session >= ? and session < ? "
+                    "and json_extract(payload, '$.parent.turn_id') = ? and json_extract(payload, '$.parent.agent') = ? "
+                    "and json_extract(payload, '$.parent.session') = ? order by session, position",
+                    (agent, low, high, parent_turn_id, parent.agent, parent.session),
+                ).fetchall()
+                out.extend(_turn(SessionRef(agent, row[0]), row[1:]) for row in rows)
+        return out
 
     def unfinished_turns(self, ref: SessionRef) -> list[TurnRecord]:
         with self._lock:

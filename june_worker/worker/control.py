@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine.agent import Agent
+from ..engine.children import cancel_children, child_grant, refuse_reserved
 from ..engine.events import TurnResult
 from ..engine.loop import reject_turn
 from ..engine.resume import RESUME_RACES, check_parked, grant_answer, resume_commit, still_open
@@ -25,6 +26,7 @@ from .payloads import CancelMessage, ProactiveMessage, ResetMessage, ResumeMessa
 
 __all__ = [
     "Dispatch",
+    "cancel_children_of",
     "cancel",
     "intake",
     "proactive",
@@ -173,14 +175,21 @@ def proactive(
     return intake(host, msg, turn_id=msg.turn_id or proactive_turn_id(task_id), trace=trace)
 
 
-def resume(host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch) -> dict[str, Any]:
-    """Apply an answer to a parked turn and re-send the turn; the outcome says accepted or why not."""
+def resume(
+    host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch, *, child_turn: str | None = None
+) -> dict[str, Any]:
+    """Apply an answer to a parked turn and re-send the turn; the outcome says accepted or why not.
+
+    ``child_turn``: for the system only (:mod:`~june_worker.worker.children`), never from a message: the child
+    turn whose end answers its parent's reserved ``child:...`` request, which refuses every other answer.
+    """
     ref = SessionRef(msg.agent, msg.session)
     out: dict[str, Any] = {"turn_id": msg.turn_id, "input_id": msg.input_id}
     agent = host.agent(ref.agent)
     if agent is None:
         return {**out, "status": "rejected", "reason": f"unknown agent {ref.agent!r}"}
     try:
+        refuse_reserved(msg.input_id, child_turn)
         for attempt in range(1, RESUME_RACES + 1):
             pending = host.store.pending(ref)
             if pending is not None and host.expire_park(ref, pending):
@@ -189,9 +198,12 @@ def resume(host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch) -> dict[str
                     dispatch(rec)
                 pending = still_open(host.store.pending(ref), pending, msg.turn_id, msg.input_id)
             parked = check_parked(pending, msg.turn_id, msg.input_id, reset_pending=host.queue.reset_pending(ref))
-            granted = host.run_async(
-                grant_answer(agent, parked, session=ref.session, by=msg.by, principal=msg.principal)
-            )
+            if child_turn is not None:
+                granted = child_grant(child_turn)
+            else:
+                granted = host.run_async(
+                    grant_answer(agent, parked, session=ref.session, by=msg.by, principal=msg.principal)
+                )
             try:
                 events = host.store.commit(ref, resume_commit(parked, msg.value, by=msg.by, granted=granted))
                 break
@@ -225,12 +237,34 @@ def _refused(agent: Agent, msg: ResumeMessage, out: dict[str, Any]) -> dict[str,
     return out
 
 
+def cancel_children_of(host: WorkerHost, ref: SessionRef, turn_ids: list[str]) -> list[str]:
+    """Cancel the unfinished child turns (``ctx.delegate``) of these turns, all the way down, and signal them;
+    the child turn ids marked."""
+    marked: list[str] = []
+    for child_ref, ids in cancel_children(host.store, ref, turn_ids, host.agents):
+        host.signal_cancel(child_ref, ids, "parent")
+        marked.extend(ids)
+    return marked
+
+
 def cancel(host: WorkerHost, msg: CancelMessage) -> dict[str, Any]:
     ref = SessionRef(msg.agent, msg.session)
     ids = host.store.request_cancel(ref, "requested", turn_ids=[msg.turn_id] if msg.turn_id else None)
     if ids:
         host.signal_cancel(ref, ids, "requested")
-    return {"status": "cancel-requested" if ids else "nothing-to-cancel", "turn_ids": ids, "turn_id": msg.turn_id}
+    parents = list(ids)
+    parked = host.store.pending(ref)
+    if parked is not None and (msg.turn_id is None or parked.turn_id == msg.turn_id):
+        parents.append(parked.turn_id)  # parked on a child: the child is cancelled, and its answer cancels it
+    children = cancel_children_of(host, ref, parents) if parents else []
+    out: dict[str, Any] = {
+        "status": "cancel-requested" if ids or children else "nothing-to-cancel",
+        "turn_ids": ids,
+        "turn_id": msg.turn_id,
+    }
+    if children:
+        out["child_turn_ids"] = children  # a child parked on a person is not among them: answer or reset it
+    return out
 
 
 def reset(host: WorkerHost, msg: ResetMessage, dispatch: Dispatch) -> dict[str, Any]:
@@ -244,6 +278,10 @@ def reset(host: WorkerHost, msg: ResetMessage, dispatch: Dispatch) -> dict[str, 
     ids = host.queue.request_reset(ref)
     if ids:
         host.signal_cancel(ref, ids, "reset")
+    parked = host.store.pending(ref)
+    parents = ids + ([parked.turn_id] if parked is not None else [])
+    if parents:
+        cancel_children_of(host, ref, parents)  # the reset cancels their children too
     held, result = host.reset_now(ref, dispatch)
     if not held:
         return {"status": "pending", "reason": "the session is busy; the reset happens when its running turn ends"}

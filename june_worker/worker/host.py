@@ -183,6 +183,8 @@ class WorkerHost:
         self.crash = CrashAt.parse(settings.crash_at, kill=True) if settings.crash_at else None
         self.observer = TurnObserver(self.agents)  # metrics, spans, transition logs (june_worker/observe)
         self._running: _Running | None = None
+        self.dispatch: Callable[[TurnRecord], None] | None = None
+        """Sends ``june.turn`` for a recorded turn (child turns, woken parents); the Celery tasks' own when None."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.queue.beat(self.owner, settings.alive_s)  # alive before the first lease is taken
@@ -197,6 +199,20 @@ class WorkerHost:
 
     def agent(self, name: str) -> Agent | None:
         return self.agents.get(name)
+
+    # --- child turns (ctx.delegate) ----------------------------------------------------------------
+
+    def send_turn(self, rec: TurnRecord) -> None:
+        if self.dispatch is not None:
+            self.dispatch(rec)
+            return
+        from .tasks import dispatch  # the Celery app lives above the host
+
+        dispatch(rec)
+
+    def launch(self, rec: TurnRecord) -> None:
+        """Run a child turn a tool recorded: any worker may (a ``june.turn`` message; intake is idempotent)."""
+        self.send_turn(rec)
 
     # --- the drain loop -------------------------------------------------------------------------------
 
@@ -397,6 +413,7 @@ class WorkerHost:
                     snapshot=snapshot,
                     max_attempts=self.settings.max_attempts,
                     hooks=watch,
+                    children=self,
                 )
                 result = self.loop.run_until_complete(runner.run())
                 watch.finished(result)
@@ -414,6 +431,10 @@ class WorkerHost:
                 self.deliver(ref, rec, agent, result)
             else:  # its ending commit was not one _Ending could mark (not a plain Commit): once, best effort
                 self._deliver_once(ref, rec, agent, result)
+        if rec.payload.parent is not None or result.status in ("suspended", "cancelled"):
+            from .children import turn_ended
+
+            turn_ended(self, ref, rec, result, self.send_turn)  # answer a parent, wake on a child, cancel children
         return result, bool(ending.released)
 
     # --- delivery to a turn's target ------------------------------------------------------------------

@@ -29,6 +29,25 @@ from .transcripts import Held, held_params
 __all__ = ["Intake", "Lease", "SessionQueue", "Stranded"]
 
 _NOW = "extract(epoch from clock_timestamp())"
+
+_PARKED_ON_ENDED_CHILDREN = """
+select distinct s.agent, s.session from june_sessions s
+ cross join lateral (
+       select s.suspended->'request'->>'id' as input_id, s.suspended->>'call_id' as call_id
+       union all
+       select m->'request'->>'id', m->>'call_id' from json_array_elements(coalesce(s.suspended->'more', '[]')) m
+      ) o
+  join june_turns c
+    on c.agent = split_part(o.input_id, ':', 2)
+   and c.session = s.session || ':sub:' || o.call_id
+   and c.turn_id = split_part(o.input_id, ':', 3)
+ where s.suspended is not null
+   and o.input_id like 'child:%%'
+   and c.status in ('completed', 'failed', 'cancelled', 'rejected')
+ limit %(limit)s
+"""
+"""Parents with an open child request (``child:<agent>:<turn>``, the first or one of ``more``) naming a turn of
+``<session>:sub:<call id>`` that ended."""
 _INTAKE_ATTEMPTS = 3
 
 # A lease may be taken when nobody holds it, when it expired, or when its holder's process is
@@ -482,6 +501,13 @@ class SessionQueue:
             rows = conn.execute(
                 f"select agent, session from june_sessions where park_expires_at < {_NOW} limit %s", (limit,)
             ).fetchall()
+        return [SessionRef(a, s) for a, s in rows]
+
+    def parked_on_ended_children(self, *, limit: int) -> list[SessionRef]:
+        """Sessions parked on a child turn (``child:<agent>:<turn>``, :mod:`~june_worker.engine.children`) that has
+        ended: the worker that ended it died before answering. Read along the parked sessions' index."""
+        with pooled(self.pool) as conn:
+            rows = conn.execute(_PARKED_ON_ENDED_CHILDREN, {"limit": limit}).fetchall()
         return [SessionRef(a, s) for a, s in rows]
 
     # --- the relay -----------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ It finds, in Postgres:
   intake is idempotent, so a duplicate is harmless;
 * parks whose ``timeout_s`` passed: it answers them with a timeout and re-sends the turn;
 * resets left pending by a holder that died: it performs them;
+* parents parked on a child turn (``ctx.delegate``) that ended while its worker died before answering:
+  it answers them with the child's result (:mod:`.children`);
 * sessions whose stream may miss events (a worker died between commit and publish, Redis was
   unreachable when they were published), however long ago: it relays them from the outbox.
   Only sessions nobody holds, so it never races a holder.
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine.store import TurnRecord
+from .children import wake_parents
 from .host import WorkerHost
 from .retention import prune
 
@@ -42,6 +45,7 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
         rec = host.store.get_turn(ref, parked.turn_id)
         if rec is not None and rec.status == "queued":  # else requests that expire later keep it parked
             dispatch(rec)
+    woken = wake_parents(host, dispatch, limit=limit)  # parents of child turns whose worker died before answering
     resets = 0
     for ref in host.queue.pending_resets(limit=limit):  # their holder died, or a reset found them busy
         held, _ = host.reset_now(ref, dispatch)
@@ -59,6 +63,8 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
     relayed = _relay(host, limit=limit)
     pruned = prune(host.store.pool, host.sink, host.settings)
     host.queue.forget_dead_workers(older_than_s=24 * 3600)
+    if woken:
+        log.info("sweep: %d parents answered by their ended child turns", woken)
     if redispatched or expired or relayed or resets:
         log.info(
             "sweep: %d turns re-sent, %d parks expired, %d resets performed, %d events relayed",
@@ -72,6 +78,7 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
         "redispatched": redispatched,
         "expired_parks": expired,
         "resets": resets,
+        "woken_parents": woken,
         "relayed": relayed,
         "pruned": {"events": pruned.events, "turns": pruned.turns, "archived": pruned.archived},
     }

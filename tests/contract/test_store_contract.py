@@ -603,6 +603,36 @@ def test_cancel_marks_only_queued_and_running_turns_never_a_parked_one(kit: Kit,
     assert kit.store.pending(ref) == checkpoint("t3", "approve")
 
 
+def test_child_turns_are_the_turns_one_turn_started_in_its_sub_sessions_on_the_agents_named(
+    kit: Kit, ref: SessionRef
+) -> None:
+    from june_worker.engine.types import ParentLink
+
+    def link(turn_id: str, call: str, parent: SessionRef = ref) -> TurnPayload:
+        return TurnPayload(
+            text="q", parent=ParentLink(agent=parent.agent, session=parent.session, turn_id=turn_id, call_id=call)
+        )
+
+    # Given children of t1 on two agents, a child of another turn, a grandchild, and a look-alike without a link
+    a1 = SessionRef("researcher", f"{ref.session}:sub:c1")
+    a2 = SessionRef("writer", f"{ref.session}:sub:c2")
+    kit.store.enqueue_turn(a1, "k1", link("t1", "c1"))
+    kit.store.enqueue_turn(a2, "k2", link("t1", "c2"))
+    kit.store.enqueue_turn(SessionRef("researcher", f"{ref.session}:sub:c3"), "k3", link("t2", "c3"))
+    kit.store.enqueue_turn(SessionRef("researcher", f"{a1.session}:sub:g1"), "g1", link("k1", "g1", a1))
+    kit.store.enqueue_turn(SessionRef("researcher", f"{ref.session}:sub:c4"), "k4", TurnPayload(text="q"))
+    kit.store.enqueue_turn(SessionRef("researcher", f"{ref.session}x:sub:c5"), "k5", link("t1", "c5"))
+
+    # Then only t1's own children on the agents asked for are found, with their sessions
+    found = kit.store.child_turns(ref, "t1", ["researcher", "writer"])
+    assert sorted((t.agent, t.session, t.turn_id) for t in found) == [
+        ("researcher", a1.session, "k1"),
+        ("writer", a2.session, "k2"),
+    ]
+    assert [t.turn_id for t in kit.store.child_turns(ref, "t1", ["writer"])] == ["k2"]
+    assert [t.turn_id for t in kit.store.child_turns(a1, "k1", ["researcher"])] == ["g1"]
+
+
 def test_cancel_keeps_the_first_reason(kit: Kit, ref: SessionRef) -> None:
     kit.store.enqueue_turn(ref, "t1", TurnPayload(text="a"))
     assert kit.store.request_cancel(ref, "replaced") == ["t1"]

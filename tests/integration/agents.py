@@ -192,6 +192,83 @@ def tick() -> dict[str, Any]:
     return {"ticked": True}
 
 
+@tool
+async def delegate_to(ctx: ToolContext, agent: str, text: str, wait: bool = True) -> dict[str, Any]:
+    """Run a turn of another agent (a child turn) and return its result; counts its runs per call."""
+    _redis().incr(f"it:delegate:{ctx.session_id}:{ctx.call.id}")
+    return await ctx.delegate(agent=agent, text=text, wait=wait)
+
+
+def _boss_script(request: ModelRequest) -> Reply:
+    """``delegate <n> <key> [start|hold|ask|mixed]``: n calls at once, each delegating ``scout <key> <i> <n>`` to the scout
+    agent (``start``: without waiting for it; ``hold``: the children wait for a release key; ``ask``: each child
+    asks a person, ``go``; ``mixed``: the first child holds, the others end at once)."""
+    last = request.messages[-1]
+    if isinstance(last, ToolMessage):
+        results = [m.result for m in request.messages if isinstance(m, ToolMessage)]
+        return Reply(f"children: {results}")
+    words = (last.text if isinstance(last, UserMessage) else "").split()
+    if words[:1] != ["delegate"]:
+        return Reply(f"ok: {' '.join(words)}")
+    n, key, mode = int(words[1]), words[2], words[3:4]
+    # hold: each child waits for it:scout:<key>:release; mixed: the first does, the others end at once
+    barrier = 0 if mode == ["hold"] else n
+    calls = [
+        {
+            "id": f"c{i}",
+            "name": "delegate_to",
+            "input": {
+                "agent": "scout",
+                "text": f"ask {key}"
+                if mode == ["ask"]
+                else f"scout {key} {i} {(0 if i == 1 else 1) if mode == ['mixed'] else barrier}",
+                "wait": mode != ["start"],
+            },
+        }
+        for i in range(1, n + 1)
+    ]
+    return Reply("Delegating.", calls=calls)
+
+
+@tool
+async def scout_work(ctx: ToolContext, key: str, i: int, n: int) -> dict[str, Any]:
+    """A child's work: logs ``<pid>:start:<i>``, waits until two of its ``n`` siblings started (or 30 s), logs the end;
+    waits for ``it:scout:<key>:release`` instead when ``n`` is 0."""
+    r = _redis()
+    r.incr(f"it:scout:{key}:{i}")
+    r.rpush(f"it:scout:{key}:log", f"{os.getpid()}:start:{i}")
+    deadline = time.monotonic() + 30
+
+    def waiting() -> bool:
+        if n == 0:
+            return not r.exists(f"it:scout:{key}:release")
+        return sum(1 for e in r.lrange(f"it:scout:{key}:log", 0, -1) if b":start:" in e) < min(n, 2)
+
+    while time.monotonic() < deadline and waiting():
+        await asyncio.sleep(0.05)
+    r.rpush(f"it:scout:{key}:log", f"{os.getpid()}:end:{i}")
+    return {"i": i}
+
+
+@tool
+async def scout_ask(ctx: ToolContext) -> dict[str, Any]:
+    """Ask a person whether to go on."""
+    return {"go": await ctx.request_input(id="go", prompt="Go on?", schema={"type": "boolean"})}
+
+
+def _scout_script(request: ModelRequest) -> Reply:
+    last = request.messages[-1]
+    if isinstance(last, ToolMessage):
+        return Reply(f"scouted {last.result}")
+    words = (last.text if isinstance(last, UserMessage) else "").split()
+    if words[:1] == ["ask"]:
+        return Reply("Asking.", calls=[{"id": "a1", "name": "scout_ask", "input": {}}])
+    if words[:1] == ["scout"] and len(words) == 4:
+        work = {"key": words[1], "i": int(words[2]), "n": int(words[3])}
+        return Reply("Working.", calls=[{"id": "w1", "name": "scout_work", "input": work}])
+    return Reply(f"scouted: {' '.join(words)}")
+
+
 def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
     return [
         Agent(
@@ -207,6 +284,8 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
         Agent(name="window", model=WindowModel(2000, extra_tokens=1500)),
         Agent(name="fan", model=ScriptedModel(_fan_script), tools=[fan_call], parallel_tools=8),
         Agent(name="desks", model=ScriptedModel(_desks_script), tools=[sign_off], parallel_tools=8),
+        Agent(name="boss", model=ScriptedModel(_boss_script), tools=[delegate_to], parallel_tools=4),
+        Agent(name="scout", model=ScriptedModel(_scout_script), tools=[scout_work, scout_ask]),
     ]
 
 

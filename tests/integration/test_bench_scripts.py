@@ -26,6 +26,7 @@ SCRIPTS = {
     "step_overhead.py": (["--steps", "2", "--rounds", "1"], "tables+indexes grew per step"),
     "storage.py": (["--turns", "3"], "after relay and pruning"),
     "parallel_tools.py": (["--calls", "2", "--wait-ms", "5", "--rounds", "1"], "ratio serial / parallel"),
+    "subagents.py": (["--children", "2", "--wait-ms", "5", "--rounds", "1"], "ratio serial / parallel"),
     "chaos.py": (["--turns", "6", "--sessions", "2", "--rate", "20", "--kill-every", "0.5", "1"], "stuck sessions"),
 }
 
@@ -33,7 +34,8 @@ SCRIPTS = {
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_the_benchmark_script_runs_to_its_summary(script: str, database_url: str, redis_url: str) -> None:
     args, summary = SCRIPTS[script]
-    env = {**os.environ, "JUNE_DATABASE_URL": database_url, "JUNE_REDIS_URL": redis_url}
+    # PYTHONPATH: the script imports this checkout's package, not whichever one is installed
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JUNE_DATABASE_URL": database_url, "JUNE_REDIS_URL": redis_url}
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args],
         cwd=ROOT,
