@@ -28,12 +28,13 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import redis
 
 from june_worker import Agent, ToolContext, tool
 from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
-from june_worker.engine.types import ModelReply, ToolCall, ToolMessage
+from june_worker.engine.types import ModelReply, ToolCall, ToolMessage, UserMessage
 from june_worker.models import Reply, ScriptedModel
 
 __all__ = ["ALL", "PROBE", "PublishProbe"]
@@ -169,6 +170,40 @@ class ChaosModel:
             yield Done(reply=ModelReply(tool_calls=[ToolCall(id="c1", name="record", input={})]))
 
 
+# --- subagents (bench/subagents.py --workers): a parent delegating to child turns run by any worker ----------
+
+
+@tool
+async def child_wait(ms: int) -> dict[str, int]:
+    """Ask a slow service (waits ``ms``)."""
+    await asyncio.sleep(ms / 1000)
+    return {"waited_ms": ms}
+
+
+def _child_script(request: ModelRequest) -> Reply:
+    last = request.messages[-1]
+    if isinstance(last, ToolMessage):
+        return Reply("found")
+    ms = int(last.text) if isinstance(last, UserMessage) and last.text.isdigit() else 100
+    return Reply("", calls=[{"id": "w1", "name": "child_wait", "input": {"ms": ms}}])
+
+
+@tool
+async def ask_child(ctx: ToolContext, ms: int) -> dict[str, Any]:
+    """Delegate to the child agent."""
+    return await ctx.delegate(agent="child", text=str(ms))
+
+
+def _parent_script(request: ModelRequest) -> Reply:
+    """ "<n> <ms>": n calls at once, each delegating a child turn that waits ms."""
+    last = request.messages[-1]
+    if isinstance(last, ToolMessage):
+        return Reply("children done")
+    words = last.text.split() if isinstance(last, UserMessage) else []
+    n, ms = (int(words[0]), int(words[1])) if len(words) == 2 else (4, 200)
+    return Reply("", calls=[{"id": f"c{i}", "name": "ask_child", "input": {"ms": ms}} for i in range(n)])
+
+
 def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
     return [
         Agent(name="bench", model=ScriptedModel(_three_steps), tools=[tick]),
@@ -176,4 +211,7 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
         Agent(name="hold", model=ScriptedModel(_hold_script), tools=[hold]),
         Agent(name="dribble", model=DribblingModel()),
         Agent(name="chaos", model=ChaosModel(), tools=[record]),
+        Agent(name="child", model=ScriptedModel(_child_script), tools=[child_wait]),
+        Agent(name="par", model=ScriptedModel(_parent_script), tools=[ask_child], parallel_tools=16),
+        Agent(name="ser", model=ScriptedModel(_parent_script), tools=[ask_child], parallel_tools=1),
     ]

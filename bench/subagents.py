@@ -13,7 +13,13 @@ round, interleaved:
 * **serial**: ``parallel_tools=1``: each call starts its child and parks on it before the next call runs.
 
 Printed: the median wall time of each, the floor (one child's wait), and the ratio serial / parallel.
-(`tests/integration/test_worker_subagents.py` runs four children on two worker processes.)
+
+``--workers N`` runs the same on real workers instead (``bench/_harness.BenchStack``: N worker processes of
+``-c 1`` and beat, a throwaway database and queues): the parent is sent as ``june.turn``, each child is
+recorded and sent as its own ``june.turn`` to whichever worker takes it, and the parent is woken by the
+worker that ends its last child. A worker process runs one turn at a time, so with 2 workers 4 children
+run two at a time. Timed from the send to the parent's row ``completed``; also printed, the most children
+whose runs overlapped (from each child's ``turn.started`` to its end, as Postgres stamped them).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import asyncio
 import os
 import secrets
 import statistics
+import sys
 import time
 import uuid
 from typing import Any
@@ -103,12 +110,69 @@ async def _bench(args: argparse.Namespace, url: str) -> dict[str, list[float]]:
         store.close()
 
 
+def _on_workers(args: argparse.Namespace) -> dict[str, list[float]]:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _harness import BenchStack, wait_for
+
+    times: dict[str, list[float]] = {"parallel": [], "serial": [], "overlap": []}
+    with BenchStack("subagents") as stack:
+        workers = [stack.worker(f"w{i}") for i in range(args.workers)]
+        stack.wait_ready(*workers)
+        stack.beat()
+
+        def run(agent: str) -> tuple[float, int]:
+            session = stack.session(f"{agent}-{uuid.uuid4().hex[:8]}")
+            started = time.perf_counter()
+            turn_id = stack.turn(agent, session, f"{args.children} {int(args.wait_ms)}")
+            query = "select status from june_turns where agent = %s and session = %s and turn_id = %s"
+
+            def done() -> bool:
+                rows = stack.sql(query, agent, session, turn_id)
+                if rows and rows[0][0] in ("failed", "cancelled", "rejected"):
+                    raise RuntimeError(f"the parent turn ended {rows[0][0]}")
+                return bool(rows) and rows[0][0] == "completed"
+
+            wait_for(done, timeout_s=120, every_s=0.005, what="the parent turn")
+            elapsed = time.perf_counter() - started
+            spans = stack.sql(
+                "select e.created_at, t.finished_at from june_turns t join june_events e on e.agent = t.agent "
+                "and e.session = t.session and e.turn_id = t.turn_id and e.type = 'turn.started' "
+                "where t.agent = 'child' and t.session like %s",
+                f"{session}:sub:%",
+            )
+            assert len(spans) == args.children, spans
+            most = max(sum(1 for s, f in spans if s <= at < f) for at, _ in spans)
+            return elapsed, most
+
+        run("par")  # warm
+        for _ in range(args.rounds):
+            elapsed, most = run("par")
+            times["parallel"].append(elapsed)
+            times["overlap"].append(float(most))
+            times["serial"].append(run("ser")[0])
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--children", type=int, default=4)
     parser.add_argument("--wait-ms", type=float, default=200.0)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=0, help="run on this many worker processes (0: in process)")
     args = parser.parse_args()
+    if args.workers:
+        times = _on_workers(args)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(
+            f"a parent with {args.children} child turns, each waiting {args.wait_ms:.0f} ms, on {args.workers} "
+            f"worker processes (-c 1), medians over {args.rounds} rounds:"
+        )
+        print(f"  floor     {args.wait_ms:8.1f} ms (one child's wait)")
+        for key in ("parallel", "serial"):
+            print(f"  {key:<9} {med[key] * 1000:8.1f} ms")
+        print(f"  children running at once (parallel): {med['overlap']:.0f}")
+        print(f"  ratio serial / parallel: {med['serial'] / med['parallel']:.2f}x")
+        return
     base = os.environ.get("JUNE_DATABASE_URL", DEFAULT_URL)
     name = f"june_bench_{secrets.token_hex(4)}"
     with psycopg.connect(base, autocommit=True) as conn:
