@@ -68,6 +68,20 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 
 
+@contextmanager
+def throwaway_database(prefix: str = "june_bench") -> Iterator[str]:
+    """A database of its own on ``JUNE_DATABASE_URL`` (``<prefix>_<random>``), dropped on the way out; its URL."""
+    base = os.environ.get("JUNE_DATABASE_URL", DEFAULT_DB)
+    name = f"{prefix}_{secrets.token_hex(4)}"
+    with psycopg.connect(base, autocommit=True) as conn:
+        conn.execute(f'create database "{name}"')
+    try:
+        yield psycopg.conninfo.make_conninfo(base, dbname=name)
+    finally:
+        with psycopg.connect(base, autocommit=True) as conn:
+            conn.execute(f'drop database if exists "{name}" with (force)')
+
+
 def machine() -> str:
     return f"{time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} CPUs  python {platform.python_version()}"
 

@@ -20,22 +20,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import secrets
 import statistics
 import time
 import uuid
 from typing import Any
 
-import psycopg
+from _harness import throwaway_database
 
 from june_worker.engine import Agent, Runtime, tool
 from june_worker.engine.model import ModelRequest
 from june_worker.engine.types import ToolMessage
 from june_worker.models.scripted import Reply, ScriptedModel
 from june_worker.stores import PostgresStore
-
-DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 
 
 def _agent(calls: int, wait_s: float, parallel: int) -> Agent:
@@ -89,16 +85,8 @@ def main() -> None:
     parser.add_argument("--wait-ms", type=float, default=100.0)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    base = os.environ.get("JUNE_DATABASE_URL", DEFAULT_URL)
-    name = f"june_bench_{secrets.token_hex(4)}"
-    with psycopg.connect(base, autocommit=True) as conn:
-        conn.execute(f'create database "{name}"')
-    try:
-        url = psycopg.conninfo.make_conninfo(base, dbname=name)
+    with throwaway_database() as url:
         times = asyncio.run(_bench(args, url))
-    finally:
-        with psycopg.connect(base, autocommit=True) as conn:
-            conn.execute(f'drop database if exists "{name}" with (force)')
     med: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
     print(
         f"{args.calls} async calls of {args.wait_ms:.0f} ms each, medians over {args.rounds} rounds (Postgres store):"

@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import secrets
 import statistics
-import sys
 import time
 import uuid
 from typing import Any
 
-import psycopg
+from _harness import throwaway_database
 
 from june_worker.engine import Agent, Runtime, ToolContext, tool
 from june_worker.engine.model import ModelRequest
@@ -43,7 +40,6 @@ from june_worker.engine.types import ToolMessage
 from june_worker.models.scripted import Reply, ScriptedModel
 from june_worker.stores import PostgresStore
 
-DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 TERMINAL = {"turn.completed", "turn.failed", "turn.cancelled"}
 
 
@@ -111,7 +107,6 @@ async def _bench(args: argparse.Namespace, url: str) -> dict[str, list[float]]:
 
 
 def _on_workers(args: argparse.Namespace) -> dict[str, list[float]]:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _harness import BenchStack, wait_for
 
     times: dict[str, list[float]] = {"parallel": [], "serial": [], "overlap": []}
@@ -162,35 +157,21 @@ def main() -> None:
     args = parser.parse_args()
     if args.workers:
         times = _on_workers(args)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        print(
-            f"a parent with {args.children} child turns, each waiting {args.wait_ms:.0f} ms, on {args.workers} "
-            f"worker processes (-c 1), medians over {args.rounds} rounds:"
-        )
-        print(f"  floor     {args.wait_ms:8.1f} ms (one child's wait)")
-        for key in ("parallel", "serial"):
-            print(f"  {key:<9} {med[key] * 1000:8.1f} ms")
-        print(f"  children running at once (parallel): {med['overlap']:.0f}")
-        print(f"  ratio serial / parallel: {med['serial'] / med['parallel']:.2f}x")
-        return
-    base = os.environ.get("JUNE_DATABASE_URL", DEFAULT_URL)
-    name = f"june_bench_{secrets.token_hex(4)}"
-    with psycopg.connect(base, autocommit=True) as conn:
-        conn.execute(f'create database "{name}"')
-    try:
-        url = psycopg.conninfo.make_conninfo(base, dbname=name)
-        times = asyncio.run(_bench(args, url))
-    finally:
-        with psycopg.connect(base, autocommit=True) as conn:
-            conn.execute(f'drop database if exists "{name}" with (force)')
+        where = f"on {args.workers} worker processes (-c 1)"
+    else:
+        with throwaway_database() as url:
+            times = asyncio.run(_bench(args, url))
+        where = "in process (Postgres store)"
     med: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
     print(
-        f"a parent with {args.children} child turns, each waiting {args.wait_ms:.0f} ms, "
-        f"medians over {args.rounds} rounds (Postgres store):"
+        f"a parent with {args.children} child turns, each waiting {args.wait_ms:.0f} ms, {where}, "
+        f"medians over {args.rounds} rounds:"
     )
     print(f"  floor     {args.wait_ms:8.1f} ms (one child's wait)")
     for key in ("parallel", "serial"):
         print(f"  {key:<9} {med[key] * 1000:8.1f} ms")
+    if "overlap" in med:
+        print(f"  children running at once (parallel): {med['overlap']:.0f}")
     print(f"  ratio serial / parallel: {med['serial'] / med['parallel']:.2f}x")
 
 
