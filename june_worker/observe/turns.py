@@ -124,7 +124,8 @@ class TurnWatch:
         self.step_id: str | None = None
         self._span: trace.Span = trace.INVALID_SPAN
         self._step_span: trace.Span | None = None
-        self._tool_outcome: str | None = None
+        self._tool_outcomes: dict[str, str] = {}
+        """The outcome of each tool step whose result committed, by step id (calls may run in parallel)."""
         self._t0 = time.perf_counter()
         self._model = gen_ai_model(agent.model)
         self._system = gen_ai_system(agent.model)
@@ -202,17 +203,16 @@ class TurnWatch:
     @contextlib.contextmanager
     def step(self, kind: StepKind, step: str, tool: str | None = None) -> Iterator[None]:
         self.step_id = step
-        self._tool_outcome = None
         span = self._step_start(kind, step, tool)
         token = otel_context.attach(trace.set_span_in_context(span)) if span is not None else None
         t0 = time.perf_counter()
         try:
             yield
         except BaseException as exc:
-            self._step_end(kind, tool, span, t0, exc)
+            self._step_end(kind, step, tool, span, t0, exc)
             raise
         else:
-            self._step_end(kind, tool, span, t0, None)
+            self._step_end(kind, step, tool, span, t0, None)
         finally:
             if token is not None:
                 otel_context.detach(token)
@@ -248,10 +248,10 @@ class TurnWatch:
             _fault("step start")
             return None
 
-    def _step_end(self, kind: StepKind, tool: str | None, span: trace.Span | None, t0: float,
+    def _step_end(self, kind: StepKind, step: str, tool: str | None, span: trace.Span | None, t0: float,
                   exc: BaseException | None) -> None:  # fmt: skip
         try:
-            outcome = self._tool_outcome
+            outcome = self._tool_outcomes.pop(step, None)
             if kind == "tool":
                 outcome = outcome or ("aborted" if exc is not None else "parked")
             if span is not None:
@@ -282,7 +282,7 @@ class TurnWatch:
     def _read_commit(self, commit: Commit) -> None:
         for event in commit.events:
             if isinstance(event, ActionCompleted):
-                self._tool_outcome = "error" if event.error is not None else "ok"
+                self._tool_outcomes[event.step] = "error" if event.error is not None else "ok"
         for rec in commit.steps:
             if rec.step_id.startswith("model:") and isinstance(rec.data, dict):
                 self._usage(rec.data)

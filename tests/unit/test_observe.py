@@ -135,3 +135,35 @@ async def test_model_usage_reaches_the_counters_by_type() -> None:
     assert tokens == {"input": 4, "output": 2}
     assert m.turns.labels("ops", "completed")._value.get() == 1
     assert m.in_progress.labels("ops")._value.get() == 0
+
+
+async def test_calls_run_in_parallel_each_count_their_own_outcome() -> None:
+    # Three async calls run together (parallel_tools): one errs at once (the model reads it), one returns, one
+    # parks last (it commits nothing). Each step's outcome is its own call's, not the last commit's.
+    import asyncio
+
+    @tool
+    async def slow(ctx: ToolContext, ms: int, then: str = "answer") -> dict[str, Any]:
+        """Wait, then answer, fail or ask a person."""
+        await asyncio.sleep(ms / 1000)
+        if then == "fail":
+            raise ValueError("the service said no")
+        if then == "ask":
+            return {"ok": await ctx.request_input(id="ok", prompt="OK?")}
+        return {"ms": ms}
+
+    calls = [
+        {"id": "c1", "name": "slow", "input": {"ms": 30, "then": "ask"}},
+        {"id": "c2", "name": "slow", "input": {"ms": 1, "then": "fail"}},
+        {"id": "c3", "name": "slow", "input": {"ms": 10}},
+    ]
+    agent = Agent(name="ops", model=ScriptedModel([Reply("", calls=calls), "done"]), tools=[slow], parallel_tools=3)
+    observer = TurnObserver({"ops": agent})
+    observer.metrics = Metrics(enabled=True, agents=["ops"])
+    store = MemoryStore()
+    ref = SessionRef("ops", "s1")
+    rec, _ = store.enqueue_turn(ref, "t1", TurnPayload(text="hi"))
+    with observer.run(agent, ref, rec) as watch:
+        watch.finished(await TurnRunner(agent, store, NullSink(), ref, rec, hooks=watch).run())
+    counted = {o: observer.metrics.tool_calls.labels("ops", "slow", o)._value.get() for o in ("ok", "error", "parked")}
+    assert counted == {"ok": 1, "error": 1, "parked": 1}
