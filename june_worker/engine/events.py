@@ -15,9 +15,9 @@ Terminal events end a turn's stream: ``turn.completed``, ``turn.failed``,
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, TypeAdapter, model_serializer
 
 from .types import (
     CancelReason,
@@ -108,6 +108,13 @@ class ActionRequested(_Event):
     step: str
     call: ToolCall
     batch: list[str] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_missing_batch(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.batch is None:  # a call run alone reads as it always did
+            data.pop("batch", None)
+        return data
 
 
 class ActionCompleted(_Event):
@@ -232,6 +239,13 @@ class Suspended(_Result):
     status: Literal["suspended"] = "suspended"
     request: InputRequest
     more: list[InputRequest] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _without_missing_more(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if not self.more:  # a park on one request reads as it always did
+            data.pop("more", None)
+        return data
 
 
 class Failed(_Result):

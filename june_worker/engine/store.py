@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeAlias
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from .events import TurnEvent, TurnResult
 from .types import InboundEvent, InputRequest, JsonValue, Message, ParentLink, Principal
@@ -158,6 +158,14 @@ class SuspendedCheckpoint(_Record):
     principal: Principal | None = None
     more: list[OpenInput] = Field(default_factory=list)
     version: int = 0
+
+    @model_serializer(mode="wrap")
+    def _without_defaults_of_several(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if not self.more and not self.version:  # a park on one request is stored as it always was
+            data.pop("more", None)
+            data.pop("version", None)
+        return data
 
     def inputs(self) -> list[OpenInput]:
         """Every open request, the first one first."""

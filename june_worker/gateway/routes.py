@@ -150,7 +150,7 @@ def recorded_outcome(rec: TurnRecord, last_id: str) -> TurnOutcome | None:
         return TurnOutcome(status="completed", text=r.text, **base)
     if isinstance(r, Suspended):
         inputs = [q.model_dump(mode="json", by_alias=True) for q in (r.request, *r.more)]
-        return TurnOutcome(status="suspended", input=inputs[0], inputs=inputs, **base)
+        return TurnOutcome(status="suspended", input=inputs[0], inputs=inputs if r.more else None, **base)
     if isinstance(r, Failed):
         error = {"message": r.error.message, "type": r.error.type, "phase": r.phase, "step": r.step}
         return TurnOutcome(status="failed", error=error, **base)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 __all__ = [
     "AgentList",
@@ -71,11 +71,20 @@ class TurnOutcome(BaseModel):
     text: str | None = None
     input: dict[str, Any] | None = Field(default=None, description="The pending request, when suspended.")
     inputs: list[dict[str, Any]] | None = Field(
-        default=None, description="Every open request when suspended, when known (GET .../pending lists them all)."
+        default=None,
+        description="Every open request, when the turn waits on several and the ending was read from its row "
+        "(GET .../pending lists them always); left out otherwise.",
     )
     error: dict[str, Any] | None = Field(default=None, description="message, type, phase and step, when failed.")
     reason: str | None = Field(default=None, description="Why it was cancelled.")
     last_event_id: str = Field(description="Stream id of the terminal event: follow on from it after a resume.")
+
+    @model_serializer(mode="wrap")
+    def _without_missing_inputs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.inputs is None:  # an outcome reads as it always did unless the turn waits on several requests
+            data.pop("inputs", None)
+        return data
 
 
 class Pending(BaseModel):
@@ -83,9 +92,17 @@ class Pending(BaseModel):
     input: dict[str, Any] = Field(description="id, prompt, schema and answerers of the (first) open request.")
     inputs: list[dict[str, Any]] = Field(
         default_factory=list,
-        description="Every open request, the first one first: a turn whose calls ran in parallel may wait on "
-        "several, each answered on its own; it goes on after the last.",
+        description="Every open request, the first one first, when there are several (a turn whose calls ran in "
+        "parallel may wait on several, each answered on its own; it goes on after the last); left out when the "
+        "turn waits on one.",
     )
+
+    @model_serializer(mode="wrap")
+    def _without_one_input_list(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if len(self.inputs) <= 1:
+            data.pop("inputs", None)
+        return data
 
 
 class PendingInput(BaseModel):
@@ -101,8 +118,16 @@ class ResumeAccepted(BaseModel):
     by: str = Field(description="The principal the answer was recorded as.")
     open: list[str] = Field(
         default_factory=list,
-        description="Requests of the park still open after this answer: the turn goes on once none is.",
+        description="Requests of the park still open after this answer (the turn goes on once none is); left out "
+        "when none is.",
     )
+
+    @model_serializer(mode="wrap")
+    def _without_nothing_open(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if not self.open:
+            data.pop("open", None)
+        return data
 
 
 class CancelOutcome(BaseModel):

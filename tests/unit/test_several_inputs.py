@@ -226,3 +226,23 @@ async def test_calls_that_ask_the_same_request_share_one_answer(store_kind: str)
     await session.resume("t1", "go-ahead", "yes")
     assert (await session.result("t1")).status == "completed"
     assert _signed(store) == [{"a": "yes"}, {"b": "yes"}]
+
+
+def test_a_park_on_one_request_and_a_call_run_alone_read_as_they_always_did() -> None:
+    # Stored checkpoints, results and events of the single-request, one-call-at-a-time case keep their shape:
+    # the fields of several requests and of batches are left out when there are none.
+    import json
+
+    from june_worker.engine.events import ActionRequested
+    from june_worker.engine.store import OpenInput, SuspendedCheckpoint
+    from june_worker.engine.types import InputRequest, ToolCall
+
+    request = InputRequest(id="ok", prompt="OK?")
+    one = SuspendedCheckpoint(turn_id="t1", request=request, call_id="c1", opening_text="hi")
+    assert {"more", "version"}.isdisjoint(json.loads(one.model_dump_json(by_alias=True)))
+    two = one.model_copy(update={"more": [OpenInput(request=InputRequest(id="b", prompt="B?"), call_id="c2")]})
+    assert json.loads(two.model_dump_json(by_alias=True))["more"][0]["call_id"] == "c2"
+    assert SuspendedCheckpoint.model_validate_json(two.model_dump_json(by_alias=True)) == two
+    assert "more" not in Suspended(turn_id="t1", request=request).model_dump()
+    alone = ActionRequested(turn_id="t1", step="tool:1:c1", call=ToolCall(id="c1", name="x"))
+    assert "batch" not in alone.model_dump() and alone.model_copy(update={"batch": ["c1", "c2"]}).model_dump()["batch"]
