@@ -35,12 +35,19 @@ def _dir() -> Path:
     return Path(os.environ.get("JUNE_IT_FAULT_DIR", "/tmp/june-it-faults"))
 
 
+def _announce(at: Path, text: str) -> None:
+    """Write ``at`` whole at once (a test waits for it to exist, then reads the pid in it)."""
+    tmp = at.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, at)
+
+
 async def _stop_here(key: str, where: str) -> None:
     """The first time only: say where we are, then wait for the test to inject its fault and let us go."""
     at = _dir() / f"{key}.at"
     if at.exists():
         return  # a replay: the fault happened already
-    at.write_text(f"{os.getpid()} {where}")
+    _announce(at, f"{os.getpid()} {where}")
     go = _dir() / f"{key}.go"
     deadline = time.monotonic() + 60
     while not go.exists() and time.monotonic() < deadline:
@@ -110,7 +117,7 @@ def _stop_sync(key: str) -> None:
     at = _dir() / f"{key}.at"
     if at.exists():
         return
-    at.write_text(f"{os.getpid()} sync")
+    _announce(at, f"{os.getpid()} sync")
     go = _dir() / f"{key}.go"
     deadline = time.monotonic() + 60
     while not go.exists() and time.monotonic() < deadline:
