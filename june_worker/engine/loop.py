@@ -794,11 +794,7 @@ class TurnRunner:
         concurrent = [c for c in runnable if c.id in together]
         if not concurrent:
             for call in runnable:
-                reason = self.cancel.reason()
-                if reason is not None:
-                    raise _Cancel(reason)
-                with self.hooks.step("tool", f"tool:{n}:{call.id}", call.name):
-                    parked = await self._tool_step(n, call)
+                parked = await self._call_in_turn(n, call)
                 if parked is not None:
                     return [parked]
             return []
@@ -808,8 +804,7 @@ class TurnRunner:
             async with gate:
                 if self.cancel.reason() is not None:
                     return None  # not started: the loop ends the turn cancelled
-                with self.hooks.step("tool", f"tool:{n}:{call.id}", call.name):
-                    return await self._tool_step(n, call)
+                return await self._hooked_step(n, call)
 
         tasks = {c.id: asyncio.ensure_future(one(c)) for c in concurrent}
         parks: dict[str, _Park] = {}
@@ -817,11 +812,7 @@ class TurnRunner:
             for call in runnable:  # the sync calls (and unknown tools) in turn, while the async ones run
                 if call.id in tasks:
                     continue
-                reason = self.cancel.reason()
-                if reason is not None:
-                    raise _Cancel(reason)
-                with self.hooks.step("tool", f"tool:{n}:{call.id}", call.name):
-                    parked = await self._tool_step(n, call)
+                parked = await self._call_in_turn(n, call)
                 if parked is not None:  # a sync tool cannot park; kept for symmetry with the serial path
                     parks[call.id] = parked
             await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
@@ -837,6 +828,15 @@ class TurnRunner:
             if pending:
                 await asyncio.wait(pending)
         return [parks[c.id] for c in runnable if c.id in parks]
+
+    async def _call_in_turn(self, n: int, call: ToolCall) -> _Park | None:
+        """One call run in turn: never started once a cancel came (the turn ends cancelled)."""
+        self._check_cancel()
+        return await self._hooked_step(n, call)
+
+    async def _hooked_step(self, n: int, call: ToolCall) -> _Park | None:
+        with self.hooks.step("tool", f"tool:{n}:{call.id}", call.name):
+            return await self._tool_step(n, call)
 
     async def _tool_step(self, n: int, call: ToolCall) -> _Park | None:
         step = f"tool:{n}:{call.id}"
