@@ -298,7 +298,8 @@ async def test_a_sync_tool_cannot_delegate(store_kind: str) -> None:
     assert result.status == "failed" and "only an async tool can delegate" in result.error.message
 
 
-async def test_cancelling_a_parent_parked_on_its_child_cancels_both_and_wedges_neither(store_kind: str) -> None:
+async def _parked_on_a_busy_child(store_kind: str) -> tuple[SessionStore, Runtime, Any, asyncio.Event]:
+    """ops/s1 turn t1 parked on its child, whose tool waits for the returned gate: (store, runtime, parent, gate)."""
     gate = asyncio.Event()
     entered = asyncio.Event()
 
@@ -319,6 +320,11 @@ async def test_cancelling_a_parent_parked_on_its_child_cancels_both_and_wedges_n
     await parent.start("q", turn_id="t1")
     await asyncio.wait_for(entered.wait(), 10)
     await parent.idle()
+    return store, rt, parent, gate
+
+
+async def test_cancelling_a_parent_parked_on_its_child_cancels_both_and_wedges_neither(store_kind: str) -> None:
+    store, rt, parent, gate = await _parked_on_a_busy_child(store_kind)
     assert parent.pending() is not None
 
     assert await parent.cancel("t1")
@@ -335,26 +341,7 @@ async def test_cancelling_a_parent_parked_on_its_child_cancels_both_and_wedges_n
 
 
 async def test_resetting_a_parent_parked_on_its_child_cancels_the_child(store_kind: str) -> None:
-    gate = asyncio.Event()
-    entered = asyncio.Event()
-
-    @tool
-    async def slow(ctx: ToolContext) -> str:
-        """Take a while."""
-        entered.set()
-        await gate.wait()
-        return "slow done"
-
-    store = make_store(store_kind)
-    rt = runtime(
-        store,
-        child_tools=[slow],
-        child_script=[Reply("", calls=[{"id": "w", "name": "slow", "input": {}}]), Reply(ANSWER)],
-    )
-    parent = rt.session("ops", "s1")
-    await parent.start("q", turn_id="t1")
-    await asyncio.wait_for(entered.wait(), 10)
-    await parent.idle()
+    store, rt, parent, gate = await _parked_on_a_busy_child(store_kind)
 
     reset = parent.reset()
     gate.set()
