@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import threading
 import time
 import urllib.parse
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -387,3 +389,58 @@ def test_s169_when_the_turn_cannot_be_enqueued_slack_gets_an_error_and_its_retry
     session, tid = f"slack:{c}:950.1", turn_id(c, "950.1")
     wait_for(lambda: slack.delivered(session, tid), what="the retried event's turn")
     assert [m.text for m in slack.fake.thread(c, "950.1")] == ["did: still there?"]
+
+
+def _at_once(slack: Slack, payloads: list[dict[str, Any]]) -> list[int]:
+    """Send the events at the same moment, each on its own connection (Slack delivers them independently)."""
+    ready = threading.Barrier(len(payloads))
+
+    def send(payload: dict[str, Any]) -> int:
+        body = json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json", **signed(SECRET, body)}
+        with httpx.Client(base_url=slack.url, timeout=10) as http:
+            ready.wait(5)
+            return http.post("/slack/events", content=body, headers=headers).status_code
+
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        return list(pool.map(send, payloads))
+
+
+def test_a_message_and_its_app_mention_copy_at_once_with_replace_on_are_one_turn_that_completes(slack: Slack) -> None:
+    # Given the manifest's subscriptions (message.channels and app_mention) and replace_in_flight on: a message that
+    # mentions the bot arrives twice at once, as a message and as an app_mention: one turn id. The race is between
+    # the copies, so it is run ten times (unfixed, a copy cancelled its own turn in about one pair out of seven).
+    assert slack.settings.slack is not None and slack.settings.slack.replace_in_flight
+    for _ in range(10):
+        c = channel_id()
+        plain = message(c, "130.1", "<@UBOT> hello both")
+        mention = {**plain, "event_id": f"Ev{uuid.uuid4().hex[:8]}", "event": {**plain["event"], "type": "app_mention"}}
+        # When both copies are sent at the same moment
+        assert _at_once(slack, [plain, mention]) == [200, 200]
+        # Then one turn, which completes (no copy cancelled it as "replaced"), and one reply in the thread
+        session, tid = f"slack:{c}:130.1", turn_id(c, "130.1")
+        wait_for(lambda: slack.delivered(session, tid), what="the turn to be delivered")  # noqa: B023
+        turns = slack.stack.sql("select turn_id, status from june_turns where session = %s", session)
+        assert turns == [(tid, "completed")]
+        assert [m.text for m in slack.fake.thread(c, "130.1")] == ["did: hello both"]
+
+
+def test_two_copies_of_a_replacing_turn_reaching_the_workers_at_once_never_cancel_that_turn(slack: Slack) -> None:
+    # Given one Slack message's june.turn with replace on, sent twice at once straight to the workers (past the
+    # gateway's claim: a producer's resend, a broker's redelivery). Ten tries: unfixed, the second copy marked the
+    # turn itself replaced in a third of them.
+    for _ in range(10):
+        c = channel_id()
+        session, tid = f"slack:{c}:140.1", turn_id(c, "140.1")
+        turn = {"turn_id": tid, "agent": "desk", "session": session, "text": "hello twice", "replace": True,
+                "event": {"source": "slack", "kind": "message", "channel_id": c, "thread_ts": "140.1", "ts": "140.1",
+                          "user": {"id": "U1", "attested": True, "team": "T1"}},
+                "target": {"channel": "slack", "channel_id": c, "thread_ts": "140.1", "team_id": "T1", "user": "U1"}}  # fmt: skip
+        # When two worker processes take them
+        for _ in range(2):
+            slack.stack.send("june.turn", turn)
+        # Then the turn completes: the replace spared the turn it came with
+        wait_for(lambda: slack.delivered(session, tid), what="the turn to be delivered")  # noqa: B023
+        turns = slack.stack.sql("select turn_id, status from june_turns where session = %s", session)
+        assert turns == [(tid, "completed")]
+        assert [m.text for m in slack.fake.thread(c, "140.1")] == ["did: hello twice"]
