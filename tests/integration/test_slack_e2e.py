@@ -444,3 +444,32 @@ def test_two_copies_of_a_replacing_turn_reaching_the_workers_at_once_never_cance
         turns = slack.stack.sql("select turn_id, status from june_turns where session = %s", session)
         assert turns == [(tid, "completed")]
         assert [m.text for m in slack.fake.thread(c, "140.1")] == ["did: hello twice"]
+
+
+def test_a_copy_of_an_ended_turn_arriving_while_its_worker_still_renders_it_adds_no_second_reply(slack: Slack) -> None:
+    # Given a turn whose live render is held up: Slack rate-limits its first chat.startStream (Retry-After 2 s), so
+    # the turn has ended while its worker, still holding the session, waits to start the reply
+    c = channel_id()
+    session, tid = f"slack:{c}:150.1", turn_id(c, "150.1")
+    slack.fake.retry_after_s, slack.fake.rate_limit["chat.startStream"] = 2, 1
+    try:
+        slack.event(message(c, "150.1", "slow start"))
+        wait_for(lambda: (slack.stack.turn_row("desk", session, tid) or {}).get("status") == "completed",
+                 what="the turn to end")  # fmt: skip
+        assert not slack.delivered(session, tid)
+        # When a copy of its june.turn reaches another worker process meanwhile (a resend, a redelivery)
+        (payload,) = slack.stack.sql("select payload::text from june_turns where turn_id = %s", tid)
+        sent = json.loads(payload[0])
+        copy = {"turn_id": tid, "agent": "desk", "session": session, "text": sent["text"], "event": sent["event"],
+                "target": sent["target"]}  # fmt: skip
+        slack.stack.send("june.turn", copy)
+        wait_for(lambda: slack.delivered(session, tid), what="the turn to be delivered")
+        # and the held-up worker got past its Slack call, whatever the copy did
+        wait_for(lambda: any(call.ok for call in slack.fake.calls if call.method == "chat.startStream"
+                             and call.body["channel"] == c), what="the held-up chat.startStream to be answered")  # fmt: skip
+        wait_for(lambda: not any(m.streaming for m in slack.fake.thread(c, "150.1")), what="the stream to stop")
+    finally:
+        slack.fake.retry_after_s = 1
+        slack.fake.rate_limit.clear()
+    # Then the copy left the delivery to the worker rendering it: one reply
+    assert [m.text for m in slack.fake.thread(c, "150.1")] == ["did: slow start"]
