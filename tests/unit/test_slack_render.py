@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -309,6 +310,40 @@ def test_s183_the_continuation_renders_into_the_prompt_message(slack: FakeSlack)
     assert all(b["type"] != "actions" for b in calls[-1].body["blocks"]), "the buttons are gone"
     finish(slack, state, [*first, resumed, *rest], Completed(turn_id="t1", text="Refund approved."))
     assert len(slack.calls) == before + len(calls)
+
+
+def _continue_after_the_answer(slack: FakeSlack, text: str) -> list[Any]:
+    """Park, answer, and render a continuation saying ``text``; the blocks of the prompt message's last update."""
+    s = Seq()
+    first = parked_events(s)
+    state = live(slack, first)
+    resumed = s(TurnStarted(turn_id="t1", trigger=ResumeTrigger(call_id="c1", input_id="approve-1")))
+    r = renderer(slack, state, history=[*first, resumed])
+    for event in [
+        s(MessageCompleted(turn_id="t1", step="model:3", text=text)),
+        s(TurnCompleted(turn_id="t1", text=text)),
+    ]:
+        r.feed(event)
+        r.push()
+    return list(slack.of("chat.update")[-1]["blocks"])
+
+
+def test_a_long_reply_after_an_approval_is_shown_whole_over_several_sections(slack: FakeSlack) -> None:
+    # Given a continuation longer than one section holds (Slack shows the blocks, not the text)
+    lines = [f"line {i}: " + "x" * 90 for i in range(80)]  # about 8,000 characters
+    blocks = _continue_after_the_answer(slack, "\n".join(lines))
+    # Then every line is shown, over sections of at most 3,000 characters each
+    prompt, answered, *body = blocks
+    assert prompt["text"]["text"] == "Approve refund?" and answered["type"] == "context"
+    texts = [b["text"]["text"] for b in body]
+    assert len(texts) == 3 and all(len(t) <= 3000 for t in texts)
+    assert "\n".join(texts).splitlines() == lines, "cut at line breaks, nothing lost"
+
+
+def test_a_reply_too_long_for_one_message_is_cut_within_slacks_fifty_blocks_and_says_so(slack: FakeSlack) -> None:
+    blocks = _continue_after_the_answer(slack, "word " * 40_000)  # 200,000 characters
+    assert len(blocks) == 50 and all(len(b["text"]["text"]) <= 3000 for b in blocks if "text" in b)
+    assert "cut: the rest is longer than one Slack message holds" in blocks[-1]["text"]["text"]
 
 
 # --- at least once: converging after a crash -----------------------------------------------------------------
