@@ -221,6 +221,39 @@ def test_the_status_line_is_set_while_the_turn_runs_and_always_cleared(slack: Fa
     assert [c["status"] for c in slack.of("assistant.threads.setStatus")] == [""]
 
 
+@pytest.mark.parametrize("code", ["invalid_thread_ts", "missing_scope"])
+def test_a_status_line_slack_refuses_is_turned_off_and_the_reply_still_renders_live(
+    slack: FakeSlack, code: str
+) -> None:
+    # Given a thread where Slack refuses the status line
+    slack.errors["assistant.threads.setStatus"] = code
+    s = Seq()
+    events = [s(started()), delta("Hel"), delta("lo"), s(TurnCompleted(turn_id="t1", text="Hello"))]
+    # When the turn renders live
+    state = live(slack, events, status="is thinking…")
+    # Then the status line is tried once and dropped; the reply streams as it would without one
+    assert slack.methods() == [
+        "assistant.threads.setStatus", "chat.startStream", "chat.appendStream", "chat.stopStream",
+    ]  # fmt: skip
+    assert [m.text for m in slack.thread("C1", "1.1")] == ["Hello"]
+    finish(slack, state, events, Completed(turn_id="t1", text="Hello"))
+    assert len(slack.calls) == 4, "nothing left to clear, nothing posted again"
+
+
+def test_a_status_line_that_cannot_be_cleared_does_not_fail_the_delivery(slack: FakeSlack) -> None:
+    # Given a worker that died with the status line on, and Slack refusing to clear it now
+    s = Seq()
+    events = [s(started()), s(TurnCompleted(turn_id="t1", text="Hi"))]
+    state = MemoryRenderState({"status": {"on": True}})
+    slack.errors["assistant.threads.setStatus"] = "missing_scope"
+    # When the delivery converges the thread, then runs again
+    finish(slack, state, events, Completed(turn_id="t1", text="Hi"))
+    finish(slack, state, events, Completed(turn_id="t1", text="Hi"))
+    # Then the reply is posted, the refused clear tried once and recorded off
+    assert slack.methods() == ["chat.postMessage", "assistant.threads.setStatus"]
+    assert state.get("status") == {"on": False}
+
+
 def test_without_streaming_the_reply_is_posted_then_updated(slack: FakeSlack) -> None:
     s = Seq()
     events = [s(started()), delta("Hel"), delta("lo"), s(TurnCompleted(turn_id="t1", text="Hello"))]

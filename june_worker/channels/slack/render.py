@@ -100,6 +100,7 @@ class SlackRenderer:
         self._seen_seq = max((e.seq or 0 for e in ctx.history), default=0)
         self._shown: dict[str, _Shown] = {}
         self._status_on = False
+        self._no_status = False
         self._finishing = False
 
     # --- live ---------------------------------------------------------------------------------------
@@ -135,17 +136,28 @@ class SlackRenderer:
             self.live = False
 
     def _status(self, seg: Segment) -> None:
-        if self.options.status and self.thread_ts and not seg.ended and not self._status_on:
+        if self.options.status and self.thread_ts and not seg.ended and not self._status_on and not self._no_status:
             self._status_on = True
             self.ctx.state.put("status", {"on": True})
-            self.api.call("assistant.threads.setStatus", channel_id=self.channel_id, thread_ts=self.thread_ts,
-                          status=self.options.status)  # fmt: skip
+            self._set_status(self.options.status)
 
     def _clear_status(self) -> None:
         if self._status_on:
             self._status_on = False
+            self._set_status("")
+            self.ctx.state.put("status", {"on": False})
+
+    def _set_status(self, status: str) -> None:
+        """The status line is an extra: where Slack refuses it (not an assistant thread, a missing scope), it is
+        turned off for this run and the reply goes on; only a failure worth another attempt goes up."""
+        try:
             self.api.call("assistant.threads.setStatus", channel_id=self.channel_id, thread_ts=self.thread_ts,
-                          status="")  # fmt: skip
+                          status=status)  # fmt: skip
+        except ChannelError as exc:
+            if classify(exc, phase="channel") is Failure.TRANSIENT:
+                raise
+            log.warning("the status line of turn %s is off: Slack refused it (%s)", self.ctx.turn_id, exc.code or "-")
+            self._no_status, self._status_on = True, False
             self.ctx.state.put("status", {"on": False})
 
     def _slot(self, key: str) -> _Shown:
