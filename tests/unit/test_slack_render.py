@@ -39,6 +39,7 @@ from june_worker.engine.events import (
     is_structural,
 )
 from june_worker.engine.types import ErrorInfo, InboundEvent, InboundTrigger, InputRequest, ResumeTrigger, ToolCall
+from june_worker.worker.rendering import LiveRender
 
 from .._fake_slack import FakeSlack
 
@@ -468,3 +469,27 @@ def test_a_park_on_two_requests_posts_a_prompt_for_each_and_the_continuation_clo
     assert len(closed) == 1 and all(b["type"] != "actions" for b in closed[0]["blocks"]), "its buttons are gone"
     finish(slack, state, [*first, resumed, *rest], Completed(turn_id="t1", text="Both refunded."))
     assert len([c for c in slack.calls[before:] if c.body.get("ts") == first_ts]) == 1, "closed once"
+
+
+# --- a live render that overran its time -------------------------------------------------------------------
+
+
+def test_a_live_render_still_in_a_slack_call_when_the_turn_ends_is_stopped_before_the_delivery_and_posts_once(
+    slack: FakeSlack,
+) -> None:
+    # Given a live render whose first post Slack rate-limits (Retry-After 1 s): its thread sleeps inside the call
+    slack.rate_limit["chat.postMessage"], slack.retry_after_s = 1, 1
+    s = Seq()
+    events = [s(started()), delta("Hel"), delta("lo"), s(TurnCompleted(turn_id="t1", text="Hello"))]
+    state = MemoryRenderState()
+    live_render = LiveRender(renderer(slack, state, stream=False), "t1")
+    live_render.put(events[:2])
+    assert slack.limited.wait(10), "the post was rate-limited"
+    live_render.put(events[2:])
+    # When the turn ends before it is done: the drain gives up at once, then the delivery runs
+    live_render.close(timeout_s=0)
+    finish(slack, state, events, Completed(turn_id="t1", text="Hello"))
+    # Then the live render made no call past the one in flight, whose message the delivery completed in place
+    live_render.close(timeout_s=10)  # (unfixed, its thread was still going: let it end before counting)
+    assert slack.methods() == ["chat.postMessage", "chat.postMessage", "chat.update"], "the 429, its retry, the update"
+    assert [m.text for m in slack.thread("C1", "1.1")] == ["Hello"]
