@@ -31,7 +31,7 @@ from tests._fake_slack import FakeSlack, signed
 from tests.gateway.kit import ServedApp
 
 from .conftest import Proc, Stack, wait_for
-from .slack_agents import resolve
+from .slack_agents import SLOW_DIRECTORY, resolve
 
 pytestmark = pytest.mark.integration
 
@@ -123,8 +123,10 @@ def slack(fresh_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFactor
             "JUNE_SLACK_STATUS": "is thinking…",
             "JUNE_SLACK_INTERVAL_S": "0.1",
             "JUNE_DELIVERY_ATTEMPTS": "50",
+            "JUNE_IT_SLACK_GATES": str(stack.tmp / "gates"),
         }
     )
+    (stack.tmp / "gates").mkdir()
     settings = GatewaySettings(
         agents=("desk",),
         tokens=TokenTable.of({f"t-{uuid.uuid4().hex}": Principal("ops", frozenset({"desk"}))}),
@@ -154,7 +156,9 @@ def slack(fresh_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFactor
 # --- the whole flow ------------------------------------------------------------------------------------------
 
 
-def test_message_live_reply_approval_refused_click_then_the_right_click_resumes_into_the_prompt(slack: Slack) -> None:
+def test_s186_s183_a_live_reply_and_prompt_a_refused_click_keeps_the_park_the_right_click_resumes_into_it(
+    slack: Slack,
+) -> None:
     c = channel_id()
     session, tid = f"slack:{c}:100.1", turn_id(c, "100.1")
     # A message: 200 at once, a turn, a live reply in the thread, then the approval prompt.
@@ -176,7 +180,8 @@ def test_message_live_reply_approval_refused_click_then_the_right_click_resumes_
     assert prompt["text"] == "Approve the refund?" and prompt["thread_ts"] == "100.1"
     prompt_ts = next(m.ts for m in slack.fake.thread(c, "100.1") if m.blocks)
 
-    # U2 clicks Approve: not the answerer (the speaker U1 is). Refused, told to U2 only; the buttons stay.
+    # S186: U2 clicks Approve: not the answerer (the speaker U1 is). Refused, told to U2 only (an ephemeral note,
+    # not a post to the click's response_url: docs/slack.md, "Limits"); the buttons stay, no chat.update.
     assert slack.click(click_on(prompt, c, "100.1", prompt_ts, "U2", "yes")).status_code == 200
     ephemeral = wait_for(lambda: slack.fake.of("chat.postEphemeral"), what="U2 to be told")
     assert ephemeral[0]["user"] == "U2" and ephemeral[0]["channel"] == c and "not applied" in ephemeral[0]["text"]
@@ -184,7 +189,7 @@ def test_message_live_reply_approval_refused_click_then_the_right_click_resumes_
     parked = slack.stack.sql("select suspended is not null from june_sessions where session = %s", session)
     assert parked == [(True,)]
 
-    # U1 clicks Approve: resumed by U1, the continuation rendered into the prompt message.
+    # S183: U1 clicks Approve: resumed by U1, the continuation rendered into the prompt message.
     before = len(slack.in_thread(c, "100.1"))
     assert slack.click(click_on(prompt, c, "100.1", prompt_ts, "U1", "yes")).status_code == 200
     wait_for(lambda: (slack.stack.turn_row("desk", session, tid) or {}).get("status") == "completed", timeout_s=30,
@@ -203,6 +208,34 @@ def test_message_live_reply_approval_refused_click_then_the_right_click_resumes_
         "select data::text from june_steps where session = %s and step_id like 'input:%%'", session
     )
     assert json.loads(answer_step[0][0])["by"] == "U1"
+
+
+def test_s163_a_signed_message_is_answered_200_before_its_turn_ends_and_replied_to_in_its_thread(
+    slack: Slack,
+) -> None:
+    # Given a turn that will be held before its model call until the test lets it go
+    c = channel_id()
+    session, tid = f"slack:{c}:111.1", turn_id(c, "111.1")
+    hold = slack.stack.tmp / "gates" / f"hold-{tid}"
+    hold.touch()
+    try:
+        # When a signed message arrives
+        answer = slack.event(message(c, "111.1", "order 3 widgets"))
+        # Then the gateway answered 200 while the turn had not ended (it could not: it is held)
+        assert answer.status_code == 200 and answer.json() == {"ok": True}
+        row = slack.stack.turn_row("desk", session, tid)
+        assert row is None or row["status"] in ("queued", "running")
+    finally:
+        hold.unlink()
+    # and once it runs, exactly one reply in the thread, the exact sequence of Slack calls
+    wait_for(lambda: slack.delivered(session, tid), what="the turn to be delivered")
+    calls = slack.in_thread(c, "111.1")
+    assert [m for m, _ in calls] == [
+        "assistant.threads.setStatus", "chat.startStream", "chat.stopStream", "assistant.threads.setStatus",
+    ]  # fmt: skip
+    start = calls[1][1]
+    assert (start["channel"], start["thread_ts"], start["markdown_text"]) == (c, "111.1", "did: order 3 widgets")
+    assert [m.text for m in slack.fake.thread(c, "111.1")] == ["did: order 3 widgets"]
 
 
 def test_the_same_event_delivered_three_times_starts_one_turn(slack: Slack) -> None:
@@ -473,3 +506,64 @@ def test_a_copy_of_an_ended_turn_arriving_while_its_worker_still_renders_it_adds
         slack.fake.rate_limit.clear()
     # Then the copy left the delivery to the worker rendering it: one reply
     assert [m.text for m in slack.fake.thread(c, "150.1")] == ["did: slow start"]
+
+
+def test_a_signed_but_malformed_interactivity_request_is_a_400_and_nothing_is_done(slack: Slack) -> None:
+    c = channel_id()
+    calls_before = len(slack.fake.calls)
+    ours = {"type": "block_actions", "team": {"id": "T1"}, "user": {"id": "U1"},
+            "container": {"type": "message", "channel_id": c, "message_ts": "1.2", "thread_ts": "1.1"}}  # fmt: skip
+    bodies = [
+        b"payload=%7Bnot+json",  # the payload field is not JSON
+        b"nothing=here",  # no payload field
+        urllib.parse.urlencode({"payload": json.dumps(["a", "list"])}).encode(),
+        urllib.parse.urlencode({"payload": json.dumps({**ours, "actions": [
+            {"action_id": "june_input:yes", "value": "not json"}]})}).encode(),
+        urllib.parse.urlencode({"payload": json.dumps({**ours, "actions": [
+            {"action_id": "june_input:yes", "value": json.dumps({"turn_id": "t1"})}]})}).encode(),
+    ]  # fmt: skip
+    for body in bodies:
+        headers = {"Content-Type": "application/x-www-form-urlencoded", **signed(SECRET, body)}
+        answer = slack.http.post("/slack/interactivity", content=body, headers=headers)
+        assert answer.status_code == 400 and "not a Slack payload" in answer.json()["detail"], body
+    # nothing sent on: no resume reached a worker (no note, no update), no session was opened
+    assert len(slack.fake.calls) == calls_before
+    assert slack.stack.sql("select 1 from june_gateway_sessions where session like %s", f"slack:{c}:%") == []
+
+
+def test_an_identity_resolver_that_times_out_leaves_the_turn_anonymous_but_running(slack: Slack) -> None:
+    # Given a directory that stopped answering for U_SLOW (past JUNE_SLACK_RESOLVE_TIMEOUT_S, 1 s here)
+    c = channel_id()
+    assert slack.settings.slack is not None and slack.settings.slack.resolve_timeout_s == 1.0
+    try:
+        # When U_SLOW's message arrives
+        assert slack.event(message(c, "710.1", "who am I", user="U_SLOW")).status_code == 200
+        # Then the turn runs without a principal, its speaker still attested, and is answered
+        session, tid = f"slack:{c}:710.1", turn_id(c, "710.1")
+        wait_for(lambda: slack.delivered(session, tid), what="the turn to be delivered")
+    finally:
+        SLOW_DIRECTORY.set()
+    (payload,) = slack.stack.sql("select payload::text from june_turns where turn_id = %s", tid)
+    event = json.loads(payload[0])["event"]
+    assert event.get("principal") is None and event["user"] == {"id": "U_SLOW", "attested": True, "team": "T1"}
+    assert slack.stack.turn_row("desk", session, tid)["status"] == "completed"  # type: ignore[index]
+    assert [m.text for m in slack.fake.thread(c, "710.1")] == ["did: who am I"]
+
+
+def test_a_slack_turn_runs_with_instructions_slack_md_and_without_the_tools_slack_is_denied(slack: Slack) -> None:
+    # Given the desk agent's slack_desk/ directory: instructions.slack.md, and [surfaces.slack] deny_tools wire_money
+    c = channel_id()
+    # When a Slack message asks it what it sees, and another asks for the denied tool
+    slack.event(message(c, "720.1", "policy"))
+    slack.event(message(c, "730.1", "wire it"))
+    for ts in ("720.1", "730.1"):
+        wait_for(lambda ts=ts: slack.delivered(f"slack:{c}:{ts}", turn_id(c, ts)), what="both turns")  # type: ignore[misc]
+    # Then its system prompt had the Slack instructions and its tools lacked wire_money (source slack)
+    assert [m.text for m in slack.fake.thread(c, "720.1")] == ["slack-instructions: yes tools: approve_refund,broken"]
+    # and the call to wire_money was refused as unknown, which the model read; the tool never ran
+    (wired,) = slack.fake.thread(c, "730.1")
+    assert wired.text.endswith("That did not work.")
+    steps = slack.stack.sql(
+        "select data::text from june_steps where session = %s and step_id like 'tool:%%'", f"slack:{c}:730.1"
+    )
+    assert len(steps) == 1 and "unknown tool wire_money" in steps[0][0] and '"wired"' not in steps[0][0]
