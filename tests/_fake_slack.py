@@ -51,6 +51,8 @@ class FakeSlack:
         self.fail_all: str | None = None
         self.rate_limit: dict[str, int] = {}
         self.retry_after_s = 1
+        self.limited = threading.Event()
+        """Set when a call was answered 429 (the caller is now waiting out ``Retry-After``)."""
         self.lock = threading.Lock()
         self._ts = itertools.count(1)
         fake = self
@@ -95,6 +97,7 @@ class FakeSlack:
             if self.rate_limit.get(method, 0) > 0:
                 self.rate_limit[method] -= 1
                 self.calls.append(Call(method, body, 429, False))
+                self.limited.set()
                 return 429, {"ok": False, "error": "ratelimited"}, {"Retry-After": str(self.retry_after_s)}
             error = self.fail_all or self.errors.get(method)
             if error:

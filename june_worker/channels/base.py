@@ -144,6 +144,11 @@ class Renderer(Protocol):
         """Bring the channel up to what was fed. Never raises."""
         ...
 
+    def abort(self) -> None:
+        """Make no channel call from now on, from any thread (a call in flight ends as it would): the live render
+        overran its time and the delivery takes over. ``finish`` on another renderer is not affected."""
+        ...
+
     def finish(self, events: Sequence[TurnEvent], result: TurnResult) -> None:
         """Converge the channel on the stored events of the turn (every run). At least once: idempotent."""
         ...

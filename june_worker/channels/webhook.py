@@ -106,6 +106,9 @@ class _WebhookRenderer:
     def push(self) -> None:
         return None
 
+    def abort(self) -> None:
+        return None
+
     def finish(self, events: Sequence[TurnEvent], result: TurnResult) -> None:
         for seg in fold(events):
             if seg.key is None or not seg.ended:

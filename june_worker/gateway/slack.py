@@ -10,7 +10,8 @@ old one is a 401 and nothing else happens. Then:
 * an event that starts a turn (:func:`~june_worker.channels.slack.inbound.parse_event`) is sent as
   ``june.turn`` with the thread as its ``target``: the worker runs and renders it. Its turn id is
   derived from the event, so Slack's retries never start a second turn (the worker records a turn
-  id once, and the gateway does not even send an event it sent already);
+  id once, and the gateway does not even send an event it sent already: each copy claims the turn
+  id in Redis with ``SET NX`` before sending, and a send that fails gives the claim back);
 * a click on Approve / Deny (:func:`~june_worker.channels.slack.inbound.parse_actions`) is sent as
   ``june.resume`` by the clicker's verified id, not waited for: the worker tells a refused
   clicker, and only them, in an ephemeral note, and renders the continuation into the prompt.
@@ -26,6 +27,7 @@ this process only verifies and enqueues; ``slack_sdk`` gives the verifier Bolt i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -50,6 +52,9 @@ log = logging.getLogger("june_worker.gateway.slack")
 router = APIRouter(prefix="/slack", tags=["slack"])
 
 _OK = {"ok": True}
+_CLAIM_S = 30
+"""How long a claim on an event lasts while it is being sent: a gateway that died mid-send blocks Slack's later
+retries of it (about 1 and 5 minutes on) no longer than this."""
 
 
 def _slack(request: Request) -> SlackGatewaySettings:
@@ -130,18 +135,25 @@ async def events(request: Request) -> Response:
     backend = get_backend(request)
     ref = await use_session(request, _principal(slack), slack.agent, turn.session, "start")
     seen = backend.keys.gateway_slack_seen(ref, turn.turn_id)
-    if await backend.redis.exists(seen):
-        log.info("Slack delivered the event of turn %s again (retry %s); already sent", turn.turn_id,
+    # Claimed before sending, in one command: the message and app_mention copies of one message arrive at once,
+    # and only one of them may be sent (a copy that replaces in flight must not race its twin).
+    if not await backend.redis.set(seen, "sending", ex=_CLAIM_S, nx=True):
+        log.info("Slack delivered the event of turn %s again (retry %s); sent already, or being sent", turn.turn_id,
                  request.headers.get("X-Slack-Retry-Num", "-"))  # fmt: skip
         return JSONResponse(_OK)
-    user = turn.event.user.id if turn.event.user else ""
-    team = turn.target.get("team_id")
-    principal = await _resolve(request, user, team if isinstance(team, str) else None)
-    event = turn.event.model_copy(update={"principal": principal}) if principal else turn.event
-    await backend.start_turn(
-        ref, turn.turn_id, turn.text, event=event.model_dump(mode="json", exclude_none=True), replace=turn.replace,
-        target=dict(turn.target),
-    )  # fmt: skip
+    try:
+        user = turn.event.user.id if turn.event.user else ""
+        team = turn.target.get("team_id")
+        principal = await _resolve(request, user, team if isinstance(team, str) else None)
+        event = turn.event.model_copy(update={"principal": principal}) if principal else turn.event
+        await backend.start_turn(
+            ref, turn.turn_id, turn.text, event=event.model_dump(mode="json", exclude_none=True),
+            replace=turn.replace, target=dict(turn.target),
+        )  # fmt: skip
+    except Exception:
+        with contextlib.suppress(Exception):  # not sent: Slack's retry may send it (if Redis is gone too, in _CLAIM_S)
+            await backend.redis.delete(seen)
+        raise
     await backend.redis.set(seen, "1", ex=slack.dedupe_ttl_s)
     log.info("Slack %s in %s sent as turn %s", turn.event.kind, ref, turn.turn_id)
     return JSONResponse(_OK)

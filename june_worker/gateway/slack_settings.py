@@ -86,10 +86,11 @@ def slack_from_env(env: Mapping[str, str], agents: tuple[str, ...]) -> SlackGate
     if replace not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
         raise ConfigError(f"JUNE_SLACK_REPLACE_IN_FLIGHT={replace!r}: expected 1 or 0")
     hook = env.get("JUNE_SLACK_RESOLVE_IDENTITY", "").strip()
+    respond_to = [t.strip() for t in env.get("JUNE_SLACK_RESPOND_TO", "message,app_mention").split(",")]
     return SlackGatewaySettings(
         signing_secret=secret,
         agent=agent,
-        respond_to=tuple(t.strip() for t in env.get("JUNE_SLACK_RESPOND_TO", "message,app_mention").split(",") if t),
+        respond_to=tuple(t for t in respond_to if t),
         replace_in_flight=replace in ("1", "true", "yes", "on"),
         resolve_identity=_load(hook) if hook else None,
         resolve_timeout_s=timeout_s,

@@ -142,8 +142,9 @@ def intake(
             )
         if parked is not None and parked.turn_id != turn_id:
             return _reject(host, ref, turn_id, payload, parked_reason(ref, parked))
-        if replace:
-            cancelled = host.store.request_cancel(ref, "replaced")
+        if replace:  # never this turn itself: a copy of its message (Slack's mention twin) may have recorded it
+            others = [t.turn_id for t in host.store.unfinished_turns(ref) if t.turn_id != turn_id]
+            cancelled = host.store.request_cancel(ref, "replaced", turn_ids=others) if others else []
             if cancelled:
                 host.signal_cancel(ref, cancelled, "replaced")
         host.store.enqueue_turn(ref, turn_id, payload)

@@ -447,9 +447,9 @@ class WorkerHost:
         sweep, up to ``JUNE_DELIVERY_ATTEMPTS`` attempts in all, then given up (logged). Returns
         whether the hook ran to its end here.
         """
-        attempt = self.queue.claim_delivery(ref, rec.turn_id)
+        attempt = self.queue.claim_delivery(ref, rec.turn_id, self.owner)
         if attempt is None:
-            return False  # not due: delivered already, or given up
+            return False  # not due (delivered already, or given up), or the lease holder's to deliver
         if self.crash is not None:
             self.crash("before-deliver", rec.turn_id)
         if self._deliver_once(ref, rec, agent, result):

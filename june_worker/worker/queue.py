@@ -446,20 +446,31 @@ class SessionQueue:
 
     # --- delivery to a turn's target (at least once) ---------------------------------------------
 
-    def claim_delivery(self, ref: SessionRef, turn_id: str) -> int | None:
-        """Count one delivery attempt of a turn whose delivery is due; None if it is not due.
+    def claim_delivery(self, ref: SessionRef, turn_id: str, owner: str) -> int | None:
+        """Count one delivery attempt of a turn whose delivery is due; None if it is not due, or not ``owner``'s yet.
 
-        The claim also stamps ``dispatched_at``, so the sweeper leaves the turn alone for a sweep
-        period while this attempt runs.
+        The worker that ran the turn delivers it under the session's lease (rendering it live until then): while
+        another live worker holds that lease and no later turn of the session has started, the delivery is that
+        worker's, and a copy of the turn's message arriving meanwhile must not render it a second time beside
+        it. The claim also stamps ``dispatched_at``, so the sweeper leaves the turn alone for a sweep period while
+        this attempt runs.
         """
         with pooled(self.pool) as conn:
             row = conn.execute(
                 f"""
-                update june_turns set delivery_attempts = delivery_attempts + 1, dispatched_at = {_NOW}
-                 where agent = %(agent)s and session = %(session)s and turn_id = %(t)s and deliver_due
+                update june_turns t set delivery_attempts = delivery_attempts + 1, dispatched_at = {_NOW}
+                 where t.agent = %(agent)s and t.session = %(session)s and t.turn_id = %(t)s and t.deliver_due
+                   and not exists (
+                       select 1 from june_sessions s
+                        where s.agent = t.agent and s.session = t.session and s.lease_owner <> %(o)s
+                          and not {_LEASE_IS_FREE.format(s="s")}
+                          and not exists (
+                              select 1 from june_turns later
+                               where later.agent = t.agent and later.session = t.session
+                                 and later.position > t.position and later.status <> 'queued'))
                 returning delivery_attempts
                 """,
-                {"agent": ref.agent, "session": ref.session, "t": turn_id},
+                {"agent": ref.agent, "session": ref.session, "t": turn_id, "o": owner},
             ).fetchone()
         return None if row is None else int(row[0])
 

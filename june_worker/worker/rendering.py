@@ -47,6 +47,8 @@ log = logging.getLogger("june_worker.worker")
 _STOP = object()
 LIVE_DRAIN_S = 30.0
 """How long the end of a turn waits for its live renderer to push what is queued before delivery goes on."""
+LIVE_ABORT_S = 120.0
+"""Then, the renderer stopped, how long it waits for the channel call still in flight (its retries included)."""
 
 
 class PgRenderState:
@@ -108,14 +110,24 @@ class LiveRender:
         for event in events:
             self._queue.put(event)
 
-    def close(self, timeout_s: float = LIVE_DRAIN_S) -> None:
-        """Push what is queued, then stop (waits at most ``timeout_s``; the delivery converges whatever is left)."""
+    def close(self, timeout_s: float = LIVE_DRAIN_S, *, abort_wait_s: float = LIVE_ABORT_S) -> None:
+        """Push what is queued, then stop; the delivery converges whatever is left, and must run alone.
+
+        Waits at most ``timeout_s`` for the pushes. A renderer still busy then (a Slack call sleeping on a long
+        ``Retry-After``) is aborted: it makes no call after the one in flight, which is waited for (at most
+        ``abort_wait_s``) so that what it posts is recorded before the delivery reads the render state.
+        """
         self._queue.put(_STOP)
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            return
+        self.renderer.abort()
+        log.warning("live rendering of turn %s is still busy after %.0fs; stopped, the delivery finishes it",
+                    self.turn_id, timeout_s)  # fmt: skip
+        self._thread.join(abort_wait_s)
         if self._thread.is_alive():
-            log.warning(
-                "live rendering of turn %s is still busy after %.0fs; delivery goes on", self.turn_id, timeout_s
-            )
+            log.error("live rendering of turn %s is still in a call after %.0fs more; delivery goes on beside it",
+                      self.turn_id, abort_wait_s)  # fmt: skip
 
     def _run(self) -> None:
         interval = max(0.0, self.renderer.interval_s)

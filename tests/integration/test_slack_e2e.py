@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import threading
 import time
 import urllib.parse
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +31,7 @@ from tests._fake_slack import FakeSlack, signed
 from tests.gateway.kit import ServedApp
 
 from .conftest import Proc, Stack, wait_for
-from .slack_agents import resolve
+from .slack_agents import SLOW_DIRECTORY, resolve
 
 pytestmark = pytest.mark.integration
 
@@ -121,8 +123,10 @@ def slack(fresh_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFactor
             "JUNE_SLACK_STATUS": "is thinking…",
             "JUNE_SLACK_INTERVAL_S": "0.1",
             "JUNE_DELIVERY_ATTEMPTS": "50",
+            "JUNE_IT_SLACK_GATES": str(stack.tmp / "gates"),
         }
     )
+    (stack.tmp / "gates").mkdir()
     settings = GatewaySettings(
         agents=("desk",),
         tokens=TokenTable.of({f"t-{uuid.uuid4().hex}": Principal("ops", frozenset({"desk"}))}),
@@ -152,7 +156,9 @@ def slack(fresh_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFactor
 # --- the whole flow ------------------------------------------------------------------------------------------
 
 
-def test_message_live_reply_approval_refused_click_then_the_right_click_resumes_into_the_prompt(slack: Slack) -> None:
+def test_s186_s183_a_live_reply_and_prompt_a_refused_click_keeps_the_park_the_right_click_resumes_into_it(
+    slack: Slack,
+) -> None:
     c = channel_id()
     session, tid = f"slack:{c}:100.1", turn_id(c, "100.1")
     # A message: 200 at once, a turn, a live reply in the thread, then the approval prompt.
@@ -174,7 +180,8 @@ def test_message_live_reply_approval_refused_click_then_the_right_click_resumes_
     assert prompt["text"] == "Approve the refund?" and prompt["thread_ts"] == "100.1"
     prompt_ts = next(m.ts for m in slack.fake.thread(c, "100.1") if m.blocks)
 
-    # U2 clicks Approve: not the answerer (the speaker U1 is). Refused, told to U2 only; the buttons stay.
+    # S186: U2 clicks Approve: not the answerer (the speaker U1 is). Refused, told to U2 only (an ephemeral note,
+    # not a post to the click's response_url: docs/slack.md, "Limits"); the buttons stay, no chat.update.
     assert slack.click(click_on(prompt, c, "100.1", prompt_ts, "U2", "yes")).status_code == 200
     ephemeral = wait_for(lambda: slack.fake.of("chat.postEphemeral"), what="U2 to be told")
     assert ephemeral[0]["user"] == "U2" and ephemeral[0]["channel"] == c and "not applied" in ephemeral[0]["text"]
@@ -182,7 +189,7 @@ def test_message_live_reply_approval_refused_click_then_the_right_click_resumes_
     parked = slack.stack.sql("select suspended is not null from june_sessions where session = %s", session)
     assert parked == [(True,)]
 
-    # U1 clicks Approve: resumed by U1, the continuation rendered into the prompt message.
+    # S183: U1 clicks Approve: resumed by U1, the continuation rendered into the prompt message.
     before = len(slack.in_thread(c, "100.1"))
     assert slack.click(click_on(prompt, c, "100.1", prompt_ts, "U1", "yes")).status_code == 200
     wait_for(lambda: (slack.stack.turn_row("desk", session, tid) or {}).get("status") == "completed", timeout_s=30,
@@ -201,6 +208,34 @@ def test_message_live_reply_approval_refused_click_then_the_right_click_resumes_
         "select data::text from june_steps where session = %s and step_id like 'input:%%'", session
     )
     assert json.loads(answer_step[0][0])["by"] == "U1"
+
+
+def test_s163_a_signed_message_is_answered_200_before_its_turn_ends_and_replied_to_in_its_thread(
+    slack: Slack,
+) -> None:
+    # Given a turn that will be held before its model call until the test lets it go
+    c = channel_id()
+    session, tid = f"slack:{c}:111.1", turn_id(c, "111.1")
+    hold = slack.stack.tmp / "gates" / f"hold-{tid}"
+    hold.touch()
+    try:
+        # When a signed message arrives
+        answer = slack.event(message(c, "111.1", "order 3 widgets"))
+        # Then the gateway answered 200 while the turn had not ended (it could not: it is held)
+        assert answer.status_code == 200 and answer.json() == {"ok": True}
+        row = slack.stack.turn_row("desk", session, tid)
+        assert row is None or row["status"] in ("queued", "running")
+    finally:
+        hold.unlink()
+    # and once it runs, exactly one reply in the thread, the exact sequence of Slack calls
+    wait_for(lambda: slack.delivered(session, tid), what="the turn to be delivered")
+    calls = slack.in_thread(c, "111.1")
+    assert [m for m, _ in calls] == [
+        "assistant.threads.setStatus", "chat.startStream", "chat.stopStream", "assistant.threads.setStatus",
+    ]  # fmt: skip
+    start = calls[1][1]
+    assert (start["channel"], start["thread_ts"], start["markdown_text"]) == (c, "111.1", "did: order 3 widgets")
+    assert [m.text for m in slack.fake.thread(c, "111.1")] == ["did: order 3 widgets"]
 
 
 def test_the_same_event_delivered_three_times_starts_one_turn(slack: Slack) -> None:
@@ -387,3 +422,148 @@ def test_s169_when_the_turn_cannot_be_enqueued_slack_gets_an_error_and_its_retry
     session, tid = f"slack:{c}:950.1", turn_id(c, "950.1")
     wait_for(lambda: slack.delivered(session, tid), what="the retried event's turn")
     assert [m.text for m in slack.fake.thread(c, "950.1")] == ["did: still there?"]
+
+
+def _at_once(slack: Slack, payloads: list[dict[str, Any]]) -> list[int]:
+    """Send the events at the same moment, each on its own connection (Slack delivers them independently)."""
+    ready = threading.Barrier(len(payloads))
+
+    def send(payload: dict[str, Any]) -> int:
+        body = json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json", **signed(SECRET, body)}
+        with httpx.Client(base_url=slack.url, timeout=10) as http:
+            ready.wait(5)
+            return http.post("/slack/events", content=body, headers=headers).status_code
+
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        return list(pool.map(send, payloads))
+
+
+def test_a_message_and_its_app_mention_copy_at_once_with_replace_on_are_one_turn_that_completes(slack: Slack) -> None:
+    # Given the manifest's subscriptions (message.channels and app_mention) and replace_in_flight on: a message that
+    # mentions the bot arrives twice at once, as a message and as an app_mention: one turn id. The race is between
+    # the copies, so it is run ten times (unfixed, a copy cancelled its own turn in about one pair out of seven).
+    assert slack.settings.slack is not None and slack.settings.slack.replace_in_flight
+    for _ in range(10):
+        c = channel_id()
+        plain = message(c, "130.1", "<@UBOT> hello both")
+        mention = {**plain, "event_id": f"Ev{uuid.uuid4().hex[:8]}", "event": {**plain["event"], "type": "app_mention"}}
+        # When both copies are sent at the same moment
+        assert _at_once(slack, [plain, mention]) == [200, 200]
+        # Then one turn, which completes (no copy cancelled it as "replaced"), and one reply in the thread
+        session, tid = f"slack:{c}:130.1", turn_id(c, "130.1")
+        wait_for(lambda: slack.delivered(session, tid), what="the turn to be delivered")  # noqa: B023
+        turns = slack.stack.sql("select turn_id, status from june_turns where session = %s", session)
+        assert turns == [(tid, "completed")]
+        assert [m.text for m in slack.fake.thread(c, "130.1")] == ["did: hello both"]
+
+
+def test_two_copies_of_a_replacing_turn_reaching_the_workers_at_once_never_cancel_that_turn(slack: Slack) -> None:
+    # Given one Slack message's june.turn with replace on, sent twice at once straight to the workers (past the
+    # gateway's claim: a producer's resend, a broker's redelivery). Ten tries: unfixed, the second copy marked the
+    # turn itself replaced in a third of them.
+    for _ in range(10):
+        c = channel_id()
+        session, tid = f"slack:{c}:140.1", turn_id(c, "140.1")
+        turn = {"turn_id": tid, "agent": "desk", "session": session, "text": "hello twice", "replace": True,
+                "event": {"source": "slack", "kind": "message", "channel_id": c, "thread_ts": "140.1", "ts": "140.1",
+                          "user": {"id": "U1", "attested": True, "team": "T1"}},
+                "target": {"channel": "slack", "channel_id": c, "thread_ts": "140.1", "team_id": "T1", "user": "U1"}}  # fmt: skip
+        # When two worker processes take them
+        for _ in range(2):
+            slack.stack.send("june.turn", turn)
+        # Then the turn completes: the replace spared the turn it came with
+        wait_for(lambda: slack.delivered(session, tid), what="the turn to be delivered")  # noqa: B023
+        turns = slack.stack.sql("select turn_id, status from june_turns where session = %s", session)
+        assert turns == [(tid, "completed")]
+        assert [m.text for m in slack.fake.thread(c, "140.1")] == ["did: hello twice"]
+
+
+def test_a_copy_of_an_ended_turn_arriving_while_its_worker_still_renders_it_adds_no_second_reply(slack: Slack) -> None:
+    # Given a turn whose live render is held up: Slack rate-limits its first chat.startStream (Retry-After 2 s), so
+    # the turn has ended while its worker, still holding the session, waits to start the reply
+    c = channel_id()
+    session, tid = f"slack:{c}:150.1", turn_id(c, "150.1")
+    slack.fake.retry_after_s, slack.fake.rate_limit["chat.startStream"] = 2, 1
+    try:
+        slack.event(message(c, "150.1", "slow start"))
+        wait_for(lambda: (slack.stack.turn_row("desk", session, tid) or {}).get("status") == "completed",
+                 what="the turn to end")  # fmt: skip
+        assert not slack.delivered(session, tid)
+        # When a copy of its june.turn reaches another worker process meanwhile (a resend, a redelivery)
+        (payload,) = slack.stack.sql("select payload::text from june_turns where turn_id = %s", tid)
+        sent = json.loads(payload[0])
+        copy = {"turn_id": tid, "agent": "desk", "session": session, "text": sent["text"], "event": sent["event"],
+                "target": sent["target"]}  # fmt: skip
+        slack.stack.send("june.turn", copy)
+        wait_for(lambda: slack.delivered(session, tid), what="the turn to be delivered")
+        # and the held-up worker got past its Slack call, whatever the copy did
+        wait_for(lambda: any(call.ok for call in slack.fake.calls if call.method == "chat.startStream"
+                             and call.body["channel"] == c), what="the held-up chat.startStream to be answered")  # fmt: skip
+        wait_for(lambda: not any(m.streaming for m in slack.fake.thread(c, "150.1")), what="the stream to stop")
+    finally:
+        slack.fake.retry_after_s = 1
+        slack.fake.rate_limit.clear()
+    # Then the copy left the delivery to the worker rendering it: one reply
+    assert [m.text for m in slack.fake.thread(c, "150.1")] == ["did: slow start"]
+
+
+def test_a_signed_but_malformed_interactivity_request_is_a_400_and_nothing_is_done(slack: Slack) -> None:
+    c = channel_id()
+    calls_before = len(slack.fake.calls)
+    ours = {"type": "block_actions", "team": {"id": "T1"}, "user": {"id": "U1"},
+            "container": {"type": "message", "channel_id": c, "message_ts": "1.2", "thread_ts": "1.1"}}  # fmt: skip
+    bodies = [
+        b"payload=%7Bnot+json",  # the payload field is not JSON
+        b"nothing=here",  # no payload field
+        urllib.parse.urlencode({"payload": json.dumps(["a", "list"])}).encode(),
+        urllib.parse.urlencode({"payload": json.dumps({**ours, "actions": [
+            {"action_id": "june_input:yes", "value": "not json"}]})}).encode(),
+        urllib.parse.urlencode({"payload": json.dumps({**ours, "actions": [
+            {"action_id": "june_input:yes", "value": json.dumps({"turn_id": "t1"})}]})}).encode(),
+    ]  # fmt: skip
+    for body in bodies:
+        headers = {"Content-Type": "application/x-www-form-urlencoded", **signed(SECRET, body)}
+        answer = slack.http.post("/slack/interactivity", content=body, headers=headers)
+        assert answer.status_code == 400 and "not a Slack payload" in answer.json()["detail"], body
+    # nothing sent on: no resume reached a worker (no note, no update), no session was opened
+    assert len(slack.fake.calls) == calls_before
+    assert slack.stack.sql("select 1 from june_gateway_sessions where session like %s", f"slack:{c}:%") == []
+
+
+def test_an_identity_resolver_that_times_out_leaves_the_turn_anonymous_but_running(slack: Slack) -> None:
+    # Given a directory that stopped answering for U_SLOW (past JUNE_SLACK_RESOLVE_TIMEOUT_S, 1 s here)
+    c = channel_id()
+    assert slack.settings.slack is not None and slack.settings.slack.resolve_timeout_s == 1.0
+    try:
+        # When U_SLOW's message arrives
+        assert slack.event(message(c, "710.1", "who am I", user="U_SLOW")).status_code == 200
+        # Then the turn runs without a principal, its speaker still attested, and is answered
+        session, tid = f"slack:{c}:710.1", turn_id(c, "710.1")
+        wait_for(lambda: slack.delivered(session, tid), what="the turn to be delivered")
+    finally:
+        SLOW_DIRECTORY.set()
+    (payload,) = slack.stack.sql("select payload::text from june_turns where turn_id = %s", tid)
+    event = json.loads(payload[0])["event"]
+    assert event.get("principal") is None and event["user"] == {"id": "U_SLOW", "attested": True, "team": "T1"}
+    assert slack.stack.turn_row("desk", session, tid)["status"] == "completed"  # type: ignore[index]
+    assert [m.text for m in slack.fake.thread(c, "710.1")] == ["did: who am I"]
+
+
+def test_a_slack_turn_runs_with_instructions_slack_md_and_without_the_tools_slack_is_denied(slack: Slack) -> None:
+    # Given the desk agent's slack_desk/ directory: instructions.slack.md, and [surfaces.slack] deny_tools wire_money
+    c = channel_id()
+    # When a Slack message asks it what it sees, and another asks for the denied tool
+    slack.event(message(c, "720.1", "policy"))
+    slack.event(message(c, "730.1", "wire it"))
+    for ts in ("720.1", "730.1"):
+        wait_for(lambda ts=ts: slack.delivered(f"slack:{c}:{ts}", turn_id(c, ts)), what="both turns")  # type: ignore[misc]
+    # Then its system prompt had the Slack instructions and its tools lacked wire_money (source slack)
+    assert [m.text for m in slack.fake.thread(c, "720.1")] == ["slack-instructions: yes tools: approve_refund,broken"]
+    # and the call to wire_money was refused as unknown, which the model read; the tool never ran
+    (wired,) = slack.fake.thread(c, "730.1")
+    assert wired.text.endswith("That did not work.")
+    steps = slack.stack.sql(
+        "select data::text from june_steps where session = %s and step_id like 'tool:%%'", f"slack:{c}:730.1"
+    )
+    assert len(steps) == 1 and "unknown tool wire_money" in steps[0][0] and '"wired"' not in steps[0][0]

@@ -53,10 +53,38 @@ def test_the_turn_id_is_derived_from_the_message_so_retries_and_a_mention_copy_a
 
 
 @pytest.mark.parametrize(
-    "extra", [{"bot_id": "B1"}, {"subtype": "message_changed"}, {"subtype": "bot_message"}], ids=str
-)
+    "extra",
+    [{"bot_id": "B1"}, {"subtype": "message_changed"}, {"subtype": "bot_message"}, {"subtype": "message_deleted"},
+     {"subtype": "channel_join"}],
+    ids=str,
+)  # fmt: skip
 def test_bot_posts_and_edits_start_no_turn(extra: dict[str, Any]) -> None:
     assert parse_event(message(**extra)) is None
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"subtype": "file_share", "files": [{"id": "F1", "name": "invoice.pdf"}]},
+     {"subtype": "thread_broadcast", "thread_ts": "100.0"}],
+    ids=lambda extra: extra["subtype"],
+)  # fmt: skip
+def test_a_persons_file_share_or_thread_broadcast_starts_a_turn_like_a_message(extra: dict[str, Any]) -> None:
+    turn = parse_event(message("what does this say?", **extra))
+    assert turn is not None and turn.text == "what does this say?" and turn.turn_id == "slack:T1:C1:111.1"
+    assert turn.session == f"slack:C1:{extra.get('thread_ts', '111.1')}" and turn.event.kind == "message"
+
+
+def test_a_reaction_is_a_turn_in_the_session_of_the_message_reacted_to_not_of_its_thread() -> None:
+    # Slack's reaction_added names the message (channel, ts), not its thread: a reaction to a reply at 222.2 inside
+    # the thread 100.0 is the session of 222.2 (docs/slack.md, "Limits"), and its answer goes to that reply's ts
+    reaction = {
+        "type": "event_callback", "team_id": "T1", "event_id": "Ev7",
+        "event": {"type": "reaction_added", "user": "U1", "reaction": "eyes",
+                  "item": {"type": "message", "channel": "C1", "ts": "222.2"}},
+    }  # fmt: skip
+    turn = parse_event(reaction, respond_to=("reaction_added",))
+    assert turn is not None and turn.session == "slack:C1:222.2" and turn.target["thread_ts"] == "222.2"
+    assert turn.text == ":eyes:"
 
 
 def test_s170_replace_in_flight_applies_to_messages_not_reactions() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -38,6 +39,7 @@ from june_worker.engine.events import (
     is_structural,
 )
 from june_worker.engine.types import ErrorInfo, InboundEvent, InboundTrigger, InputRequest, ResumeTrigger, ToolCall
+from june_worker.worker.rendering import LiveRender
 
 from .._fake_slack import FakeSlack
 
@@ -162,7 +164,7 @@ def test_s175_failure_note_is_posted_when_streaming_is_unavailable(slack: FakeSl
     s = Seq()
     failed = TurnFailed(turn_id="t1", error=ErrorInfo(message="boom"), phase="model")
     live(slack, [s(started()), s(failed)])
-    assert slack.methods()[:2] == ["chat.startStream", "chat.postMessage"]
+    assert slack.methods() == ["chat.startStream", "chat.postMessage"], "the whole sequence: nothing after the post"
     assert "the turn failed" in slack.calls[1].body["text"]
 
 
@@ -218,6 +220,39 @@ def test_the_status_line_is_set_while_the_turn_runs_and_always_cleared(slack: Fa
     state = MemoryRenderState({"status": {"on": True}})
     finish(slack, state, events, Completed(turn_id="t1", text="Hi"))
     assert [c["status"] for c in slack.of("assistant.threads.setStatus")] == [""]
+
+
+@pytest.mark.parametrize("code", ["invalid_thread_ts", "missing_scope"])
+def test_a_status_line_slack_refuses_is_turned_off_and_the_reply_still_renders_live(
+    slack: FakeSlack, code: str
+) -> None:
+    # Given a thread where Slack refuses the status line
+    slack.errors["assistant.threads.setStatus"] = code
+    s = Seq()
+    events = [s(started()), delta("Hel"), delta("lo"), s(TurnCompleted(turn_id="t1", text="Hello"))]
+    # When the turn renders live
+    state = live(slack, events, status="is thinking…")
+    # Then the status line is tried once and dropped; the reply streams as it would without one
+    assert slack.methods() == [
+        "assistant.threads.setStatus", "chat.startStream", "chat.appendStream", "chat.stopStream",
+    ]  # fmt: skip
+    assert [m.text for m in slack.thread("C1", "1.1")] == ["Hello"]
+    finish(slack, state, events, Completed(turn_id="t1", text="Hello"))
+    assert len(slack.calls) == 4, "nothing left to clear, nothing posted again"
+
+
+def test_a_status_line_that_cannot_be_cleared_does_not_fail_the_delivery(slack: FakeSlack) -> None:
+    # Given a worker that died with the status line on, and Slack refusing to clear it now
+    s = Seq()
+    events = [s(started()), s(TurnCompleted(turn_id="t1", text="Hi"))]
+    state = MemoryRenderState({"status": {"on": True}})
+    slack.errors["assistant.threads.setStatus"] = "missing_scope"
+    # When the delivery converges the thread, then runs again
+    finish(slack, state, events, Completed(turn_id="t1", text="Hi"))
+    finish(slack, state, events, Completed(turn_id="t1", text="Hi"))
+    # Then the reply is posted, the refused clear tried once and recorded off
+    assert slack.methods() == ["chat.postMessage", "assistant.threads.setStatus"]
+    assert state.get("status") == {"on": False}
 
 
 def test_without_streaming_the_reply_is_posted_then_updated(slack: FakeSlack) -> None:
@@ -303,12 +338,46 @@ def test_s183_the_continuation_renders_into_the_prompt_message(slack: FakeSlack)
         r.feed(event)
         r.push()
     calls = slack.calls[before:]
-    assert {c.method for c in calls} == {"chat.update"}
-    assert all(c.body["ts"] == prompt_ts for c in calls)
-    assert calls[-1].body["text"] == "Refund approved."
+    assert [(c.method, c.body["channel"], c.body["ts"], c.body["text"]) for c in calls] == [
+        ("chat.update", "C1", prompt_ts, "Refund approved."),
+    ], "the exact sequence: one update of the prompt message, its buttons gone"
     assert all(b["type"] != "actions" for b in calls[-1].body["blocks"]), "the buttons are gone"
     finish(slack, state, [*first, resumed, *rest], Completed(turn_id="t1", text="Refund approved."))
     assert len(slack.calls) == before + len(calls)
+
+
+def _continue_after_the_answer(slack: FakeSlack, text: str) -> list[Any]:
+    """Park, answer, and render a continuation saying ``text``; the blocks of the prompt message's last update."""
+    s = Seq()
+    first = parked_events(s)
+    state = live(slack, first)
+    resumed = s(TurnStarted(turn_id="t1", trigger=ResumeTrigger(call_id="c1", input_id="approve-1")))
+    r = renderer(slack, state, history=[*first, resumed])
+    for event in [
+        s(MessageCompleted(turn_id="t1", step="model:3", text=text)),
+        s(TurnCompleted(turn_id="t1", text=text)),
+    ]:
+        r.feed(event)
+        r.push()
+    return list(slack.of("chat.update")[-1]["blocks"])
+
+
+def test_a_long_reply_after_an_approval_is_shown_whole_over_several_sections(slack: FakeSlack) -> None:
+    # Given a continuation longer than one section holds (Slack shows the blocks, not the text)
+    lines = [f"line {i}: " + "x" * 90 for i in range(80)]  # about 8,000 characters
+    blocks = _continue_after_the_answer(slack, "\n".join(lines))
+    # Then every line is shown, over sections of at most 3,000 characters each
+    prompt, answered, *body = blocks
+    assert prompt["text"]["text"] == "Approve refund?" and answered["type"] == "context"
+    texts = [b["text"]["text"] for b in body]
+    assert len(texts) == 3 and all(len(t) <= 3000 for t in texts)
+    assert "\n".join(texts).splitlines() == lines, "cut at line breaks, nothing lost"
+
+
+def test_a_reply_too_long_for_one_message_is_cut_within_slacks_fifty_blocks_and_says_so(slack: FakeSlack) -> None:
+    blocks = _continue_after_the_answer(slack, "word " * 40_000)  # 200,000 characters
+    assert len(blocks) == 50 and all(len(b["text"]["text"]) <= 3000 for b in blocks if "text" in b)
+    assert "cut: the rest is longer than one Slack message holds" in blocks[-1]["text"]["text"]
 
 
 # --- at least once: converging after a crash -----------------------------------------------------------------
@@ -400,3 +469,27 @@ def test_a_park_on_two_requests_posts_a_prompt_for_each_and_the_continuation_clo
     assert len(closed) == 1 and all(b["type"] != "actions" for b in closed[0]["blocks"]), "its buttons are gone"
     finish(slack, state, [*first, resumed, *rest], Completed(turn_id="t1", text="Both refunded."))
     assert len([c for c in slack.calls[before:] if c.body.get("ts") == first_ts]) == 1, "closed once"
+
+
+# --- a live render that overran its time -------------------------------------------------------------------
+
+
+def test_a_live_render_still_in_a_slack_call_when_the_turn_ends_is_stopped_before_the_delivery_and_posts_once(
+    slack: FakeSlack,
+) -> None:
+    # Given a live render whose first post Slack rate-limits (Retry-After 1 s): its thread sleeps inside the call
+    slack.rate_limit["chat.postMessage"], slack.retry_after_s = 1, 1
+    s = Seq()
+    events = [s(started()), delta("Hel"), delta("lo"), s(TurnCompleted(turn_id="t1", text="Hello"))]
+    state = MemoryRenderState()
+    live_render = LiveRender(renderer(slack, state, stream=False), "t1")
+    live_render.put(events[:2])
+    assert slack.limited.wait(10), "the post was rate-limited"
+    live_render.put(events[2:])
+    # When the turn ends before it is done: the drain gives up at once, then the delivery runs
+    live_render.close(timeout_s=0)
+    finish(slack, state, events, Completed(turn_id="t1", text="Hello"))
+    # Then the live render made no call past the one in flight, whose message the delivery completed in place
+    live_render.close(timeout_s=10)  # (unfixed, its thread was still going: let it end before counting)
+    assert slack.methods() == ["chat.postMessage", "chat.postMessage", "chat.update"], "the 429, its retry, the update"
+    assert [m.text for m in slack.thread("C1", "1.1")] == ["Hello"]

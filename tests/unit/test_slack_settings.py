@@ -25,6 +25,13 @@ def test_the_signing_secret_turns_them_on_and_never_shows_in_a_repr() -> None:
     assert "s3cr3t" not in repr(settings) and "s3cr3t" not in repr(settings.slack)
 
 
+@pytest.mark.parametrize("raw", ["message, ", " message ,app_mention,", "message,,app_mention"])
+def test_the_event_types_are_read_with_spaces_and_empty_items_left_out(raw: str) -> None:
+    env = {**BASE, "SLACK_SIGNING_SECRET": "x", "JUNE_SLACK_AGENT": "desk", "JUNE_SLACK_RESPOND_TO": raw}
+    slack = GatewaySettings.from_env(env).slack
+    assert slack is not None and slack.respond_to == tuple(t for t in ("message", "app_mention") if t in raw)
+
+
 @pytest.mark.parametrize(
     "extra, named",
     [

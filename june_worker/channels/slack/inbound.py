@@ -8,8 +8,12 @@ action that is not ``june_input:yes`` / ``june_input:no``) is None or an empty l
 * A message or an app mention in channel ``C`` is the turn ``slack:<team>:<C>:<ts>`` (a retry of
   the delivery, or the same message arriving as both ``message`` and ``app_mention``, is the same
   turn) in the session ``slack:<C>:<thread_ts>`` (a message outside a thread opens one at its own
-  ts); a ``reaction_added`` is the turn ``slack:<team>:<event_id>`` in the session of the message
-  reacted to.
+  ts); a person's ``file_share`` or ``thread_broadcast`` is a message like any other (its text; the
+  files themselves are not passed on). A ``reaction_added`` is the turn ``slack:<team>:<event_id>``
+  in the session ``slack:<C>:<ts of the message reacted to>``: Slack's event does not say which
+  thread that message is in, so a reaction to a reply inside a thread is a session of its own, not
+  the thread's (finding the thread takes ``conversations.replies``, a Web API call with the bot
+  token, which this side holds neither of nor the time for within Slack's 3 seconds).
 * The speaker is attested (Slack signed it), ``source`` is ``slack``; the target is the thread.
 """
 
@@ -30,6 +34,9 @@ __all__ = ["SlackPayloadError", "parse_actions", "parse_event", "session_id"]
 _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,40}$")
 _LEADING_MENTION = re.compile(r"^\s*<@[A-Z0-9]+>[\s,:]*")
 _ANSWERS = {f"{ACTION_PREFIX}yes": True, f"{ACTION_PREFIX}no": False}
+_USER_SUBTYPES = frozenset({"file_share", "thread_broadcast"})
+"""Message subtypes a person posts (with a file; a thread reply also sent to the channel): they start a turn like a
+plain message. Every other subtype (``bot_message``, ``message_changed``, ``message_deleted``, joins...) does not."""
 
 
 class SlackPayloadError(PayloadError):
@@ -64,7 +71,8 @@ def parse_event(
     kind = event.get("type")
     if not isinstance(kind, str):
         raise SlackPayloadError("event.type must be a string")
-    if kind not in respond_to or event.get("bot_id") or event.get("subtype"):
+    subtype = event.get("subtype")
+    if kind not in respond_to or event.get("bot_id") or (subtype and subtype not in _USER_SUBTYPES):
         return None  # not subscribed here, a bot's own post (ours included), an edit, a deletion...
     team = _id(payload.get("team_id") or event.get("team"), "team_id")
     user = _id(event.get("user"), "event.user")

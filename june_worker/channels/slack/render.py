@@ -24,6 +24,7 @@ message whose slot already holds one.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,10 @@ def _task_chunk(task: Task) -> dict[str, Any]:
     return chunk
 
 
+class _Aborted(Exception):
+    """The live render was stopped (:meth:`SlackRenderer.abort`): no more Slack calls from it."""
+
+
 class SlackRenderer:
     def __init__(
         self, api: SlackApi, target: Mapping[str, JsonValue], ctx: RenderContext, options: SlackOptions
@@ -100,9 +105,21 @@ class SlackRenderer:
         self._seen_seq = max((e.seq or 0 for e in ctx.history), default=0)
         self._shown: dict[str, _Shown] = {}
         self._status_on = False
+        self._no_status = False
         self._finishing = False
+        self._aborted = threading.Event()
+
+    def _call(self, method: str, **params: Any) -> dict[str, Any]:
+        if self._aborted.is_set():
+            raise _Aborted(method)
+        return self.api.call(method, **params)
 
     # --- live ---------------------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Make no Slack call from now on (a call in flight ends as it would, and its ts is recorded): the
+        delivery is rendering the turn now, and two renderers of one thread would post twice."""
+        self._aborted.set()
 
     def feed(self, event: TurnEvent) -> None:
         if event.seq is not None:
@@ -112,7 +129,7 @@ class SlackRenderer:
         fold([event], self.segments)
 
     def push(self) -> None:
-        if not self.live or not self.segments or self.segments[-1].key is None:
+        if not self.live or self._aborted.is_set() or not self.segments or self.segments[-1].key is None:
             return
         seg = self.segments[-1]
         try:
@@ -125,6 +142,8 @@ class SlackRenderer:
                 self._post_prompt(seg)
             if seg.ended:
                 self._clear_status()
+        except _Aborted:
+            self.live = False  # stopped from outside: the delivery shows the rest
         except Exception as exc:
             # Live rendering is best effort: what it could not show (Slack failed, or the render state could not
             # be recorded, so going on might post twice), finish() shows when the run ends.
@@ -135,17 +154,28 @@ class SlackRenderer:
             self.live = False
 
     def _status(self, seg: Segment) -> None:
-        if self.options.status and self.thread_ts and not seg.ended and not self._status_on:
+        if self.options.status and self.thread_ts and not seg.ended and not self._status_on and not self._no_status:
             self._status_on = True
             self.ctx.state.put("status", {"on": True})
-            self.api.call("assistant.threads.setStatus", channel_id=self.channel_id, thread_ts=self.thread_ts,
-                          status=self.options.status)  # fmt: skip
+            self._set_status(self.options.status)
 
     def _clear_status(self) -> None:
         if self._status_on:
             self._status_on = False
-            self.api.call("assistant.threads.setStatus", channel_id=self.channel_id, thread_ts=self.thread_ts,
-                          status="")  # fmt: skip
+            self._set_status("")
+            self.ctx.state.put("status", {"on": False})
+
+    def _set_status(self, status: str) -> None:
+        """The status line is an extra: where Slack refuses it (not an assistant thread, a missing scope), it is
+        turned off for this run and the reply goes on; only a failure worth another attempt goes up."""
+        try:
+            self._call("assistant.threads.setStatus", channel_id=self.channel_id, thread_ts=self.thread_ts,
+                       status=status)  # fmt: skip
+        except ChannelError as exc:
+            if classify(exc, phase="channel") is Failure.TRANSIENT:
+                raise
+            log.warning("the status line of turn %s is off: Slack refused it (%s)", self.ctx.turn_id, exc.code or "-")
+            self._no_status, self._status_on = True, False
             self.ctx.state.put("status", {"on": False})
 
     def _slot(self, key: str) -> _Shown:
@@ -188,8 +218,8 @@ class SlackRenderer:
     def _start_stream(self, seg: Segment, shown: _Shown) -> None:
         text = seg.stream_text()
         try:
-            data = self.api.call("chat.startStream", channel=self.channel_id, thread_ts=self.thread_ts,
-                                 markdown_text=text, **self.recipient)  # fmt: skip
+            data = self._call("chat.startStream", channel=self.channel_id, thread_ts=self.thread_ts,
+                              markdown_text=text, **self.recipient)  # fmt: skip
         except ChannelError as exc:
             if classify(exc, phase="channel") is Failure.TRANSIENT:
                 raise
@@ -203,7 +233,7 @@ class SlackRenderer:
 
     def _post(self, seg: Segment, shown: _Shown) -> None:
         body = seg.body()
-        data = self.api.call("chat.postMessage", channel=self.channel_id, text=body, thread_ts=self.thread_ts)
+        data = self._call("chat.postMessage", channel=self.channel_id, text=body, thread_ts=self.thread_ts)
         ts = data.get("ts")
         if isinstance(ts, str):
             shown.ts, shown.mode, shown.text, shown.started_here = ts, "post", body, True
@@ -215,29 +245,29 @@ class SlackRenderer:
             if not text.startswith(shown.text):
                 shown.diverged = True  # a retried step said something else: the message is replaced whole
                 return
-            self.api.call("chat.appendStream", channel=self.channel_id, ts=shown.ts,
-                          markdown_text=text[len(shown.text):])  # fmt: skip
+            self._call("chat.appendStream", channel=self.channel_id, ts=shown.ts,
+                       markdown_text=text[len(shown.text):])  # fmt: skip
             shown.text = text
         self._append_tasks(seg, shown)
 
     def _append_tasks(self, seg: Segment, shown: _Shown) -> None:
         changed = [t for t in seg.tasks.values() if shown.tasks.get(t.id) != t.status]
         if changed:
-            self.api.call("chat.appendStream", channel=self.channel_id, ts=shown.ts,
-                          chunks=[_task_chunk(t) for t in changed])  # fmt: skip
+            self._call("chat.appendStream", channel=self.channel_id, ts=shown.ts,
+                       chunks=[_task_chunk(t) for t in changed])  # fmt: skip
             shown.tasks.update({t.id: t.status for t in changed})
 
     def _update(self, seg: Segment, shown: _Shown) -> None:
         self._stop_stream(seg, shown)
         body = seg.body()
-        self.api.call("chat.update", channel=self.channel_id, ts=shown.ts, text=body or " ")
+        self._call("chat.update", channel=self.channel_id, ts=shown.ts, text=body or " ")
         shown.text, shown.mode = body, "update"
 
     def _stop_stream(self, seg: Segment, shown: _Shown) -> None:
         if shown.mode != "stream":
             return
         try:
-            self.api.call("chat.stopStream", channel=self.channel_id, ts=shown.ts)
+            self._call("chat.stopStream", channel=self.channel_id, ts=shown.ts)
         except ChannelError as exc:
             if classify(exc, phase="channel") is Failure.TRANSIENT:
                 raise
@@ -277,8 +307,8 @@ class SlackRenderer:
             return
         blocks = prompt_blocks(request, turn_id=self.ctx.turn_id, session=self.ctx.session,
                                confirm=self.options.approval_confirm)  # fmt: skip
-        data = self.api.call("chat.postMessage", channel=self.channel_id, text=request.prompt, blocks=blocks,
-                             thread_ts=self._prompt_thread())  # fmt: skip
+        data = self._call("chat.postMessage", channel=self.channel_id, text=request.prompt, blocks=blocks,
+                          thread_ts=self._prompt_thread())  # fmt: skip
         ts = data.get("ts")
         if isinstance(ts, str):
             self.ctx.state.put(f"prompt:{request.id}", {"ts": ts, "prompt": request.prompt})
@@ -295,8 +325,8 @@ class SlackRenderer:
         body = seg.body() if seg.visible else ""
         if isinstance(ts, str):
             if shown.ts is None or body != shown.text:
-                self.api.call("chat.update", channel=self.channel_id, ts=ts, text=body or prompt_text or " ",
-                              blocks=answered_blocks(prompt_text, body))  # fmt: skip
+                self._call("chat.update", channel=self.channel_id, ts=ts, text=body or prompt_text or " ",
+                           blocks=answered_blocks(prompt_text, body))  # fmt: skip
                 shown.ts, shown.mode, shown.text = ts, "update", body
         elif shown.ts is None:
             if seg.visible:
@@ -323,8 +353,8 @@ class SlackRenderer:
             if data is None or data.get("answered") or not isinstance(data.get("ts"), str):
                 continue
             text = str(data.get("prompt", ""))
-            self.api.call("chat.update", channel=self.channel_id, ts=data["ts"], text=text or " ",
-                          blocks=answered_blocks(text, ""))  # fmt: skip
+            self._call("chat.update", channel=self.channel_id, ts=data["ts"], text=text or " ",
+                       blocks=answered_blocks(text, ""))  # fmt: skip
             self.ctx.state.put(f"prompt:{input_id}", {**data, "answered": True})
 
     # --- at least once --------------------------------------------------------------------------------
