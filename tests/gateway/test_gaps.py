@@ -141,3 +141,22 @@ def test_a_last_event_id_of_an_earlier_copy_of_the_stream_is_told_where_the_rebu
     seqs = [m.json()["seq"] for m in got[1:] if not m.event.endswith(".delta")]
     assert seqs[0] == 3 and seqs == list(range(3, 3 + len(seqs)))
 
+
+def test_the_log_says_from_which_seq_it_still_holds_events_when_the_first_ones_asked_for_were_pruned(
+    gateway: Gateway,
+) -> None:
+    # Given a session whose outbox was pruned of seq 1-2 (retention)
+    session, _turn_id, before, _after = trimmed_turn(gateway)
+    committed = max(e["seq"] for e in before if e["seq"] is not None)
+    gateway.stack.sql("delete from june_events where agent = 'ops' and session = %s and seq <= 2", session)
+    client, log = gateway.client(), gateway.path("ops", session, "/log")
+    # When a follower reloads from after_seq=0, Then it is told the store holds them from seq 3 on
+    pruned = client.get(log, params={"after_seq": 0}).json()
+    assert pruned["first_kept_seq"] == 3 and [e["seq"] for e in pruned["events"]][:1] == [3]
+    # And a reload from a seq still held says nothing is missing
+    assert client.get(log, params={"after_seq": 2}).json()["first_kept_seq"] is None
+    # And once every event was pruned, the log says the next seq to come is the first it will hold
+    gateway.stack.sql("delete from june_events where agent = 'ops' and session = %s", session)
+    empty = client.get(log, params={"after_seq": 1}).json()
+    assert (empty["events"], empty["first_kept_seq"]) == ([], committed + 1)
+    assert client.get(log, params={"after_seq": committed}).json()["first_kept_seq"] is None
