@@ -122,6 +122,7 @@ class _Follow:
         timeout_s: float | None,
         deltas: bool,
         last_seq: int | None = None,
+        newest_attempt: dict[tuple[str, str], int] | None = None,
     ) -> None:
         if last_seq is not None and last_seq < 0:
             raise ValueError(f"last_seq must not be negative, not {last_seq}")
@@ -135,7 +136,7 @@ class _Follow:
         self.gap: Gap | None = None
         self.lost = False  # the start id is from no copy of the stream here: check the first structural seq
         self.done = False
-        self.newest_attempt: dict[tuple[str, str], int] = {}
+        self.newest_attempt = {} if newest_attempt is None else newest_attempt
 
     def block(self) -> int | None:
         """How long the next XREAD may block; None (do not block) once the deadline has passed."""
@@ -271,15 +272,20 @@ async def afollow(
     include_deltas: bool = True,
     keys: EventKeys = DEFAULT_KEYS,
     last_seq: int | None = None,
+    newest_attempt: dict[tuple[str, str], int] | None = None,
 ) -> AsyncGenerator[StreamEvent, None]:
     """:func:`follow` on ``redis.asyncio``, for the HTTP gateway (SSE, ``Last-Event-ID`` = ``stream_id``).
 
-    An async generator: ``"$"`` is pinned when iteration starts, not at the call.
+    An async generator: ``"$"`` is pinned when iteration starts, not at the call. ``newest_attempt``: the
+    newest attempt seen per (turn id, step), updated in place, so that a follow that goes on where an earlier
+    one ended (the gateway's windows) still drops a dead attempt's deltas that arrive late.
     """
     stream = keys.session_stream(SessionRef(agent, session))
     if last_id == "$":
         last_id = _resolve_last_id(last_id, await client.xrevrange(stream, count=1))
-    state = _Follow(stream, turn_id, last_id, _safe_block_ms(client, block_ms), timeout_s, include_deltas, last_seq)
+    state = _Follow(
+        stream, turn_id, last_id, _safe_block_ms(client, block_ms), timeout_s, include_deltas, last_seq, newest_attempt
+    )
     async with client.pipeline(transaction=False) as pipe:
         queue_start_check(pipe, stream, state.last_id, state.last_seq)
         start = judge_start(stream, state.last_id, state.last_seq, await pipe.execute(raise_on_error=False))
