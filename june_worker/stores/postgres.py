@@ -397,6 +397,12 @@ _MIGRATIONS: list[str] = [
     create index june_sessions_parked on june_sessions (updated_at, agent, session) where suspended is not null;
     create index june_turns_failed on june_turns (finished_at, agent, session, turn_id) where status = 'failed';
     """,
+    # 10: retention keeps a session's outbox events from its oldest turn still unfinished (queued, running, parked) or
+    # due for delivery on, found along this index (few rows: only such turns; june_worker/worker/retention.py)
+    """
+    create index june_turns_kept on june_turns (agent, session, created_at)
+        where status in ('queued', 'running', 'suspended') or deliver_due;
+    """,
 ]
 
 _WHY_NOT = """
