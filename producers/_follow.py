@@ -25,7 +25,7 @@ import math
 import time
 from typing import Any
 
-from ._gaps import Gap, Start, jump
+from ._gaps import Gap, Start, jump, lost_start
 from .events import FollowedEvent
 
 __all__ = ["DeltaAttempts", "FollowState", "decode_entry", "entries", "safe_block_ms"]
@@ -131,6 +131,7 @@ class FollowState:
         self.last_seq = last_seq  # the highest structural seq held; None: not known until the start check
         self.reload = reload
         self.gap: Gap | None = None
+        self.lost = False  # the start id is from no copy of the stream here: check the first structural seq
         self.done = False
         self.attempts = DeltaAttempts()
 
@@ -150,6 +151,7 @@ class FollowState:
         """Take what the start check found (:func:`._gaps.judge_start`) and, when it was suspect, the entries
         after the start id: the seq held, and a gap at the start."""
         self.last_seq, self.gap = start.settle(after) if start.suspect else (start.anchor, None)
+        self.lost = start.lost and not start.suspect
 
     def raise_gap(self) -> None:
         if self.gap is not None:
@@ -169,6 +171,11 @@ class FollowState:
                     continue
             else:
                 seq = event.seq
+                if seq is not None and self.last_seq is None and self.lost:
+                    self.lost, self.gap = False, lost_start(self.stream, before, entry_id, seq)
+                    if self.gap is not None:
+                        self.last_id = before
+                        break
                 if seq is not None and self.last_seq is not None:
                     if seq <= self.last_seq:
                         continue  # the same event again, in a stream rebuilt from the store

@@ -10,7 +10,14 @@ from a store that may have pruned its oldest events. A follower finds out in two
   the stream's first entry, while the stream has lost entries (``entries-added`` > ``length``), may
   have lost what came after that id. With the seq it holds (``last_seq``, or 0 from the start) the
   first structural entry still there says exactly what is missing; without it the gap is told with
-  the first missing seq unknown.
+  the first missing seq unknown;
+* **a position from an earlier copy of the stream**: its keys expired (``JUNE_STREAM_TTL_S``) or Redis
+  lost them, and the stream was rebuilt from a store that pruned its oldest events, so it lost
+  nothing by its own count. A follower that does not say which seq it holds and starts from an id at
+  or before which the stream holds nothing (or from any id but ``0-0`` of a stream that is not there)
+  is told a gap before the first structural entry unless that entry is seq 1: without ``last_seq``
+  nothing else can say whether events between are gone. Deltas before it (live, never a gap) may
+  come first when the stream is not there yet at the start.
 
 Before its first read a follow sends one pipeline (queued by :func:`queue_start_check`: ``XINFO
 STREAM``, and the entries up to its start id when it did not say which seq it holds), and
@@ -36,7 +43,7 @@ from typing import Any
 from ..engine.events import DELTA_TYPES
 from ..errors import StreamGapError
 
-__all__ = ["SCAN", "Gap", "Start", "id_before", "judge_start", "jump", "queue_start_check"]
+__all__ = ["SCAN", "Gap", "Start", "id_before", "judge_start", "jump", "lost_start", "queue_start_check"]
 
 SCAN = 100
 """Entries read on each side of a start id to find the seqs around it."""
@@ -117,6 +124,12 @@ def jump(stream: str, after_id: str, entry_id: str, last_seq: int, seq: int) -> 
     return Gap(stream, after_id, id_before(entry_id), last_seq + 1, seq, trimmed=False)
 
 
+def lost_start(stream: str, after_id: str, entry_id: str, seq: int) -> Gap | None:
+    """The gap before structural entry ``entry_id`` (seq ``seq``), the first one a follower whose start id belongs
+    to no copy of the stream here (:attr:`Start.lost`) meets; None when it is seq 1: nothing can be missing."""
+    return None if seq <= 1 else Gap(stream, after_id, id_before(entry_id), None, seq, trimmed=True)
+
+
 def queue_start_check(pipe: Any, stream: str, last_id: str, last_seq: int | None) -> None:
     """Queue what :func:`judge_start` reads: XINFO STREAM, and the entries up to ``last_id`` when the seq the
     follower holds is not known."""
@@ -142,9 +155,13 @@ class Start:
     anchor: int | None
     """The last structural seq the follower holds; None: not known until its first structural entry."""
     suspect: bool
-    """The start id is older than the stream's first entry and the stream lost entries: read the entries
-    after it (``XRANGE stream (<last_id> + COUNT SCAN``) and :meth:`settle` with them."""
+    """Events after the start id may be gone (it is older than the stream's first entry, and the stream lost
+    entries or the follower's seq is not known): read the entries after it (``XRANGE stream (<last_id> + COUNT
+    SCAN``) and :meth:`settle` with them."""
     last_generated: str
+    lost: bool = False
+    """The follower's seq is not known and the stream is not there (or never held an entry): its start id is
+    from an earlier copy of it. The first structural entry to come is checked with :func:`lost_start`."""
 
     def settle(self, after: Any) -> tuple[int | None, Gap | None]:
         """The seq held and the gap at the start, given the entries after it (read only when ``suspect``)."""
@@ -152,6 +169,8 @@ class Start:
         next_seq = _first_seq(after)
         if self.anchor is not None and next_seq is not None and next_seq <= self.anchor + 1:
             return self.anchor, None  # only deltas were trimmed after the start: nothing structural is missing
+        if self.anchor is None and next_seq == 1:
+            return 0, None  # the stream holds the session from its first event on: nothing structural is missing
         resume_id = id_before(_text(after[0][0])) if after else self.last_generated
         first_missing = None if self.anchor is None else self.anchor + 1
         return self.anchor, Gap(self.stream, self.last_id, resume_id, first_missing, next_seq, trimmed=True)
@@ -174,9 +193,13 @@ def judge_start(stream: str, last_id: str, last_seq: int | None, replies: list[A
         if anchor is None and held and not lost_any and len(before) < SCAN:
             anchor = 0  # the whole stream up to the start is there, and none of it is structural
     oldest = first_id if first_id is not None else last_generated
-    suspect = (
-        lost_any
-        and id_key(last_id) < id_key(oldest)  # else inside the stream: trimming takes the oldest entries first
+    before_oldest = (
+        id_key(last_id) < id_key(oldest)  # else inside the stream: trimming takes the oldest entries first
         and not (first_id is not None and last_id == id_before(first_id))  # right before its first entry
     )
-    return Start(stream, last_id, anchor, suspect, last_generated)
+    # Without the seq held, a start id at or before which the stream holds nothing may be from an earlier copy of
+    # the stream (rebuilt from a pruned store: nothing lost by its own count), so it is suspect all the same.
+    unanchored = anchor is None and last_id != "0-0" and not before
+    suspect = before_oldest and (lost_any or unanchored)
+    lost = unanchored and id_key(last_generated) == (0, 0)  # no stream (or one never written): check what comes
+    return Start(stream, last_id, anchor, suspect, last_generated, lost)

@@ -11,8 +11,8 @@ from a ``seq``: deltas have no seq, and ids are what XREAD understands. Within o
 structural event is yielded at most once even if the stream holds it twice (after Redis lost
 its keys and the stream was rebuilt from the store).
 
-**Gaps are told, never skipped** (:mod:`._gaps`): when the start id was trimmed away, or a
-structural event's ``seq`` jumps past the last one held, ``follow`` raises
+**Gaps are told, never skipped** (:mod:`._gaps`): when the start id was trimmed away (or is one of an
+earlier copy of the stream), or a structural event's ``seq`` jumps past the last one held, ``follow`` raises
 :class:`~june_worker.errors.StreamGapError` naming the first missing seq (when known) and where to
 go on, before yielding anything after the gap. Reload the missing events from the store
 (``SessionStore.events(ref, after_seq=...)``), then follow again from the error's ``resume_id``
@@ -39,7 +39,7 @@ from pydantic import ValidationError
 
 from ..engine.events import TurnEvent, TurnEventAdapter, is_structural, is_terminal
 from ..engine.store import SessionRef
-from ._gaps import SCAN, Gap, Start, judge_start, jump, queue_start_check
+from ._gaps import SCAN, Gap, Start, judge_start, jump, lost_start, queue_start_check
 from ._redis_url import AsyncRedisClient, RedisClient, socket_timeout_s
 from .keys import DEFAULT_KEYS, EventKeys
 
@@ -122,6 +122,7 @@ class _Follow:
         timeout_s: float | None,
         deltas: bool,
         last_seq: int | None = None,
+        newest_attempt: dict[tuple[str, str], int] | None = None,
     ) -> None:
         if last_seq is not None and last_seq < 0:
             raise ValueError(f"last_seq must not be negative, not {last_seq}")
@@ -133,8 +134,9 @@ class _Follow:
         self.include_deltas = deltas
         self.last_seq = last_seq  # the highest structural seq the follower holds; None: not known yet
         self.gap: Gap | None = None
+        self.lost = False  # the start id is from no copy of the stream here: check the first structural seq
         self.done = False
-        self.newest_attempt: dict[tuple[str, str], int] = {}
+        self.newest_attempt = {} if newest_attempt is None else newest_attempt
 
     def block(self) -> int | None:
         """How long the next XREAD may block; None (do not block) once the deadline has passed."""
@@ -163,6 +165,7 @@ class _Follow:
         """Take what the start check found (:func:`._gaps.judge_start`) and, when it was suspect, the entries
         after the start id: the seq held, and a gap at the start."""
         self.last_seq, self.gap = start.settle(after) if start.suspect else (start.anchor, None)
+        self.lost = start.lost and not start.suspect
 
     def raise_gap(self) -> None:
         if self.gap is not None:
@@ -179,6 +182,11 @@ class _Follow:
             event = item.event
             if is_structural(event):
                 seq = event.seq or 0
+                if seq and self.last_seq is None and self.lost:
+                    self.lost, self.gap = False, lost_start(self.stream, before, entry_id, seq)
+                    if self.gap is not None:
+                        self.last_id = before
+                        break
                 if seq and self.last_seq is not None:
                     if seq <= self.last_seq:
                         continue  # the same event again, in a stream rebuilt from the store
@@ -264,15 +272,20 @@ async def afollow(
     include_deltas: bool = True,
     keys: EventKeys = DEFAULT_KEYS,
     last_seq: int | None = None,
+    newest_attempt: dict[tuple[str, str], int] | None = None,
 ) -> AsyncGenerator[StreamEvent, None]:
     """:func:`follow` on ``redis.asyncio``, for the HTTP gateway (SSE, ``Last-Event-ID`` = ``stream_id``).
 
-    An async generator: ``"$"`` is pinned when iteration starts, not at the call.
+    An async generator: ``"$"`` is pinned when iteration starts, not at the call. ``newest_attempt``: the
+    newest attempt seen per (turn id, step), updated in place, so that a follow that goes on where an earlier
+    one ended (the gateway's windows) still drops a dead attempt's deltas that arrive late.
     """
     stream = keys.session_stream(SessionRef(agent, session))
     if last_id == "$":
         last_id = _resolve_last_id(last_id, await client.xrevrange(stream, count=1))
-    state = _Follow(stream, turn_id, last_id, _safe_block_ms(client, block_ms), timeout_s, include_deltas, last_seq)
+    state = _Follow(
+        stream, turn_id, last_id, _safe_block_ms(client, block_ms), timeout_s, include_deltas, last_seq, newest_attempt
+    )
     async with client.pipeline(transaction=False) as pipe:
         queue_start_check(pipe, stream, state.last_id, state.last_seq)
         start = judge_start(stream, state.last_id, state.last_seq, await pipe.execute(raise_on_error=False))

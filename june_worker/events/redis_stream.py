@@ -40,9 +40,10 @@ Limits, all of them the price of keeping the markers in Redis beside the streams
 
 * Redis loses a session's keys (restart without persistence, FLUSHALL, eviction): the next
   publish finds no marker, sees a gap, and rebuilds the stream from the store, whole
-  history, trimmed as usual. A reader resuming from an id of the old stream gets that
-  history again (new ids are newer); :func:`~.reader.follow` drops repeats within one call,
-  a reader across calls must dedupe by ``seq``.
+  history, trimmed as usual. A reader resuming from an id of the old stream with ``last_seq``
+  gets what it lacks of that history (repeats dropped by ``seq``); without it, it is told a gap
+  unless the new copy starts at seq 1, then gets that history again (new ids are newer), so a
+  reader across calls must dedupe by ``seq``.
 * Only the marker lost (evicted alone, deleted by hand): the script recovers it from the
   ``seq`` of the newest structural entry among the stream's last 1000; no duplicates, unless
   deltas fill all of those 1000 entries.

@@ -121,11 +121,13 @@ async def follow_events(
 
     Follows in windows of ``heartbeat_s``: each window is one :func:`afollow` that ends after a
     read comes back empty past the window; a heartbeat follows, and the next window starts
-    after the last event sent. Structural events already sent (by ``seq``) are not sent again.
+    after the last event sent. Structural events already sent (by ``seq``) are not sent again, nor a delta of an
+    older attempt at its step than one sent (in any window).
     A gap is sent as a ``stream.gap`` event (:func:`format_gap`), and the stream goes on after it.
     """
     deadline = time.monotonic() + max_stream_s
     last_seq: int | None = None  # the last structural seq sent (None: none yet; afollow reads it off the stream)
+    attempts: dict[tuple[str, str], int] = {}  # newest attempt per (turn, step), across windows: late stale deltas
     if last_id == "$":
         raise ValueError("pin '$' to a stream id before following: every window must start from a real id")
     yield b"retry: 1000\n: connected\n\n"
@@ -146,6 +148,7 @@ async def follow_events(
             count=batch,
             keys=keys,
             last_seq=last_seq,
+            newest_attempt=attempts,
         )
         try:
             async with contextlib.aclosing(events):

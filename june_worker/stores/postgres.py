@@ -397,6 +397,15 @@ _MIGRATIONS: list[str] = [
     create index june_sessions_parked on june_sessions (updated_at, agent, session) where suspended is not null;
     create index june_turns_failed on june_turns (finished_at, agent, session, turn_id) where status = 'failed';
     """,
+    # 10: retention keeps a session's outbox events from its oldest turn still unfinished (queued, running, parked) or
+    # due for delivery on, found along the first index (few rows: only such turns); the sweeper finds the sessions
+    # with a reset pending along the second instead of reading every session (june_worker/worker/retention.py,
+    # SessionQueue.pending_resets)
+    """
+    create index june_turns_kept on june_turns (agent, session, created_at)
+        where status in ('queued', 'running', 'suspended') or deliver_due;
+    create index june_sessions_reset_pending on june_sessions (agent, session) where reset_pending;
+    """,
 ]
 
 _WHY_NOT = """

@@ -4,10 +4,13 @@ Each sweep deletes at most ``JUNE_PRUNE_BATCH`` rows of each kind (so a sweep st
 backlog drains over several sweeps) and logs the figures:
 
 * **outbox events** relayed to their session's stream (``seq <= relayed_seq``) and older than
-  ``JUNE_OUTBOX_RETENTION_S``, except those of a turn whose delivery to a target is still due (its
-  ``deliver`` hook reads them). A follower catches up on the Redis stream; the outbox is the relay's
-  source and what the gateway's ``/log`` and ``observe(replay=True)`` read, so they hold only this
-  much history;
+  ``JUNE_OUTBOX_RETENTION_S``, except those written since the session's oldest turn that is still
+  unfinished (queued, running, or parked on an input however long ago) or whose delivery to a target
+  is still due: rendering reads a turn's own events (live history, the final delivery after a resume),
+  and keeping all of them from that turn on leaves the outbox a gap-free run of the session's latest
+  events, so ``/log`` can say from which seq it holds them. A follower catches up on the Redis stream;
+  the outbox is the relay's source and what the gateway's ``/log`` and ``observe(replay=True)`` read,
+  so they hold only this much history;
 * **ended turns** (completed, failed, cancelled, rejected) ``JUNE_TURN_RETENTION_S`` after they
   ended, with their step records (replay never reads an ended turn's steps; the transcript keeps its
   messages). A message of such a turn delivered again after that would run it again, so keep this
@@ -18,7 +21,8 @@ Per-session Redis keys expire on their own (``JUNE_STREAM_TTL_S``, renewed by ea
 firehose marker's fields of sessions quiet for as long are dropped here too.
 
 The rule a reader must not break: **nothing a turn still needs is pruned**: unfinished, suspended
-and delivery-due turns, events not yet relayed, and the session's reserved steps stay.
+and delivery-due turns and their events (with every later event of their session), events not yet
+relayed, and the session's reserved steps stay.
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ with doomed as (
     select e.agent, e.session, e.seq from june_events e
      where e.created_at < {_NOW} - %(keep)s
        and e.seq <= (select s.relayed_seq from june_sessions s where s.agent = e.agent and s.session = e.session)
+       -- kept: from the session's oldest turn still unfinished or due for delivery on (index june_turns_kept)
        and not exists (select 1 from june_turns t
-                        where t.agent = e.agent and t.session = e.session and t.turn_id = e.turn_id and t.deliver_due)
+                        where t.agent = e.agent and t.session = e.session and t.created_at <= e.created_at
+                          and (t.status in ('queued', 'running', 'suspended') or t.deliver_due))
      order by e.created_at
      limit %(batch)s
 )

@@ -25,9 +25,11 @@ JUNE_MAX_ATTEMPTS           starts of one turn (a killed process, a  5
                             retries) before it ends ``failed`` as
                             poison and the session moves on
 JUNE_OUTBOX_RETENTION_S     relayed outbox events older than this    86400 (a day)
-                            are deleted (a follower catches up on
-                            the stream; /log and relays read the
-                            outbox)
+                            are deleted, but for those from a
+                            session's oldest unfinished or
+                            delivery-due turn on (a follower catches
+                            up on the stream; /log and relays read
+                            the outbox)
 JUNE_TURN_RETENTION_S       ended turns' rows, and their step        604800 (a week)
                             records, are deleted this long after
                             they ended (a message redelivered later

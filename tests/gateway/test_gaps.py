@@ -103,3 +103,60 @@ def test_a_wait_whose_turn_end_was_trimmed_away_answers_from_the_turns_row(gatew
         "completed",
         "Done: create_order -> {'item': 'book', 'qty': 2}",
     )
+
+
+def rebuilt_from_a_pruned_outbox(gateway: Gateway) -> tuple[str, list[dict[str, Any]], str]:
+    """A completed ``order`` turn; then its session's Redis keys gone (expired), seq 1-2 pruned from the outbox,
+    and a second turn, whose first publish rebuilt the stream from what the outbox still holds.
+
+    Returns (session, the entries of the stream's first copy, the second turn's id)."""
+    session, _turn_id, before, _after = trimmed_turn(gateway)
+    stack = gateway.stack
+    stack.sql("delete from june_events where agent = 'ops' and session = %s and seq <= 2", session)
+    stack.redis.delete(stack.stream_key("ops", session), f"{stack.prefix}:relayed:{{ops:{session}}}")
+    later = gateway.client().post(
+        gateway.path("ops", session, "/turns"), json={"text": "hello"}, params={"wait": "true"}
+    )
+    assert later.status_code == 200, later.text
+    info = stack.redis.xinfo_stream(stack.stream_key("ops", session))
+    assert info["entries-added"] == info["length"]  # the new copy lost nothing by its own count
+    assert first_seq(stack.events("ops", session)) == 3
+    return session, before, later.json()["turn_id"]
+
+
+def test_a_last_event_id_of_an_earlier_copy_of_the_stream_is_told_where_the_rebuilt_copy_goes_on(
+    gateway: Gateway,
+) -> None:
+    # Given a follower that got the session's first event, and the stream since rebuilt from an outbox pruned
+    # to seq 3 on
+    session, before, later = rebuilt_from_a_pruned_outbox(gateway)
+    # When it reconnects to the session's stream with the id of the event it got
+    path = gateway.path("ops", session, "/events")
+    with gateway.client().stream("GET", path, headers=sse_headers(gateway, last_event_id=before[0]["id"])) as r:
+        got = list(read_events(r, until_terminal=later))
+    # Then it is told of the gap first, naming the first seq the stream holds, and gets the rest after it
+    assert got[0].event == "stream.gap"
+    data = got[0].json()
+    assert (data["first_missing_seq"], data["next_seq"], data["after_id"]) == (None, 3, before[0]["id"])
+    seqs = [m.json()["seq"] for m in got[1:] if not m.event.endswith(".delta")]
+    assert seqs[0] == 3 and seqs == list(range(3, 3 + len(seqs)))
+
+
+def test_the_log_says_from_which_seq_it_still_holds_events_when_the_first_ones_asked_for_were_pruned(
+    gateway: Gateway,
+) -> None:
+    # Given a session whose outbox was pruned of seq 1-2 (retention)
+    session, _turn_id, before, _after = trimmed_turn(gateway)
+    committed = max(e["seq"] for e in before if e["seq"] is not None)
+    gateway.stack.sql("delete from june_events where agent = 'ops' and session = %s and seq <= 2", session)
+    client, log = gateway.client(), gateway.path("ops", session, "/log")
+    # When a follower reloads from after_seq=0, Then it is told the store holds them from seq 3 on
+    pruned = client.get(log, params={"after_seq": 0}).json()
+    assert pruned["first_kept_seq"] == 3 and [e["seq"] for e in pruned["events"]][:1] == [3]
+    # And a reload from a seq still held says nothing is missing
+    assert client.get(log, params={"after_seq": 2}).json()["first_kept_seq"] is None
+    # And once every event was pruned, the log says the next seq to come is the first it will hold
+    gateway.stack.sql("delete from june_events where agent = 'ops' and session = %s", session)
+    empty = client.get(log, params={"after_seq": 1}).json()
+    assert (empty["events"], empty["first_kept_seq"]) == ([], committed + 1)
+    assert client.get(log, params={"after_seq": committed}).json()["first_kept_seq"] is None

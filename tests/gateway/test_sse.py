@@ -8,6 +8,8 @@ nothing missed, nothing repeated.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import socket
 import time
 import uuid
@@ -16,8 +18,13 @@ from typing import Any
 
 import httpx
 
+from june_worker.engine.events import MessageDelta
+from june_worker.engine.store import SessionRef
+from june_worker.events import EventKeys, RedisStreamSink
+from june_worker.events._redis_url import aconnect, connect
 from june_worker.gateway import create_app
 from june_worker.gateway.client import parse_sse
+from june_worker.gateway.sse import follow_events
 from tests.integration.conftest import wait_for
 
 from .conftest import settings_for
@@ -240,3 +247,34 @@ def read_events_from(lines: Iterator[str], turn_id: str) -> Iterator[Any]:
         yield message
         if message.event == "turn.completed" and message.json()["turn_id"] == turn_id:
             return
+
+
+async def test_a_dead_attempts_delta_arriving_in_a_later_heartbeat_window_is_not_sent(redis_url: str) -> None:
+    # Given a session stream followed over SSE (windows of 0.2 s), where attempt 2 of a step is typing
+    keys, ref = EventKeys(prefix=f"june-test-{uuid.uuid4().hex[:10]}"), SessionRef("ops", new_session())
+    writer = connect(redis_url)
+    reader = aconnect(redis_url)
+    sink = RedisStreamSink(writer, keys=keys, firehose=False)
+    sink.publish_delta(ref, MessageDelta(turn_id="t1", step="model:1", text="fresh", attempt=2))
+    chunks = follow_events(reader, keys, ref, turn_id=None, last_id="0-0", heartbeat_s=0.2, max_stream_s=60, batch=100)
+    sent: list[tuple[str, int]] = []
+    late = False
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                if chunk.startswith(b"id: "):
+                    data = json.loads(chunk.decode().split("data: ", 1)[1])
+                    sent.append((data["text"], data["attempt"]))
+                    if data["text"] == "more":
+                        break
+                elif chunk == b": heartbeat\n\n" and sent and not late:
+                    # When, after a window ended, the dead attempt 1's delta arrives late, then attempt 2's next one
+                    sink.publish_delta(ref, MessageDelta(turn_id="t1", step="model:1", text="zombie", attempt=1))
+                    sink.publish_delta(ref, MessageDelta(turn_id="t1", step="model:1", text="more", attempt=2))
+                    late = True
+    finally:
+        await reader.aclose()
+        writer.delete(keys.session_stream(ref))
+        writer.close()
+    # Then the dead attempt's delta is not sent: the filter carries from one window to the next
+    assert late and sent == [("fresh", 2), ("more", 2)]

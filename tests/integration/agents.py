@@ -294,6 +294,7 @@ def _deliver(*, target: dict[str, Any], result: Any, events: list[Any], session:
         _redis().rpush(f"it:delivery-failed:{session}", "attempt")
         raise RuntimeError("the channel is broken")
     _redis().rpush(f"it:delivered:{session}", f"{target.get('channel')}|{getattr(result, 'text', result.status)}")
+    _redis().rpush(f"it:delivered-events:{session}", ",".join(e.type for e in events))  # the history it rendered
 
 
 @tool

@@ -24,7 +24,7 @@ SCRIPTS = {
     "history_cost.py": (["--history", "10,40", "--history-turns", "2"], "pg trips/turn"),
     "event_latency.py": (["-n", "20", "--warmup", "5"], "target p99 < 1.5 ms"),
     "step_overhead.py": (["--steps", "2", "--rounds", "1"], "tables+indexes grew per step"),
-    "storage.py": (["--turns", "3"], "after relay and pruning"),
+    "storage.py": (["--threads", "2", "--turns", "3"], "after relay and pruning"),
     "parallel_tools.py": (["--calls", "2", "--wait-ms", "5", "--rounds", "1"], "ratio serial / parallel"),
     "subagents.py": (["--children", "2", "--wait-ms", "5", "--rounds", "1"], "ratio serial / parallel"),
     "chaos.py": (["--turns", "6", "--sessions", "2", "--rate", "20", "--kill-every", "0.5", "1"], "stuck sessions"),

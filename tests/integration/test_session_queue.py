@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any, ClassVar
 
 import psycopg
 import pytest
+from psycopg_pool import ConnectionPool
 
 from june_worker.engine.events import Completed, TurnCompleted, TurnEvent, TurnStarted
 from june_worker.engine.store import Commit, SessionRef, SuspendedCheckpoint, TurnPayload
@@ -413,3 +415,48 @@ def test_a_turn_recorded_while_the_last_commit_releases_is_never_stranded(
     assert outcome and outcome[0][1] is False and [e.type for e in outcome[0][0]] == ["turn.completed"]
     again = q.release_or_next(ref, lease.fence)
     assert again[0] == "next" and again[1] is not None and again[1].turn_id == "t_late"
+
+
+class _Recording(psycopg.Connection[Any]):
+    """A connection that keeps the statements it runs, to EXPLAIN exactly what a SessionQueue method sent."""
+
+    statements: ClassVar[list[tuple[Any, Any]]] = []
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        self.statements.append((query, params))
+        return super().execute(query, params, **kwargs)
+
+
+def _scans(node: dict[str, Any]) -> list[tuple[str, str | None, str | None]]:
+    """(node type, relation, index) of every node of an EXPLAIN (FORMAT JSON) plan."""
+    found = [(node["Node Type"], node.get("Relation Name"), node.get("Index Name"))]
+    for child in node.get("Plans", []):
+        found += _scans(child)
+    return found
+
+
+def test_the_sweeper_finds_pending_resets_along_an_index_not_by_reading_every_session(fresh_db: str) -> None:
+    # Given many sessions, one of them with a reset pending and nobody holding it
+    PostgresStore(fresh_db).close()  # migrated
+    with psycopg.connect(fresh_db, autocommit=True) as conn:
+        conn.execute(
+            "insert into june_sessions (agent, session) select 'bulk', 'b-' || i from generate_series(1, 20000) i"
+        )
+        conn.execute("insert into june_sessions (agent, session, reset_pending) values ('bulk', 'pending', true)")
+        conn.execute("analyze june_sessions")
+    pool = ConnectionPool(fresh_db, connection_class=_Recording, min_size=1, max_size=1, open=True)
+    try:
+        # When the sweeper asks for the sessions whose reset is pending
+        _Recording.statements.clear()
+        found = SessionQueue(pool, lease_s=30).pending_resets(limit=100)
+        # Then it finds that one, along the partial index on reset_pending, without a scan of every session
+        assert [r for r in found if r.agent == "bulk"] == [SessionRef("bulk", "pending")]
+        (query, params), *_ = [s for s in _Recording.statements if "reset_pending" in str(s[0])]
+        with pool.connection() as conn:
+            row = conn.execute("explain (format json) " + str(query), params).fetchone()
+        assert row is not None
+        scans = _scans(row[0][0]["Plan"])
+        assert ("Seq Scan", "june_sessions", None) not in scans, scans
+        assert any(index == "june_sessions_reset_pending" for _kind, _rel, index in scans), scans
+    finally:
+        pool.close()

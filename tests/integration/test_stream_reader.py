@@ -6,6 +6,8 @@ Every test writes under its own key prefix and deletes it afterwards: the Redis 
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +23,7 @@ from june_worker.events._redis_url import aconnect, connect
 from june_worker.events.redis_stream import encode_event
 from june_worker.stores import MemoryStore
 
+from .conftest import wait_for
 from .test_redis_events import turn_events
 
 pytestmark = pytest.mark.integration
@@ -206,3 +209,122 @@ async def test_afollow_tells_a_trimmed_position_too(
         await reader.aclose()
 
     assert (raised.value.first_missing_seq, raised.value.next_seq) == (2, 4)
+
+
+# --- a position from an earlier copy of the stream -------------------------------------------------------
+
+
+class PrunedOutbox:
+    """A store's event log that pruned its oldest events: what a stream is rebuilt from after its keys expired."""
+
+    def __init__(self, events: list[TurnEvent]) -> None:
+        self._events = events
+
+    def events(self, ref: SessionRef, *, turn_id: str | None = None, after_seq: int = 0) -> list[TurnEvent]:
+        return [e for e in self._events if (e.seq or 0) > after_seq]
+
+
+def after_clock(entry_id: str) -> None:
+    """Wait until the clock is past ``entry_id``'s millisecond: a copy made later has newer ids, as it would."""
+    ms = int(entry_id.split("-")[0])
+    wait_for(lambda: time.time() * 1000 > ms + 1, timeout_s=5, what=f"the clock to pass {entry_id}")
+
+
+def seen_then_rebuilt(client: redis.Redis, keys: EventKeys, ref: SessionRef, kept_from: int) -> str:
+    """seq 1-2 published and followed, the session's keys gone (expired), and the stream rebuilt from an outbox
+    that kept seq ``kept_from``-6 only. Returns the stream id the follower last got (seq 2, of the old copy)."""
+    events = turn_events("t1", 1, ["a", "b", "c", "d"])
+    sink = RedisStreamSink(client, keys=keys, firehose=False)
+    sink.publish(ref, events[:2])
+    seen = client.xrange(keys.session_stream(ref))[-1][0].decode()
+    client.delete(keys.session_stream(ref), keys.session_marker(ref))
+    after_clock(seen)
+    assert sink.relay(PrunedOutbox(events[kept_from - 1 :]), ref) == 7 - kept_from
+    info = client.xinfo_stream(keys.session_stream(ref))
+    assert info["entries-added"] == info["length"]  # the rebuilt copy lost nothing by its own count
+    return seen
+
+
+def test_a_position_from_an_earlier_copy_of_the_stream_is_told_with_the_first_seq_the_copy_holds(
+    client: redis.Redis, keys: EventKeys, ref: SessionRef
+) -> None:
+    # Given a follower that got seq 1-2, and the stream since rebuilt from an outbox pruned to seq 4-6
+    seen = seen_then_rebuilt(client, keys, ref, kept_from=4)
+    # When it follows again from the id it got, not saying which seq it holds
+    with pytest.raises(StreamGapError, match=r"no longer holds .* before seq 4") as raised:
+        next(follow(client, ref.agent, ref.session, keys=keys, last_id=seen, timeout_s=0))
+    # Then it is told, before any event: the stream goes on at seq 4
+    gap = raised.value
+    assert (gap.first_missing_seq, gap.next_seq, gap.after_id) == (None, 4, seen)
+    # And following on from resume_id (having reloaded up to seq 3) gives the rest, once
+    rest = follow(client, ref.agent, ref.session, keys=keys, last_id=gap.resume_id, last_seq=3, timeout_s=0)
+    assert [e.event.seq for e in rest] == [4, 5, 6]
+
+
+def test_a_position_from_an_earlier_copy_of_a_stream_rebuilt_from_seq_1_is_no_gap(
+    client: redis.Redis, keys: EventKeys, ref: SessionRef
+) -> None:
+    seen = seen_then_rebuilt(client, keys, ref, kept_from=1)
+
+    got = follow(client, ref.agent, ref.session, keys=keys, last_id=seen, timeout_s=0)
+
+    assert [e.event.seq for e in got] == [1, 2, 3, 4, 5, 6]  # nothing can be missing: again from the first
+
+
+async def test_afollow_tells_a_position_from_an_earlier_copy_of_the_stream(
+    client: redis.Redis, events_url: str, keys: EventKeys, ref: SessionRef
+) -> None:
+    seen = seen_then_rebuilt(client, keys, ref, kept_from=4)
+    reader = aconnect(events_url, decode_responses=True)
+    try:
+        with pytest.raises(StreamGapError) as raised:
+            async for _ in afollow(reader, ref.agent, ref.session, keys=keys, last_id=seen, timeout_s=0):
+                pass
+    finally:
+        await reader.aclose()
+
+    assert (raised.value.first_missing_seq, raised.value.next_seq) == (None, 4)
+
+
+def test_a_position_on_a_stream_that_is_gone_is_told_at_the_first_event_of_its_rebuilt_copy(
+    redis_url: str, ref: SessionRef
+) -> None:
+    # Given a follower that got seq 1-2, and the session's keys since gone (expired)
+    client, keys = connect(redis_url), EventKeys(prefix=f"june-test-{uuid.uuid4().hex[:10]}")
+    name = f"gap-follower-{uuid.uuid4().hex[:8]}"
+    reader = connect(redis_url, client_name=name)
+    events = turn_events("t1", 1, ["a", "b", "c", "d"])
+    sink = RedisStreamSink(client, keys=keys, firehose=False)
+    sink.publish(ref, events[:2])
+    seen = client.xrange(keys.session_stream(ref))[-1][0].decode()
+    client.delete(keys.session_stream(ref), keys.session_marker(ref))
+    after_clock(seen)
+    told: list[StreamGapError] = []
+    got: list[int | None] = []
+
+    def read() -> None:
+        try:
+            for item in follow(reader, ref.agent, ref.session, keys=keys, last_id=seen, block_ms=200, timeout_s=30):
+                got.append(item.event.seq)
+        except StreamGapError as exc:
+            told.append(exc)
+
+    def blocked() -> bool:
+        return any(c.get("name") == name and "b" in c.get("flags", "") for c in client.client_list())
+
+    try:
+        # When it follows from that id while there is no stream, and the stream is then rebuilt from an outbox
+        # pruned to seq 4-6
+        follower = threading.Thread(target=read, daemon=True)
+        follower.start()
+        wait_for(blocked, timeout_s=10, what="the follower to wait in XREAD on the missing stream")
+        sink.relay(PrunedOutbox(events[3:]), ref)
+        follower.join(timeout=30)
+        # Then it is told of the gap before seq 4, and got nothing after it
+        assert not follower.is_alive() and got == []
+        assert len(told) == 1
+        assert (told[0].first_missing_seq, told[0].next_seq, told[0].after_id) == (None, 4, seen)
+    finally:
+        client.delete(keys.session_stream(ref), keys.session_marker(ref))
+        reader.close()
+        client.close()

@@ -6,6 +6,7 @@ says so (a ``stream.gap`` line) and follows on after the gap.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ import redis
 from producers import FollowedEvent, JuneProducer, StreamGapError
 from producers.cli import main
 
-from .kit import WAIT_S, script, write_script
+from .kit import WAIT_S, script, wait_until, write_script
 
 pytestmark = pytest.mark.integration
 
@@ -115,3 +116,46 @@ def test_the_cli_says_so_with_a_stream_gap_line_and_follows_on_to_the_turns_end(
     assert code == 0
     assert gap["type"] == "stream.gap" and (gap["first_missing_seq"], gap["next_seq"]) == (1, 5)
     assert [e["type"] for e in rest] == ["message.delta", "message.completed", "turn.completed"]
+
+
+def rebuilt_from_a_pruned_outbox(rclient: redis.Redis, stream: str, session: str) -> str:
+    """``script("t_1")`` written and followed to its first event; the stream's keys then gone (expired) and the
+    stream rebuilt, later, from an outbox that pruned seq 1-3 (new ids, nothing lost by the copy's own count).
+
+    Returns the stream id the follower got (seq 1 of the old copy)."""
+    ids = write_script(rclient, stream, "ops", session, "t_1", script("t_1"))
+    rclient.delete(stream)
+    wait_until(lambda: time.time() * 1000 > int(ids[-1].split("-")[0]) + 1, "the clock to pass the old copy's ids")
+    write_script(rclient, stream, "ops", session, "t_1", [e for e in script("t_1") if (e[1] or 0) > 3])
+    info: Any = rclient.xinfo_stream(stream)
+    assert info["entries-added"] == info["length"]
+    return ids[0]
+
+
+def test_a_follow_from_an_id_of_an_earlier_copy_of_the_stream_is_told_where_the_copy_goes_on(
+    producer: JuneProducer, rclient: redis.Redis, session_id: str
+) -> None:
+    # Given a follower that got seq 1, and the stream rebuilt since from an outbox pruned to seq 4-6
+    seen = rebuilt_from_a_pruned_outbox(rclient, producer.stream_key("ops", session_id), session_id)
+    # When it follows on from the id it got, without saying which seq it holds
+    with pytest.raises(StreamGapError) as raised:
+        list(producer.follow("ops", session_id, turn_id="t_1", last_id=seen, timeout_s=0))
+    # Then it is told, before anything: the stream goes on at seq 4; reload from the gateway's log route
+    gap = raised.value
+    assert (gap.first_missing_seq, gap.next_seq, gap.after_id) == (None, 4, seen)
+    assert f"/v1/agents/ops/sessions/{session_id}/log" in str(gap)
+    # And following on from resume_id with last_seq=3 gives the rest of the turn
+    rest = list(producer.follow("ops", session_id, turn_id="t_1", last_id=gap.resume_id, last_seq=3, timeout_s=0))
+    assert seqs(rest) == [4, 5, 6]
+
+
+async def test_afollow_is_told_of_an_id_of_an_earlier_copy_of_the_stream_too(
+    producer: JuneProducer, rclient: redis.Redis, session_id: str
+) -> None:
+    seen = rebuilt_from_a_pruned_outbox(rclient, producer.stream_key("ops", session_id), session_id)
+
+    with pytest.raises(StreamGapError) as raised:
+        async for _ in producer.afollow("ops", session_id, last_id=seen, timeout_s=0):
+            pass
+
+    assert (raised.value.first_missing_seq, raised.value.next_seq) == (None, 4)
