@@ -79,3 +79,22 @@ def test_a_producer_declares_the_queues_the_workers_declare(env: dict[str, str])
                 app.conf.task_publish_retry_policy
                 == celery_options(WorkerSettings.from_env(env))["task_publish_retry_policy"]
             )
+
+
+@pytest.mark.parametrize("env", [REDIS, AMQP])
+def test_every_broker_setting_is_one_the_installed_celery_and_kombu_read(env: dict[str, str]) -> None:
+    # Celery and kombu ignore a setting or transport option they do not know without a word: the floors in
+    # pyproject.toml (celery 5.5, kombu 5.7) are the versions that read all of these.
+    import inspect
+
+    import amqp
+    from celery.app.defaults import NAMESPACES, flatten
+    from kombu.transport import redis
+
+    options = _options(env)
+    assert set(options) <= {name for name, _ in flatten(NAMESPACES)}
+    if env is REDIS:
+        read = set(redis.Channel.from_transport_options)
+    else:  # kombu hands RabbitMQ's transport options to py-amqp's connection as keyword arguments
+        read = set(inspect.signature(amqp.Connection).parameters)
+    assert set(options["broker_transport_options"]) <= read
