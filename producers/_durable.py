@@ -8,9 +8,11 @@ worker first), so the producer holds no copy of the statement. Recording is idem
 id, like a worker's intake: a turn recorded here and then delivered twice runs once.
 
 What is recorded must be readable by the workers: the stored payload is the worker's
-``TurnPayload`` (``text``, ``event``, ``trigger_by``, ``replace``, ``target``), and
-:func:`check_event` refuses an inbound event whose known fields have the wrong type (a worker
-would reject its message; a record it cannot read would stall the session).
+``TurnPayload`` (``text``, ``event``, ``trigger_by``, ``replace``, ``target``),
+:func:`check_event` refuses an inbound event whose known fields have the wrong type, and
+:func:`check_storable` a string no store can hold (a NUL, a lone surrogate) anywhere in the
+message, by the workers' own rule (:mod:`._storable`). A worker would reject such a message;
+a record it cannot use would sit in its queue.
 
 The rule a reader must not break: **nothing here imports june_worker** (see ``client.py``).
 """
@@ -22,9 +24,10 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from ._storable import unstorable_reason
 from .errors import DatabaseUnavailable, ProducerConfigError
 
-__all__ = ["DurableRecorder", "check_event", "turn_payload"]
+__all__ = ["DurableRecorder", "check_event", "check_storable", "turn_payload"]
 
 _RECORD = "select recorded from june_enqueue_turn(%s, %s, %s, %s::json, true)"
 _OPTIONAL_STRINGS = ("kind", "thread", "text")
@@ -47,6 +50,16 @@ def check_event(event: Mapping[str, Any] | None) -> None:
     principal = event.get("principal")
     if principal is not None and not (isinstance(principal, Mapping) and isinstance(principal.get("id"), str)):
         raise ValueError('invalid event: "principal" must be {"id": "<string>", ...}')
+
+
+def check_storable(message: Mapping[str, Any]) -> None:
+    """Refuse a message holding a string no store can hold (a NUL, a lone surrogate), naming the field."""
+    reason = unstorable_reason(dict(message))
+    if reason is not None:
+        raise ValueError(
+            f"invalid turn: {reason}; a durable turn is recorded as it is, and neither Postgres nor the workers "
+            "take NUL characters or lone surrogates: remove them or replace them (e.g. with U+FFFD)"
+        )
 
 
 def turn_payload(

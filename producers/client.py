@@ -39,7 +39,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from kombu.entity import Queue
 from kombu.exceptions import OperationalError
 
-from ._durable import DurableRecorder, check_event, turn_payload
+from ._durable import DurableRecorder, check_event, check_storable, turn_payload
 from ._follow import FollowState, safe_block_ms
 from ._gaps import SCAN, judge_start, queue_start_check
 from ._redis_url import RedisClient, aconnect, connect, is_cluster_url, parse_cluster_url
@@ -388,7 +388,10 @@ class JuneProducer:
         so then this returns the turn id and logs a warning instead of raising
         :class:`BrokerUnavailable`. Not with ``replace``. A session parked on another turn's
         input records nothing; the message is sent and the worker rejects the turn, as without
-        ``durable``. :class:`DatabaseUnavailable`: Postgres did not answer; nothing was sent.
+        ``durable``. A string no store can hold (a NUL, a lone surrogate) in ``text``, ``event``,
+        ``trigger`` or ``target`` is a ``ValueError`` before anything is recorded or sent (without
+        ``durable`` the worker refuses the message and records the rejection).
+        :class:`DatabaseUnavailable`: Postgres did not answer; nothing was sent.
         """
         tid = _turn_id(turn_id) if turn_id is not None else new_turn_id()
         opened_by = _json_object(trigger, "trigger")
@@ -417,6 +420,7 @@ class JuneProducer:
             ):
                 raise ValueError('invalid trigger: expected {"kind": "proactive", "by": "<who>"}')
             check_event(payload["event"])
+            check_storable(payload)  # text, event, trigger, target: what the record holds
         where = {"agent": payload["agent"], "session": payload["session"], "turn_id": tid, "queue": self.queue}
         with sending("june.start_turn", **where) as trace_headers:
             recorded = None
@@ -446,7 +450,8 @@ class JuneProducer:
         """Enqueue a turn nobody typed (``june.proactive``), e.g. from a scheduler; returns its turn id.
 
         ``by`` says who started it (``cron:daily``); ``target`` is where the agent's delivery
-        hook renders the result (a channel, a thread...). ``durable``: as for :meth:`start_turn`.
+        hook renders the result (a channel, a thread...). ``durable``: as for :meth:`start_turn`
+        (a NUL or a lone surrogate in ``text``, ``by`` or ``target`` is a ``ValueError`` then).
         """
         tid = _turn_id(turn_id) if turn_id is not None else new_turn_id()
         payload: dict[str, Any] = {
@@ -457,10 +462,13 @@ class JuneProducer:
             "by": _bounded(by, "by", low=1, high=256),
             "target": _json_object(target, "target"),
         }
+        durable = self.durable if durable is None else durable
+        if durable:
+            check_storable(payload)  # text, by, target: what the record holds
         where = {"agent": payload["agent"], "session": payload["session"], "turn_id": tid, "queue": self.queue}
         with sending("june.proactive", **where) as trace_headers:
             recorded = None
-            if self.durable if durable is None else durable:
+            if durable:
                 stored = turn_payload(
                     payload["text"], trigger_by=payload["by"], target=payload["target"], trace=trace_headers
                 )

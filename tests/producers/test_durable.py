@@ -19,12 +19,14 @@ import pytest
 import redis
 from pydantic import ValidationError
 
+from june_worker.engine.storable import unstorable_reason
 from june_worker.engine.store import SessionRef, TurnPayload
 from june_worker.engine.types import InboundEvent
 from june_worker.stores.postgres import PostgresStore
 from june_worker.worker.payloads import ProactiveMessage, TurnMessage
 from producers import BrokerUnavailable, DatabaseUnavailable, JuneProducer, ProducerConfigError
 from producers._durable import check_event
+from producers._storable import unstorable_reason as producer_unstorable_reason
 
 from .conftest import Names
 from .kit import pop_message
@@ -218,6 +220,67 @@ def test_an_unreadable_event_is_refused_before_anything_is_recorded_or_sent(
     with pytest.raises(ValueError, match="user"):
         durable.start_turn("ops", session_id, "hi", event={"source": "slack", "user": {"id": 5}})
 
+    assert _stored(db, session_id) == []
+    assert rclient.llen(names.queue) == 0
+
+
+STRINGS: list[Any] = [  # values the workers' storable rule and the producers' copy of it must judge alike
+    "plain",
+    "",
+    "é € 😀 \ue000 \uffff",
+    "a\x00b",
+    "\x00",
+    "\udcff",
+    "\ud800x",
+    "x\udfff",
+    "😀\ud83d",
+    {"k\x00": 1},
+    {"a": ["x", "y\udc80"]},
+    {"a": {"b": {"c": "\x00"}}, "d": "\udcff"},
+    ("t", ["\x00"]),
+    [1, 2.5, None, True, {"k": "v"}],
+    5,
+    None,
+]
+
+
+@pytest.mark.parametrize("value", STRINGS)
+def test_a_durable_producer_judges_strings_by_the_workers_storable_rule(value: Any) -> None:
+    assert producer_unstorable_reason(value) == unstorable_reason(value)
+    assert producer_unstorable_reason(value, "text") == unstorable_reason(value, "text")
+
+
+UNSTORABLE: list[tuple[str, dict[str, Any], str]] = [  # (how it is sent, its arguments, what the error names)
+    ("start_turn", {"text": "order\x00 2"}, "text: contains a NUL character at index 5"),
+    ("start_turn", {"text": "caf\udce9"}, "text: contains a lone surrogate (U+DCE9) at index 3"),
+    ("start_turn", {"event": {"source": "slack", "user": {"id": "U\x001"}}}, "event.user.id: contains a NUL"),
+    ("start_turn", {"trigger": {"kind": "proactive", "by": "cron\udcff"}}, "trigger.by: contains a lone surrogate"),
+    ("start_turn", {"target": {"channel": "C\x00"}}, "target.channel: contains a NUL"),
+    ("proactive", {"by": "cron\x00daily"}, "by: contains a NUL character at index 4"),
+    ("proactive", {"text": "\ud800", "by": "cron"}, "text: contains a lone surrogate (U+D800)"),
+    ("proactive", {"by": "cron", "target": {"t\udcff": 1}}, "target (a key): contains a lone surrogate"),
+]
+
+
+@pytest.mark.parametrize(("method", "arguments", "named"), UNSTORABLE)
+def test_a_durable_turn_holding_a_string_no_store_can_hold_is_refused_before_anything_is_recorded_or_sent(
+    durable: JuneProducer,
+    db: str,
+    names: Names,
+    rclient: redis.Redis,
+    session_id: str,
+    method: str,
+    arguments: dict[str, Any],
+    named: str,
+) -> None:
+    send = getattr(durable, method)
+    arguments = {"text": "hi", **({"by": "cron"} if method == "proactive" else {}), **arguments}
+    text = arguments.pop("text")
+
+    with pytest.raises(ValueError, match="cannot be stored") as refused:
+        send("ops", session_id, text, **arguments)
+
+    assert named in str(refused.value) and "NUL characters or lone surrogates" in str(refused.value)
     assert _stored(db, session_id) == []
     assert rclient.llen(names.queue) == 0
 
