@@ -48,10 +48,11 @@ from psycopg import errors as pg_errors
 from psycopg.rows import TupleRow
 from psycopg.types.numeric import Int8
 from psycopg_pool import ConnectionPool
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from ..engine.endings import rejection_event
 from ..engine.events import Rejected, TurnEvent, TurnResultAdapter
+from ..engine.storable import unstorable_reason
 from ..engine.store import (
     ENDED_TURN_STATUSES,
     UNFINISHED_TURN_STATUSES,
@@ -88,6 +89,7 @@ __all__ = [
     "PostgresStore",
     "pooled",
     "session_snapshot",
+    "stored_turn",
     "turn_columns",
     "turn_from_row",
 ]
@@ -491,8 +493,9 @@ returning s.fence, s.event_seq, s.generation
 """
 
 # A rejection in the transaction that locked the session row: the turn inserted as rejected when it is new
-# (never queued, so no drain can run it), else set rejected (the caller checked it has not ended); its
-# turn.failed event in the outbox; the session's counters moved.
+# (never queued, so no drain can run it), else set rejected (the caller checked it has not ended), its payload
+# replaced when the stored one cannot be used (`replace`); its turn.failed event in the outbox; the session's
+# counters moved.
 _REJECT = f"""
 with sess as (
     update june_sessions set event_seq = %(seq)s,
@@ -509,7 +512,8 @@ with sess as (
       from sess where %(new)s
     returning {TURN_COLUMNS}
 ), upd as (
-    update june_turns set status = 'rejected', result = %(result)s::json, finished_at = extract(epoch from now())
+    update june_turns set status = 'rejected', result = %(result)s::json, finished_at = extract(epoch from now()),
+           payload = case when %(replace)s then %(payload)s::json else payload end
      where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s and not %(new)s
     returning {TURN_COLUMNS}
 )
@@ -987,9 +991,16 @@ class PostgresStore:
             _check_fence(ref, int(row[0]), fence)
             event_seq = int(row[1])
             found = conn.execute(_GET_TURN + " for update", key).fetchone()
-            existing = turn_from_row(ref, found) if found else None
-            if existing is not None and (new_only or existing.status not in UNFINISHED_TURN_STATUSES):
-                return existing, []
+            existing, unusable = stored_turn(ref, found) if found else (None, None)
+            # A record no worker can use, still queued and never started (made outside the workers: a durable
+            # producer's), is rejected whatever new_only says, since nothing else would ever end it; its payload
+            # is replaced by this one.
+            replace = found is not None and unusable is not None and found[2] == "queued" and found[5] == 0
+            if not replace:
+                if found is not None and existing is None:
+                    raise StoreError(f"turn {turn_id} of {ref}: {unusable}; it is {found[2]}, so it is left alone")
+                if existing is not None and (new_only or existing.status not in UNFINISHED_TURN_STATUSES):
+                    return existing, []
             seq = event_seq + 1
             params = {
                 **key,
@@ -997,7 +1008,8 @@ class PostgresStore:
                 "result": Rejected(turn_id=turn_id, reason=reason).model_dump_json(),
                 "seq": Int8(seq),
                 "body": event.model_copy(update={"seq": seq}).model_dump_json(by_alias=True),
-                "new": existing is None,
+                "new": found is None,
+                "replace": replace,
             }
             stored = conn.execute(_REJECT, params).fetchone()
             assert stored is not None
@@ -1075,6 +1087,23 @@ def session_snapshot(
         event_seq=event_seq or 0,
         compacted_at=compacted_at,
     )
+
+
+def stored_turn(ref: SessionRef, row: Sequence[Any]) -> tuple[TurnRecord | None, str | None]:
+    """A turn row read as :func:`turn_from_row` reads it (None when it cannot be), and why no worker can run its
+    record (None: one can).
+
+    Workers record only what they validated, but a durable producer records through ``june_enqueue_turn`` from
+    outside, and Postgres' ``json`` takes what no worker can use: a lone surrogate escape (the record cannot be
+    read) or a NUL (it can, but no store holds it, and the message it makes is refused).
+    """
+    try:
+        rec = turn_from_row(ref, row)
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        return None, f"its stored record cannot be read ({problem['msg']})"
+    reason = unstorable_reason(rec.payload.model_dump(mode="json"), "payload")
+    return rec, None if reason is None else f"its stored {reason}"
 
 
 def turn_from_row(ref: SessionRef, row: Sequence[Any]) -> TurnRecord:
