@@ -92,7 +92,8 @@ class DurableRecorder:
         self._lock = threading.Lock()
 
     def record(self, agent: str, session: str, turn_id: str, payload: str) -> bool | None:
-        """True: recorded now; False: recorded before (a resend); None: not recorded (the session is parked).
+        """True: recorded now; False: recorded before (a resend); None: not recorded (the session is parked on
+        another turn's input, and no reset is pending that would end the park).
 
         Raises :class:`DatabaseUnavailable` when Postgres cannot be reached in time; nothing is recorded then.
         """

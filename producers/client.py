@@ -387,8 +387,8 @@ class JuneProducer:
         message or is down right now (the sweeper sends it again within about a sweep period),
         so then this returns the turn id and logs a warning instead of raising
         :class:`BrokerUnavailable`. Not with ``replace``. A session parked on another turn's
-        input records nothing; the message is sent and the worker rejects the turn, as without
-        ``durable``. A string no store can hold (a NUL, a lone surrogate) in ``text``, ``event``,
+        input records nothing (unless a reset is pending: the turn then queues behind it); the
+        message is sent and the worker rejects the turn, as without ``durable``. A string no store can hold (a NUL, a lone surrogate) in ``text``, ``event``,
         ``trigger`` or ``target`` is a ``ValueError`` before anything is recorded or sent (without
         ``durable`` the worker refuses the message and records the rejection).
         :class:`DatabaseUnavailable`: Postgres did not answer; nothing was sent.

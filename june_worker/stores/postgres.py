@@ -399,6 +399,31 @@ _MIGRATIONS: list[str] = [
     create index june_sessions_parked on june_sessions (updated_at, agent, session) where suspended is not null;
     create index june_turns_failed on june_turns (finished_at, agent, session, turn_id) where status = 'failed';
     """,
+    # 10: june_enqueue_turn (5) as june_intake (8) judges a park: one a pending reset is about to end does not
+    # count, so a durable producer's turn for such a session is recorded and queues behind the reset, as the
+    # worker's intake records it (it used to record nothing, and the turn was not durable)
+    """
+    create or replace function june_enqueue_turn(
+        p_agent text, p_session text, p_turn_id text, p_payload json, p_unless_parked boolean default false
+    ) returns table (recorded boolean, turn june_turns)
+    language sql volatile as $$
+    with existing as (
+        select t from june_turns t where t.agent = p_agent and t.session = p_session and t.turn_id = p_turn_id
+    ), sess as (
+        insert into june_sessions as s (agent, session, next_position)
+        select p_agent, p_session, 2 where not exists (select 1 from existing)
+        on conflict (agent, session) do update set next_position = s.next_position + 1
+           where not (p_unless_parked and s.suspended is not null and not s.reset_pending)
+        returning s.next_position - 1 as position, s.generation
+    ), ins as (
+        insert into june_turns as t (agent, session, turn_id, position, status, payload, generation)
+        select p_agent, p_session, p_turn_id, sess.position, 'queued', p_payload, sess.generation from sess
+        on conflict do nothing
+        returning t
+    )
+    select true, ins.t from ins union all select false, existing.t from existing
+    $$;
+    """,
 ]
 
 _WHY_NOT = """
@@ -448,7 +473,7 @@ _ENQUEUE = f"""
 select e.recorded, {turn_columns("(e.turn).")}
   from june_enqueue_turn(%(agent)s, %(session)s, %(turn_id)s, %(payload)s::json) e
 """
-"""Record a queued turn (migration 4's function, which durable producers call too)."""
+"""Record a queued turn (migration 5's function, as migration 10 left it; durable producers call it too)."""
 
 _SESSION_EXISTS = "select exists (select 1 from june_sessions where agent = %(agent)s and session = %(session)s)"
 _GET_TURN = (

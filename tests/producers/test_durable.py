@@ -131,6 +131,22 @@ def test_a_parked_session_records_nothing_and_the_message_still_goes_out(
     assert pop_message(rclient, names.queue).args[0]["turn_id"] == turn_id
 
 
+def test_a_parked_session_with_a_reset_pending_records_the_turn_which_queues_behind_the_reset(
+    durable: JuneProducer, db: str, names: Names, rclient: redis.Redis, session_id: str
+) -> None:
+    # the reset is about to end the park: a worker's intake (june_intake) records a turn then, and so does this
+    with psycopg.connect(db, autocommit=True) as conn:
+        conn.execute(
+            "insert into june_sessions (agent, session, suspended, reset_pending) values ('ops', %s, '{}'::json, true)",
+            (session_id,),
+        )
+
+    turn_id = durable.start_turn("ops", session_id, "after the reset")
+
+    assert [(t, s) for t, s, _ in _stored(db, session_id)] == [(turn_id, "queued")]
+    assert pop_message(rclient, names.queue).args[0]["turn_id"] == turn_id
+
+
 def test_with_the_broker_down_a_recorded_turn_is_returned_and_the_sweeper_will_send_it(
     redis_url: str, db: str, session_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
