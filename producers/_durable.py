@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._storable import unstorable_reason
-from .errors import DatabaseUnavailable, ProducerConfigError
+from .errors import DatabaseUnavailable, ProducerConfigError, ProducerError
 
 __all__ = ["DurableRecorder", "check_event", "check_storable", "turn_payload"]
 
@@ -82,6 +82,12 @@ def turn_payload(
     return json.dumps(payload, separators=(",", ":"), allow_nan=False)
 
 
+def _cause(exc: BaseException) -> str:
+    """An error's class and the first line of its message (Postgres adds context lines, e.g. a statement's text)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 class DurableRecorder:
     """One Postgres connection (opened on first use, thread-safe) that records turns with ``june_enqueue_turn``."""
 
@@ -95,7 +101,9 @@ class DurableRecorder:
         """True: recorded now; False: recorded before (a resend); None: not recorded (the session is parked on
         another turn's input, and no reset is pending that would end the park).
 
-        Raises :class:`DatabaseUnavailable` when Postgres cannot be reached in time; nothing is recorded then.
+        Raises :class:`DatabaseUnavailable` when Postgres cannot be reached in time, :class:`ProducerConfigError`
+        when its user may not record turns (or the schema is missing), :class:`ProducerError` when it refuses the
+        record for another reason; nothing is recorded then.
         """
         try:
             import psycopg
@@ -116,10 +124,20 @@ class DurableRecorder:
                     if attempt == 1:
                         raise DatabaseUnavailable(
                             f"could not record turn {turn_id} of {agent}:{session}: Postgres did not answer "
-                            f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
-                            "nothing was recorded or sent; is JUNE_DATABASE_URL right?"
+                            f"({_cause(exc)}); nothing was recorded or sent; is JUNE_DATABASE_URL right?"
                         ) from exc
                     continue
+                except psycopg.errors.InsufficientPrivilege as exc:
+                    raise ProducerConfigError(
+                        f"could not record turn {turn_id} of {agent}:{session}: the database user may not record "
+                        f"turns ({_cause(exc)}); grant it EXECUTE on june_enqueue_turn and INSERT/UPDATE on "
+                        "june_sessions and june_turns, or use june's own user; nothing was recorded or sent"
+                    ) from None
+                except psycopg.Error as exc:  # refused for a reason a retry does not change
+                    raise ProducerError(
+                        f"could not record turn {turn_id} of {agent}:{session}: Postgres refused it "
+                        f"({_cause(exc)}); nothing was recorded or sent"
+                    ) from None
                 if rows:
                     return bool(rows[0][0])
                 # no row: parked, or a concurrent record of the same turn id won (then its row is there now)

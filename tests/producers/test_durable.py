@@ -187,6 +187,75 @@ def test_a_database_that_was_never_migrated_is_named(redis_url: str, database_ur
             conn.execute(f'drop database if exists "{name}" with (force)')
 
 
+@pytest.fixture
+def own_db(database_url: str) -> Iterator[str]:
+    """A migrated database of this test's own, for a test that changes its privileges or triggers."""
+    name = f"june_durable_own_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'create database "{name}"')
+    url = psycopg.conninfo.make_conninfo(database_url, dbname=name)
+    PostgresStore(url).close()
+    try:
+        yield url
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'drop database if exists "{name}" with (force)')
+
+
+def test_a_database_user_that_may_not_record_turns_is_a_config_error_saying_what_to_grant(
+    redis_url: str, own_db: str, session_id: str
+) -> None:
+    role = f"june_producer_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(own_db, autocommit=True) as conn:
+        conn.execute(f"create role {role} login")  # may connect and run the function, not write the tables
+    try:
+        url = psycopg.conninfo.make_conninfo(own_db, user=role)
+        with JuneProducer(redis_url, database_url=url, durable=True) as p:
+            with pytest.raises(ProducerConfigError, match="may not record turns") as raised:
+                p.start_turn("ops", session_id, "hi")
+        assert "InsufficientPrivilege: permission denied" in str(raised.value)
+        assert "grant it EXECUTE on june_enqueue_turn" in str(raised.value) and "\n" not in str(raised.value)
+        assert _stored(own_db, session_id) == []
+    finally:
+        with psycopg.connect(own_db, autocommit=True) as conn:
+            conn.execute(f"drop owned by {role}")
+            conn.execute(f"drop role {role}")
+
+
+def test_a_record_postgres_refuses_for_another_reason_is_one_clear_line_from_the_cli_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    redis_url: str,
+    own_db: str,
+    names: Names,
+    rclient: redis.Redis,
+    session_id: str,
+) -> None:
+    from producers import ProducerError
+    from producers.cli import main
+
+    with psycopg.connect(own_db, autocommit=True) as conn:  # an application's own rule, enforced in the database
+        conn.execute(
+            "create function no_turns() returns trigger language plpgsql as "
+            "$$ begin raise exception 'turns are closed for maintenance'; end $$"
+        )
+        conn.execute("create trigger no_turns before insert on june_turns for each row execute function no_turns()")
+    with JuneProducer(redis_url, queue=names.queue, database_url=own_db, durable=True) as p:
+        with pytest.raises(ProducerError, match="Postgres refused it") as raised:
+            p.start_turn("ops", session_id, "hi")
+    assert "RaiseException: turns are closed for maintenance" in str(raised.value)
+    assert "nothing was recorded or sent" in str(raised.value)
+
+    for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**names.env(redis_url), "JUNE_DATABASE_URL": own_db}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["turn", "ops", session_id, "hi", "--durable", "--no-follow", "--json"]) == 5
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("june-produce: could not record turn t_"), err
+    assert rclient.llen(names.queue) == 0
+
+
 def test_durable_needs_a_database_and_refuses_replace(durable: JuneProducer, redis_url: str) -> None:
     with pytest.raises(ProducerConfigError, match="database_url"):
         JuneProducer(redis_url, durable=True)
