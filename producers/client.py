@@ -38,6 +38,8 @@ from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from kombu.entity import Queue
 from kombu.exceptions import OperationalError
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ._durable import DurableRecorder, check_event, check_storable, turn_payload
 from ._follow import FollowState, safe_block_ms
@@ -132,6 +134,16 @@ def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
 
 def _is_amqp(url: str) -> bool:
     return url.split("://", 1)[0].lower() in ("amqp", "amqps", "pyamqp")
+
+
+def _is_redis(url: str) -> bool:
+    """A Redis broker URL, as the worker's broker settings tell them apart (``june_worker/worker/broker.py``)."""
+    return url.split("://", 1)[0].lower() in ("redis", "rediss", "sentinel", "unix")
+
+
+def _sentinel_bounds(timeout_s: float) -> dict[str, Any]:
+    """kombu's ``sentinel_kwargs``: how long one question to a sentinel may take, asked once (worker: broker.py)."""
+    return {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "retry": Retry(NoBackoff(), 0)}
 
 
 def _cause(exc: BaseException) -> str:
@@ -283,9 +295,13 @@ class JuneProducer:
         app = Celery(main, broker=self.broker_url, backend=backend, set_as_current=False, fixups=[])
         options = dict(transport_options)
         queue_arguments = None
-        if self.broker_url.startswith(("redis://", "rediss://", "unix://")):
+        if _is_redis(self.broker_url):  # Redis behind Sentinel too
             options.setdefault("socket_connect_timeout", self.publish_timeout_s)
             options.setdefault("socket_timeout", self.publish_timeout_s)  # a broker that never answers must not hang
+            if self.broker_url.lower().startswith("sentinel"):
+                # redis-py retries each question to a sentinel 3 times with a backoff of its own (9 s for a silent
+                # one): one try each, the publish retry policy being the one retry policy, as on the worker
+                options.setdefault("sentinel_kwargs", _sentinel_bounds(self.publish_timeout_s))
         elif _is_amqp(self.broker_url):
             options.setdefault("confirm_publish", True)  # a send returns once the broker has the message
             queue_arguments = {"x-queue-type": self.broker_queue_type}

@@ -26,6 +26,8 @@ from __future__ import annotations
 from typing import Any
 
 from kombu.entity import Queue
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ..errors import ConfigError
 from .settings import WorkerSettings
@@ -74,6 +76,14 @@ def celery_options(settings: WorkerSettings) -> dict[str, Any]:
             "socket_connect_timeout": timeout,
             "socket_timeout": timeout,  # a broker that accepts but never answers must not hang a publish
         }
+        if settings.broker_url.lower().startswith("sentinel"):
+            # redis-py retries each question to a sentinel 3 times with a backoff of its own (9 s for a silent one):
+            # one try each, so that the publish retry policy below is the one retry policy
+            transport["sentinel_kwargs"] = {
+                "socket_timeout": timeout,
+                "socket_connect_timeout": timeout,
+                "retry": Retry(NoBackoff(), 0),
+            }
     elif kind == "amqp":
         transport = {"confirm_publish": True}
     return {

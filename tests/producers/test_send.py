@@ -237,16 +237,21 @@ def silent_port() -> Iterator[int]:
 
 @pytest.mark.timeout(60)  # a publish that hangs fails here instead of blocking the run
 @pytest.mark.parametrize("down", ["refused", "silent"])
-@pytest.mark.parametrize("scheme", ["redis", "amqp"])
+@pytest.mark.parametrize("scheme", ["redis", "sentinel", "amqp"])
 def test_a_broker_that_is_down_or_silent_raises_broker_unavailable_instead_of_hanging(scheme: str, down: str) -> None:
     with contextlib.ExitStack() as stack:
         port = stack.enter_context(silent_port()) if down == "silent" else closed_port()
-        url = f"redis://:{SECRET}@127.0.0.1:{port}/0" if scheme == "redis" else f"amqp://u:{SECRET}@127.0.0.1:{port}//"
+        url = {
+            "redis": f"redis://:{SECRET}@127.0.0.1:{port}/0",
+            "sentinel": f"sentinel://:{SECRET}@127.0.0.1:{port}/0",  # a Redis behind Sentinel: the sentinel hangs
+            "amqp": f"amqp://u:{SECRET}@127.0.0.1:{port}//",
+        }[scheme]
         timeout_s, retries = 0.5, 2
         producer = stack.enter_context(
             JuneProducer(
                 f"redis://127.0.0.1:{closed_port()}/0",
                 broker_url=url,
+                broker_transport_options={"master_name": "june"} if scheme == "sentinel" else None,
                 publish_timeout_s=timeout_s,
                 publish_retries=retries,
             )
