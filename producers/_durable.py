@@ -8,9 +8,11 @@ worker first), so the producer holds no copy of the statement. Recording is idem
 id, like a worker's intake: a turn recorded here and then delivered twice runs once.
 
 What is recorded must be readable by the workers: the stored payload is the worker's
-``TurnPayload`` (``text``, ``event``, ``trigger_by``, ``replace``, ``target``), and
-:func:`check_event` refuses an inbound event whose known fields have the wrong type (a worker
-would reject its message; a record it cannot read would stall the session).
+``TurnPayload`` (``text``, ``event``, ``trigger_by``, ``replace``, ``target``),
+:func:`check_event` refuses an inbound event whose known fields have the wrong type, and
+:func:`check_storable` a string no store can hold (a NUL, a lone surrogate) anywhere in the
+message, by the workers' own rule (:mod:`._storable`). A worker would reject such a message;
+a record it cannot use would sit in its queue.
 
 The rule a reader must not break: **nothing here imports june_worker** (see ``client.py``).
 """
@@ -22,9 +24,10 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import DatabaseUnavailable, ProducerConfigError
+from ._storable import unstorable_reason
+from .errors import DatabaseUnavailable, ProducerConfigError, ProducerError
 
-__all__ = ["DurableRecorder", "check_event", "turn_payload"]
+__all__ = ["DurableRecorder", "check_event", "check_storable", "turn_payload"]
 
 _RECORD = "select recorded from june_enqueue_turn(%s, %s, %s, %s::json, true)"
 _OPTIONAL_STRINGS = ("kind", "thread", "text")
@@ -49,6 +52,16 @@ def check_event(event: Mapping[str, Any] | None) -> None:
         raise ValueError('invalid event: "principal" must be {"id": "<string>", ...}')
 
 
+def check_storable(message: Mapping[str, Any]) -> None:
+    """Refuse a message holding a string no store can hold (a NUL, a lone surrogate), naming the field."""
+    reason = unstorable_reason(dict(message))
+    if reason is not None:
+        raise ValueError(
+            f"invalid turn: {reason}; a durable turn is recorded as it is, and neither Postgres nor the workers "
+            "take NUL characters or lone surrogates: remove them or replace them (e.g. with U+FFFD)"
+        )
+
+
 def turn_payload(
     text: str,
     *,
@@ -69,6 +82,12 @@ def turn_payload(
     return json.dumps(payload, separators=(",", ":"), allow_nan=False)
 
 
+def _cause(exc: BaseException) -> str:
+    """An error's class and the first line of its message (Postgres adds context lines, e.g. a statement's text)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 class DurableRecorder:
     """One Postgres connection (opened on first use, thread-safe) that records turns with ``june_enqueue_turn``."""
 
@@ -79,9 +98,12 @@ class DurableRecorder:
         self._lock = threading.Lock()
 
     def record(self, agent: str, session: str, turn_id: str, payload: str) -> bool | None:
-        """True: recorded now; False: recorded before (a resend); None: not recorded (the session is parked).
+        """True: recorded now; False: recorded before (a resend); None: not recorded (the session is parked on
+        another turn's input, and no reset is pending that would end the park).
 
-        Raises :class:`DatabaseUnavailable` when Postgres cannot be reached in time; nothing is recorded then.
+        Raises :class:`DatabaseUnavailable` when Postgres cannot be reached in time, :class:`ProducerConfigError`
+        when its user may not record turns (or the schema is missing), :class:`ProducerError` when it refuses the
+        record for another reason; nothing is recorded then.
         """
         try:
             import psycopg
@@ -102,10 +124,20 @@ class DurableRecorder:
                     if attempt == 1:
                         raise DatabaseUnavailable(
                             f"could not record turn {turn_id} of {agent}:{session}: Postgres did not answer "
-                            f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
-                            "nothing was recorded or sent; is JUNE_DATABASE_URL right?"
+                            f"({_cause(exc)}); nothing was recorded or sent; is JUNE_DATABASE_URL right?"
                         ) from exc
                     continue
+                except psycopg.errors.InsufficientPrivilege as exc:
+                    raise ProducerConfigError(
+                        f"could not record turn {turn_id} of {agent}:{session}: the database user may not record "
+                        f"turns ({_cause(exc)}); grant it EXECUTE on june_enqueue_turn and INSERT/UPDATE on "
+                        "june_sessions and june_turns, or use june's own user; nothing was recorded or sent"
+                    ) from None
+                except psycopg.Error as exc:  # refused for a reason a retry does not change
+                    raise ProducerError(
+                        f"could not record turn {turn_id} of {agent}:{session}: Postgres refused it "
+                        f"({_cause(exc)}); nothing was recorded or sent"
+                    ) from None
                 if rows:
                     return bool(rows[0][0])
                 # no row: parked, or a concurrent record of the same turn id won (then its row is there now)

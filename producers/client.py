@@ -38,8 +38,10 @@ from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from kombu.entity import Queue
 from kombu.exceptions import OperationalError
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from ._durable import DurableRecorder, check_event, turn_payload
+from ._durable import DurableRecorder, check_event, check_storable, turn_payload
 from ._follow import FollowState, safe_block_ms
 from ._gaps import SCAN, judge_start, queue_start_check
 from ._redis_url import RedisClient, aconnect, connect, is_cluster_url, parse_cluster_url
@@ -132,6 +134,16 @@ def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
 
 def _is_amqp(url: str) -> bool:
     return url.split("://", 1)[0].lower() in ("amqp", "amqps", "pyamqp")
+
+
+def _is_redis(url: str) -> bool:
+    """A Redis broker URL, as the worker's broker settings tell them apart (``june_worker/worker/broker.py``)."""
+    return url.split("://", 1)[0].lower() in ("redis", "rediss", "sentinel", "unix")
+
+
+def _sentinel_bounds(timeout_s: float) -> dict[str, Any]:
+    """kombu's ``sentinel_kwargs``: how long one question to a sentinel may take, asked once (worker: broker.py)."""
+    return {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "retry": Retry(NoBackoff(), 0)}
 
 
 def _cause(exc: BaseException) -> str:
@@ -283,9 +295,13 @@ class JuneProducer:
         app = Celery(main, broker=self.broker_url, backend=backend, set_as_current=False, fixups=[])
         options = dict(transport_options)
         queue_arguments = None
-        if self.broker_url.startswith(("redis://", "rediss://", "unix://")):
+        if _is_redis(self.broker_url):  # Redis behind Sentinel too
             options.setdefault("socket_connect_timeout", self.publish_timeout_s)
             options.setdefault("socket_timeout", self.publish_timeout_s)  # a broker that never answers must not hang
+            if self.broker_url.lower().startswith("sentinel"):
+                # redis-py retries each question to a sentinel 3 times with a backoff of its own (9 s for a silent
+                # one): one try each, the publish retry policy being the one retry policy, as on the worker
+                options.setdefault("sentinel_kwargs", _sentinel_bounds(self.publish_timeout_s))
         elif _is_amqp(self.broker_url):
             options.setdefault("confirm_publish", True)  # a send returns once the broker has the message
             queue_arguments = {"x-queue-type": self.broker_queue_type}
@@ -387,8 +403,11 @@ class JuneProducer:
         message or is down right now (the sweeper sends it again within about a sweep period),
         so then this returns the turn id and logs a warning instead of raising
         :class:`BrokerUnavailable`. Not with ``replace``. A session parked on another turn's
-        input records nothing; the message is sent and the worker rejects the turn, as without
-        ``durable``. :class:`DatabaseUnavailable`: Postgres did not answer; nothing was sent.
+        input records nothing (unless a reset is pending: the turn then queues behind it); the
+        message is sent and the worker rejects the turn, as without ``durable``. A string no store can hold (a NUL, a lone surrogate) in ``text``, ``event``,
+        ``trigger`` or ``target`` is a ``ValueError`` before anything is recorded or sent (without
+        ``durable`` the worker refuses the message and records the rejection).
+        :class:`DatabaseUnavailable`: Postgres did not answer; nothing was sent.
         """
         tid = _turn_id(turn_id) if turn_id is not None else new_turn_id()
         opened_by = _json_object(trigger, "trigger")
@@ -417,6 +436,7 @@ class JuneProducer:
             ):
                 raise ValueError('invalid trigger: expected {"kind": "proactive", "by": "<who>"}')
             check_event(payload["event"])
+            check_storable(payload)  # text, event, trigger, target: what the record holds
         where = {"agent": payload["agent"], "session": payload["session"], "turn_id": tid, "queue": self.queue}
         with sending("june.start_turn", **where) as trace_headers:
             recorded = None
@@ -446,7 +466,8 @@ class JuneProducer:
         """Enqueue a turn nobody typed (``june.proactive``), e.g. from a scheduler; returns its turn id.
 
         ``by`` says who started it (``cron:daily``); ``target`` is where the agent's delivery
-        hook renders the result (a channel, a thread...). ``durable``: as for :meth:`start_turn`.
+        hook renders the result (a channel, a thread...). ``durable``: as for :meth:`start_turn`
+        (a NUL or a lone surrogate in ``text``, ``by`` or ``target`` is a ``ValueError`` then).
         """
         tid = _turn_id(turn_id) if turn_id is not None else new_turn_id()
         payload: dict[str, Any] = {
@@ -457,10 +478,13 @@ class JuneProducer:
             "by": _bounded(by, "by", low=1, high=256),
             "target": _json_object(target, "target"),
         }
+        durable = self.durable if durable is None else durable
+        if durable:
+            check_storable(payload)  # text, by, target: what the record holds
         where = {"agent": payload["agent"], "session": payload["session"], "turn_id": tid, "queue": self.queue}
         with sending("june.proactive", **where) as trace_headers:
             recorded = None
-            if self.durable if durable is None else durable:
+            if durable:
                 stored = turn_payload(
                     payload["text"], trigger_by=payload["by"], target=payload["target"], trace=trace_headers
                 )

@@ -379,6 +379,9 @@ class SessionStore(Protocol):
         A turn not recorded yet is inserted as rejected (never queued first, so nothing can run
         it); one still queued or running becomes rejected, unless ``new_only`` (a refused copy of a
         message must not end the turn its first copy recorded); one that ended is left as it is.
+        A store that takes records from outside the workers (Postgres: durable producers) also
+        rejects, whatever ``new_only`` says, a queued turn that never started whose own record no
+        worker can use, putting ``payload`` in its place.
         Returns the stored record and the events written (none when nothing changed).
         """
         ...

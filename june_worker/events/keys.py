@@ -12,6 +12,15 @@ Cluster hash tag: only the text between them picks the slot)::
     june:firehose:relayed:{june:events:all:<n>}  hash  session key -> highest seq appended to partition n
     june:firehose:seen:{june:events:all:<n>}     zset  session key -> when it last appended there (ms)
 
+On a Redis broker (``CELERY_BROKER_URL``), kombu keeps the messages a worker took and has not
+acknowledged under names june gives it (:func:`broker_unacked_keys`), not kombu's database-wide
+defaults (``unacked``, ``unacked_index``): a june worker puts back only june's messages after
+its short visibility timeout, never those of another Celery app on the same database::
+
+    june:broker:unacked                       hash     delivery tag -> the message
+    june:broker:unacked_index                 zset     delivery tag -> when it was delivered
+    june:broker:unacked_mutex                 string   one worker restores at a time
+
 The rule a reader must not break: **a marker lives in the same hash slot as the stream it
 guards**, because the script that compares and appends touches both in one call. A session's
 keys share the tag ``{<agent>:<session>}``. A firehose partition keeps the bare name
@@ -34,7 +43,7 @@ from dataclasses import dataclass
 
 from ..engine.store import SessionRef
 
-__all__ = ["DEFAULT_KEYS", "EventKeys"]
+__all__ = ["DEFAULT_KEYS", "EventKeys", "broker_unacked_keys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +113,12 @@ class EventKeys:
 
 
 DEFAULT_KEYS = EventKeys()
+
+
+def broker_unacked_keys(prefix: str) -> dict[str, str]:
+    """kombu's Redis transport options naming where a worker's unacknowledged messages are kept, under ``prefix``."""
+    return {
+        "unacked_key": f"{prefix}:broker:unacked",
+        "unacked_index_key": f"{prefix}:broker:unacked_index",
+        "unacked_mutex_key": f"{prefix}:broker:unacked_mutex",
+    }

@@ -48,10 +48,11 @@ from psycopg import errors as pg_errors
 from psycopg.rows import TupleRow
 from psycopg.types.numeric import Int8
 from psycopg_pool import ConnectionPool
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from ..engine.endings import rejection_event
 from ..engine.events import Rejected, TurnEvent, TurnResultAdapter
+from ..engine.storable import unstorable_reason
 from ..engine.store import (
     ENDED_TURN_STATUSES,
     UNFINISHED_TURN_STATUSES,
@@ -88,6 +89,7 @@ __all__ = [
     "PostgresStore",
     "pooled",
     "session_snapshot",
+    "stored_turn",
     "turn_columns",
     "turn_from_row",
 ]
@@ -406,6 +408,31 @@ _MIGRATIONS: list[str] = [
         where status in ('queued', 'running', 'suspended') or deliver_due;
     create index june_sessions_reset_pending on june_sessions (agent, session) where reset_pending;
     """,
+    # 11: june_enqueue_turn (5) as june_intake (8) judges a park: one a pending reset is about to end does not
+    # count, so a durable producer's turn for such a session is recorded and queues behind the reset, as the
+    # worker's intake records it (it used to record nothing, and the turn was not durable)
+    """
+    create or replace function june_enqueue_turn(
+        p_agent text, p_session text, p_turn_id text, p_payload json, p_unless_parked boolean default false
+    ) returns table (recorded boolean, turn june_turns)
+    language sql volatile as $$
+    with existing as (
+        select t from june_turns t where t.agent = p_agent and t.session = p_session and t.turn_id = p_turn_id
+    ), sess as (
+        insert into june_sessions as s (agent, session, next_position)
+        select p_agent, p_session, 2 where not exists (select 1 from existing)
+        on conflict (agent, session) do update set next_position = s.next_position + 1
+           where not (p_unless_parked and s.suspended is not null and not s.reset_pending)
+        returning s.next_position - 1 as position, s.generation
+    ), ins as (
+        insert into june_turns as t (agent, session, turn_id, position, status, payload, generation)
+        select p_agent, p_session, p_turn_id, sess.position, 'queued', p_payload, sess.generation from sess
+        on conflict do nothing
+        returning t
+    )
+    select true, ins.t from ins union all select false, existing.t from existing
+    $$;
+    """,
 ]
 
 _WHY_NOT = """
@@ -455,7 +482,7 @@ _ENQUEUE = f"""
 select e.recorded, {turn_columns("(e.turn).")}
   from june_enqueue_turn(%(agent)s, %(session)s, %(turn_id)s, %(payload)s::json) e
 """
-"""Record a queued turn (migration 4's function, which durable producers call too)."""
+"""Record a queued turn (migration 5's function, as migration 11 left it; durable producers call it too)."""
 
 _SESSION_EXISTS = "select exists (select 1 from june_sessions where agent = %(agent)s and session = %(session)s)"
 _GET_TURN = (
@@ -500,8 +527,9 @@ returning s.fence, s.event_seq, s.generation
 """
 
 # A rejection in the transaction that locked the session row: the turn inserted as rejected when it is new
-# (never queued, so no drain can run it), else set rejected (the caller checked it has not ended); its
-# turn.failed event in the outbox; the session's counters moved.
+# (never queued, so no drain can run it), else set rejected (the caller checked it has not ended), its payload
+# replaced when the stored one cannot be used (`replace`); its turn.failed event in the outbox; the session's
+# counters moved.
 _REJECT = f"""
 with sess as (
     update june_sessions set event_seq = %(seq)s,
@@ -518,7 +546,8 @@ with sess as (
       from sess where %(new)s
     returning {TURN_COLUMNS}
 ), upd as (
-    update june_turns set status = 'rejected', result = %(result)s::json, finished_at = extract(epoch from now())
+    update june_turns set status = 'rejected', result = %(result)s::json, finished_at = extract(epoch from now()),
+           payload = case when %(replace)s then %(payload)s::json else payload end
      where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s and not %(new)s
     returning {TURN_COLUMNS}
 )
@@ -996,9 +1025,16 @@ class PostgresStore:
             _check_fence(ref, int(row[0]), fence)
             event_seq = int(row[1])
             found = conn.execute(_GET_TURN + " for update", key).fetchone()
-            existing = turn_from_row(ref, found) if found else None
-            if existing is not None and (new_only or existing.status not in UNFINISHED_TURN_STATUSES):
-                return existing, []
+            existing, unusable = stored_turn(ref, found) if found else (None, None)
+            # A record no worker can use, still queued and never started (made outside the workers: a durable
+            # producer's), is rejected whatever new_only says, since nothing else would ever end it; its payload
+            # is replaced by this one.
+            replace = found is not None and unusable is not None and found[2] == "queued" and found[5] == 0
+            if not replace:
+                if found is not None and existing is None:
+                    raise StoreError(f"turn {turn_id} of {ref}: {unusable}; it is {found[2]}, so it is left alone")
+                if existing is not None and (new_only or existing.status not in UNFINISHED_TURN_STATUSES):
+                    return existing, []
             seq = event_seq + 1
             params = {
                 **key,
@@ -1006,7 +1042,8 @@ class PostgresStore:
                 "result": Rejected(turn_id=turn_id, reason=reason).model_dump_json(),
                 "seq": Int8(seq),
                 "body": event.model_copy(update={"seq": seq}).model_dump_json(by_alias=True),
-                "new": existing is None,
+                "new": found is None,
+                "replace": replace,
             }
             stored = conn.execute(_REJECT, params).fetchone()
             assert stored is not None
@@ -1084,6 +1121,23 @@ def session_snapshot(
         event_seq=event_seq or 0,
         compacted_at=compacted_at,
     )
+
+
+def stored_turn(ref: SessionRef, row: Sequence[Any]) -> tuple[TurnRecord | None, str | None]:
+    """A turn row read as :func:`turn_from_row` reads it (None when it cannot be), and why no worker can run its
+    record (None: one can).
+
+    Workers record only what they validated, but a durable producer records through ``june_enqueue_turn`` from
+    outside, and Postgres' ``json`` takes what no worker can use: a lone surrogate escape (the record cannot be
+    read) or a NUL (it can, but no store holds it, and the message it makes is refused).
+    """
+    try:
+        rec = turn_from_row(ref, row)
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        return None, f"its stored record cannot be read ({problem['msg']})"
+    reason = unstorable_reason(rec.payload.model_dump(mode="json"), "payload")
+    return rec, None if reason is None else f"its stored {reason}"
 
 
 def turn_from_row(ref: SessionRef, row: Sequence[Any]) -> TurnRecord:

@@ -17,6 +17,9 @@ message is only gone once its task ran.
   longer than that is handed out a second time; the copy finds its turn recorded and running
   and ends at once (intake is idempotent by turn id). Without persistence (AOF) a Redis
   restart loses what was queued: see ``docker-compose.yml`` and ``durable=True`` producers.
+  kombu's set of unacknowledged messages is one per database; june's workers keep theirs
+  under ``<JUNE_KEY_PREFIX>:broker:unacked*`` (:func:`~june_worker.events.keys.broker_unacked_keys`),
+  so they never put back another Celery app's messages.
 
 Producers (``producers/``) declare the same queues the same way; a test checks they agree.
 """
@@ -26,8 +29,11 @@ from __future__ import annotations
 from typing import Any
 
 from kombu.entity import Queue
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ..errors import ConfigError
+from ..events.keys import broker_unacked_keys
 from .settings import WorkerSettings
 
 __all__ = ["QUEUE_TYPES", "broker_kind", "celery_options", "publish_options", "queues"]
@@ -73,7 +79,18 @@ def celery_options(settings: WorkerSettings) -> dict[str, Any]:
             "unacked_restore_throttle": 1,  # every interval scans, not every tenth
             "socket_connect_timeout": timeout,
             "socket_timeout": timeout,  # a broker that accepts but never answers must not hang a publish
+            # june's own unacked set: kombu's default is one per database, so a june worker would put back, after
+            # its short visibility timeout, what another Celery app's workers took from the same database
+            **broker_unacked_keys(settings.key_prefix),
         }
+        if settings.broker_url.lower().startswith("sentinel"):
+            # redis-py retries each question to a sentinel 3 times with a backoff of its own (9 s for a silent one):
+            # one try each, so that the publish retry policy below is the one retry policy
+            transport["sentinel_kwargs"] = {
+                "socket_timeout": timeout,
+                "socket_connect_timeout": timeout,
+                "retry": Retry(NoBackoff(), 0),
+            }
     elif kind == "amqp":
         transport = {"confirm_publish": True}
     return {

@@ -23,7 +23,7 @@ from psycopg_pool import ConnectionPool
 from ..engine.store import SessionRef, SessionSnapshot, SuspendedCheckpoint, TurnPayload, TurnRecord
 from ..stores._pg_commit import NOTHING_NEW
 from ..stores._sql import one_line
-from ..stores.postgres import TURN_WIDTH, pooled, session_snapshot, turn_columns, turn_from_row
+from ..stores.postgres import TURN_WIDTH, pooled, session_snapshot, stored_turn, turn_columns, turn_from_row
 from .transcripts import Held, held_params
 
 __all__ = ["Intake", "Lease", "SessionQueue", "Stranded"]
@@ -128,7 +128,11 @@ class Stranded:
     """A session with unfinished work and nobody holding it: the sweeper re-sends its first turn."""
 
     ref: SessionRef
-    turn: TurnRecord
+    turn: TurnRecord | None
+    """None when the turn's stored record cannot be read (``unusable`` says why): the sweeper rejects it."""
+    turn_id: str
+    unusable: str | None = None
+    """Why no worker can run the turn's record (:func:`~june_worker.stores.postgres.stored_turn`); None: one can."""
 
 
 class SessionQueue:
@@ -411,7 +415,9 @@ class SessionQueue:
         (its own message is normally on its way); one whose holder died is re-sent at once.
         Every time here is the database's.
 
-        Marks what it returns as dispatched now, so two sweepers do not both re-send it.
+        Marks what it returns as dispatched now, so two sweepers do not both re-send it. A row whose
+        record no worker can use (made outside the workers) comes back with the reason, never raises:
+        one such row must not keep the others from being re-sent.
         """
         with pooled(self.pool) as conn:
             rows = conn.execute(
@@ -441,7 +447,8 @@ class SessionQueue:
         out = []
         for agent, session, *turn in rows:
             ref = SessionRef(agent, session)
-            out.append(Stranded(ref=ref, turn=turn_from_row(ref, turn)))
+            rec, unusable = stored_turn(ref, turn)
+            out.append(Stranded(ref=ref, turn=rec, turn_id=turn[0], unusable=unusable))
         return out
 
     # --- delivery to a turn's target (at least once) ---------------------------------------------

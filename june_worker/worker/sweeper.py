@@ -16,53 +16,52 @@ It finds, in Postgres:
 
 Recovery time is therefore bounded by the liveness window (3 s by default; never more than
 the lease length) plus one sweep period.
+
+The rule a reader must not break: **one bad row or one failing step never stops the sweep**.
+A queued turn whose stored record no worker can use (a durable producer records from outside
+the workers) is rejected, its stream ended, instead of re-sent forever or raising; a step that
+fails is logged and the steps after it still run (the store being unavailable is the exception:
+the task is retried, whole).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from ..engine.store import TurnRecord
+from ..engine.endings import reject_turn
+from ..engine.storable import storable_text
+from ..engine.store import TurnPayload, TurnRecord
+from ..errors import StoreUnavailableError
 from .children import wake_parents
 from .host import WorkerHost
-from .retention import prune
+from .queue import Stranded
+from .retention import Pruned, prune
 
 __all__ = ["sweep"]
 
 log = logging.getLogger("june_worker.sweeper")
+T = TypeVar("T")
 
 
 def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: int = 500) -> dict[str, Any]:
-    period = host.settings.sweep_s
-    expired = 0
-    for ref in host.queue.expired_parks(limit=limit):
-        parked = host.store.pending(ref)
-        if parked is None or not host.expire_park(ref, parked):
-            continue  # answered meanwhile
-        expired += 1
-        rec = host.store.get_turn(ref, parked.turn_id)
-        if rec is not None and rec.status == "queued":  # else requests that expire later keep it parked
-            dispatch(rec)
-    woken = wake_parents(host, dispatch, limit=limit)  # parents of child turns whose worker died before answering
-    resets = 0
-    for ref in host.queue.pending_resets(limit=limit):  # their holder died, or a reset found them busy
-        held, _ = host.reset_now(ref, dispatch)
-        resets += held
-    redispatched = 0
     # A turn just recorded is given one sweep period to be picked up normally before we step in.
-    for stranded in host.queue.stranded(grace_s=max(period, 1.0), limit=limit):
-        dispatch(stranded.turn)
-        redispatched += 1
+    grace = max(host.settings.sweep_s, 1.0)
+    expired = _step("expiring parks", lambda: _expire_parks(host, dispatch, limit=limit), 0)
+    # parents of child turns whose worker died before answering
+    woken = _step("waking parents", lambda: wake_parents(host, dispatch, limit=limit), 0)
+    resets = _step("performing resets", lambda: _perform_resets(host, dispatch, limit=limit), 0)
+    stranded = _step("re-sending stranded turns", lambda: _resend_stranded(host, dispatch, grace, limit), (0, 0))
+    redispatched, rejected = stranded
     # A turn whose delivery to its target stayed due (its worker died before it, or the hook failed)
     # goes out again; its intake delivers it.
-    for turn in host.queue.undelivered(grace_s=max(period, 1.0), limit=limit):
-        dispatch(turn)
-        redispatched += 1
-    relayed = _relay(host, limit=limit)
-    pruned = prune(host.store.pool, host.sink, host.settings)
-    host.queue.forget_dead_workers(older_than_s=24 * 3600)
+    redispatched += _step("re-sending undelivered turns", lambda: _resend_undelivered(host, dispatch, grace, limit), 0)
+    relayed = _step("relaying", lambda: _relay(host, limit=limit), 0)
+    pruned = _step("pruning", lambda: prune(host.store.pool, host.sink, host.settings), Pruned())
+    _step("forgetting dead workers", lambda: host.queue.forget_dead_workers(older_than_s=24 * 3600), 0)
+    if rejected:
+        log.warning("sweep: %d queued turns rejected: their stored records cannot be used", rejected)
     if woken:
         log.info("sweep: %d parents answered by their ended child turns", woken)
     if redispatched or expired or relayed or resets:
@@ -79,9 +78,83 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
         "expired_parks": expired,
         "resets": resets,
         "woken_parents": woken,
+        "rejected": rejected,
         "relayed": relayed,
         "pruned": {"events": pruned.events, "turns": pruned.turns, "archived": pruned.archived},
     }
+
+
+def _step(name: str, run: Callable[[], T], nothing: T) -> T:
+    """One step of the sweep: its result, or ``nothing`` when it failed (logged), so that the steps after it run.
+
+    The store being unavailable is not caught: every step needs it, and the task is retried (failure policy)."""
+    try:
+        return run()
+    except StoreUnavailableError:
+        raise
+    except Exception:
+        log.exception("sweep: %s failed; the other steps go on, the next sweep tries again", name)
+        return nothing
+
+
+def _expire_parks(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: int) -> int:
+    expired = 0
+    for ref in host.queue.expired_parks(limit=limit):
+        parked = host.store.pending(ref)
+        if parked is None or not host.expire_park(ref, parked):
+            continue  # answered meanwhile
+        expired += 1
+        rec = host.store.get_turn(ref, parked.turn_id)
+        if rec is not None and rec.status == "queued":  # else requests that expire later keep it parked
+            dispatch(rec)
+    return expired
+
+
+def _perform_resets(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: int) -> int:
+    resets = 0
+    for ref in host.queue.pending_resets(limit=limit):  # their holder died, or a reset found them busy
+        held, _ = host.reset_now(ref, dispatch)
+        resets += held
+    return resets
+
+
+def _resend_stranded(
+    host: WorkerHost, dispatch: Callable[[TurnRecord], None], grace_s: float, limit: int
+) -> tuple[int, int]:
+    """Re-send each stranded session's first turn; reject one whose record no worker can use. (sent, rejected)"""
+    sent = rejected = 0
+    for stranded in host.queue.stranded(grace_s=grace_s, limit=limit):
+        if stranded.unusable is None and stranded.turn is not None:
+            dispatch(stranded.turn)
+            sent += 1
+            continue
+        reason = stranded.unusable or "its stored record cannot be read"
+        try:  # re-sent, it would be refused by every worker, or fail every sweep: end it instead
+            rejected += _reject_unusable(host, stranded, reason)
+        except StoreUnavailableError:
+            raise
+        except Exception:  # this row only: the others are re-sent all the same
+            log.exception("sweep: could not reject turn %s of %s (%s)", stranded.turn_id, stranded.ref, reason)
+    return sent, rejected
+
+
+def _reject_unusable(host: WorkerHost, stranded: Stranded, reason: str) -> int:
+    """End a queued turn whose stored record no worker can use: rejected, its ``turn.failed`` published."""
+    why = f"turn {stranded.turn_id} cannot be run: {reason}"
+    text = stranded.turn.payload.text[:1000] if stranded.turn is not None else ""
+    result = reject_turn(
+        host.store, host.sink, stranded.ref, stranded.turn_id, why, payload=TurnPayload(text=storable_text(text))
+    )
+    log.warning("sweep: rejected turn %s of %s: %s", stranded.turn_id, stranded.ref, reason)
+    return int(result is not None and result.status == "rejected")
+
+
+def _resend_undelivered(host: WorkerHost, dispatch: Callable[[TurnRecord], None], grace_s: float, limit: int) -> int:
+    sent = 0
+    for turn in host.queue.undelivered(grace_s=grace_s, limit=limit):
+        dispatch(turn)
+        sent += 1
+    return sent
 
 
 def _relay(host: WorkerHost, *, limit: int) -> int:

@@ -87,7 +87,8 @@ def _rejected(task: str, args: tuple[Any, ...], exc: PayloadError, task_id: str 
     text = raw.get("text")
     payload = TurnPayload(text=storable_text(text[:1000]) if isinstance(text, str) else "")
     try:
-        # one write: recorded as rejected, never queued; a copy of a turn recorded already leaves it alone
+        # one write: recorded as rejected, never queued; a copy of a turn recorded already leaves it alone,
+        # unless that record is no more usable than this message (a durable producer's: see the store's reject_turn)
         reject_turn(host.store, host.sink, ref, turn_id, reason, payload=payload, new_only=True)
     except StoreUnavailableError:
         raise  # the task is retried: the rejection must reach the turn's row and stream

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
 WAIT_S = 15.0
+T = TypeVar("T")
 
 
 def encode(agent: str, session: str, type: str, turn_id: str, seq: int | None, **fields: Any) -> str:
@@ -88,6 +90,32 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.02)
+
+
+def returns_within(call: Callable[[], T], within_s: float, what: str) -> T:
+    """``call()``'s value (or exception), failing with a message naming ``what`` when it has not returned within
+    ``within_s``: a hang fails the test at that bound, long before pytest's timeout. Not a speed check: the
+    bound is a generous multiple of what the call's own settings allow. The call runs in a daemon thread,
+    left behind if it hangs."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # handed back to the test's thread below
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name=f"returns-within: {what}", daemon=True)
+    thread.start()
+    thread.join(within_s)
+    if thread.is_alive():
+        raise AssertionError(
+            f"{what} had not returned after {within_s:g}s, far past what its timeout and retries allow: it hangs"
+        )
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)

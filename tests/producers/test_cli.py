@@ -21,7 +21,7 @@ from producers import JuneProducer
 from producers.cli import main
 
 from .conftest import Names, StubWorker
-from .kit import WAIT_S, add_event, pop_message, script, write_script
+from .kit import WAIT_S, add_event, pop_message, returns_within, script, write_script
 
 pytestmark = pytest.mark.integration
 
@@ -257,10 +257,17 @@ def test_a_silent_rabbitmq_exits_5_with_one_clear_line_within_the_publish_timeou
         silent.listen(16)  # takes connections, never answers
         port = silent.getsockname()[1]
         monkeypatch.setenv("CELERY_BROKER_URL", f"amqp://guest:pw@127.0.0.1:{port}//")
-        monkeypatch.setenv("JUNE_PUBLISH_TIMEOUT_S", "0.5")
-        monkeypatch.setenv("JUNE_PUBLISH_RETRIES", "1")
+        timeout_s, retries = 0.5, 1
+        monkeypatch.setenv("JUNE_PUBLISH_TIMEOUT_S", str(timeout_s))
+        monkeypatch.setenv("JUNE_PUBLISH_RETRIES", str(retries))
 
-        assert main(["turn", "ops", "s1", "hi", "--no-follow", "--json"]) == 5
+        # within ten times what the retry policy allows, (retries + 1) x timeout: a hang fails here, not at 60 s
+        code = returns_within(
+            lambda: main(["turn", "ops", "s1", "hi", "--no-follow", "--json"]),
+            10 * (retries + 1) * timeout_s,
+            "the CLI",
+        )
+        assert code == 5
 
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("june-produce: could not send june.turn")

@@ -19,12 +19,14 @@ import pytest
 import redis
 from pydantic import ValidationError
 
+from june_worker.engine.storable import unstorable_reason
 from june_worker.engine.store import SessionRef, TurnPayload
 from june_worker.engine.types import InboundEvent
 from june_worker.stores.postgres import PostgresStore
 from june_worker.worker.payloads import ProactiveMessage, TurnMessage
 from producers import BrokerUnavailable, DatabaseUnavailable, JuneProducer, ProducerConfigError
 from producers._durable import check_event
+from producers._storable import unstorable_reason as producer_unstorable_reason
 
 from .conftest import Names
 from .kit import pop_message
@@ -129,6 +131,22 @@ def test_a_parked_session_records_nothing_and_the_message_still_goes_out(
     assert pop_message(rclient, names.queue).args[0]["turn_id"] == turn_id
 
 
+def test_a_parked_session_with_a_reset_pending_records_the_turn_which_queues_behind_the_reset(
+    durable: JuneProducer, db: str, names: Names, rclient: redis.Redis, session_id: str
+) -> None:
+    # the reset is about to end the park: a worker's intake (june_intake) records a turn then, and so does this
+    with psycopg.connect(db, autocommit=True) as conn:
+        conn.execute(
+            "insert into june_sessions (agent, session, suspended, reset_pending) values ('ops', %s, '{}'::json, true)",
+            (session_id,),
+        )
+
+    turn_id = durable.start_turn("ops", session_id, "after the reset")
+
+    assert [(t, s) for t, s, _ in _stored(db, session_id)] == [(turn_id, "queued")]
+    assert pop_message(rclient, names.queue).args[0]["turn_id"] == turn_id
+
+
 def test_with_the_broker_down_a_recorded_turn_is_returned_and_the_sweeper_will_send_it(
     redis_url: str, db: str, session_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -167,6 +185,75 @@ def test_a_database_that_was_never_migrated_is_named(redis_url: str, database_ur
     finally:
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(f'drop database if exists "{name}" with (force)')
+
+
+@pytest.fixture
+def own_db(database_url: str) -> Iterator[str]:
+    """A migrated database of this test's own, for a test that changes its privileges or triggers."""
+    name = f"june_durable_own_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'create database "{name}"')
+    url = psycopg.conninfo.make_conninfo(database_url, dbname=name)
+    PostgresStore(url).close()
+    try:
+        yield url
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'drop database if exists "{name}" with (force)')
+
+
+def test_a_database_user_that_may_not_record_turns_is_a_config_error_saying_what_to_grant(
+    redis_url: str, own_db: str, session_id: str
+) -> None:
+    role = f"june_producer_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(own_db, autocommit=True) as conn:
+        conn.execute(f"create role {role} login")  # may connect and run the function, not write the tables
+    try:
+        url = psycopg.conninfo.make_conninfo(own_db, user=role)
+        with JuneProducer(redis_url, database_url=url, durable=True) as p:
+            with pytest.raises(ProducerConfigError, match="may not record turns") as raised:
+                p.start_turn("ops", session_id, "hi")
+        assert "InsufficientPrivilege: permission denied" in str(raised.value)
+        assert "grant it EXECUTE on june_enqueue_turn" in str(raised.value) and "\n" not in str(raised.value)
+        assert _stored(own_db, session_id) == []
+    finally:
+        with psycopg.connect(own_db, autocommit=True) as conn:
+            conn.execute(f"drop owned by {role}")
+            conn.execute(f"drop role {role}")
+
+
+def test_a_record_postgres_refuses_for_another_reason_is_one_clear_line_from_the_cli_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    redis_url: str,
+    own_db: str,
+    names: Names,
+    rclient: redis.Redis,
+    session_id: str,
+) -> None:
+    from producers import ProducerError
+    from producers.cli import main
+
+    with psycopg.connect(own_db, autocommit=True) as conn:  # an application's own rule, enforced in the database
+        conn.execute(
+            "create function no_turns() returns trigger language plpgsql as "
+            "$$ begin raise exception 'turns are closed for maintenance'; end $$"
+        )
+        conn.execute("create trigger no_turns before insert on june_turns for each row execute function no_turns()")
+    with JuneProducer(redis_url, queue=names.queue, database_url=own_db, durable=True) as p:
+        with pytest.raises(ProducerError, match="Postgres refused it") as raised:
+            p.start_turn("ops", session_id, "hi")
+    assert "RaiseException: turns are closed for maintenance" in str(raised.value)
+    assert "nothing was recorded or sent" in str(raised.value)
+
+    for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**names.env(redis_url), "JUNE_DATABASE_URL": own_db}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["turn", "ops", session_id, "hi", "--durable", "--no-follow", "--json"]) == 5
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("june-produce: could not record turn t_"), err
+    assert rclient.llen(names.queue) == 0
 
 
 def test_durable_needs_a_database_and_refuses_replace(durable: JuneProducer, redis_url: str) -> None:
@@ -218,6 +305,67 @@ def test_an_unreadable_event_is_refused_before_anything_is_recorded_or_sent(
     with pytest.raises(ValueError, match="user"):
         durable.start_turn("ops", session_id, "hi", event={"source": "slack", "user": {"id": 5}})
 
+    assert _stored(db, session_id) == []
+    assert rclient.llen(names.queue) == 0
+
+
+STRINGS: list[Any] = [  # values the workers' storable rule and the producers' copy of it must judge alike
+    "plain",
+    "",
+    "é € 😀 \ue000 \uffff",
+    "a\x00b",
+    "\x00",
+    "\udcff",
+    "\ud800x",
+    "x\udfff",
+    "😀\ud83d",
+    {"k\x00": 1},
+    {"a": ["x", "y\udc80"]},
+    {"a": {"b": {"c": "\x00"}}, "d": "\udcff"},
+    ("t", ["\x00"]),
+    [1, 2.5, None, True, {"k": "v"}],
+    5,
+    None,
+]
+
+
+@pytest.mark.parametrize("value", STRINGS)
+def test_a_durable_producer_judges_strings_by_the_workers_storable_rule(value: Any) -> None:
+    assert producer_unstorable_reason(value) == unstorable_reason(value)
+    assert producer_unstorable_reason(value, "text") == unstorable_reason(value, "text")
+
+
+UNSTORABLE: list[tuple[str, dict[str, Any], str]] = [  # (how it is sent, its arguments, what the error names)
+    ("start_turn", {"text": "order\x00 2"}, "text: contains a NUL character at index 5"),
+    ("start_turn", {"text": "caf\udce9"}, "text: contains a lone surrogate (U+DCE9) at index 3"),
+    ("start_turn", {"event": {"source": "slack", "user": {"id": "U\x001"}}}, "event.user.id: contains a NUL"),
+    ("start_turn", {"trigger": {"kind": "proactive", "by": "cron\udcff"}}, "trigger.by: contains a lone surrogate"),
+    ("start_turn", {"target": {"channel": "C\x00"}}, "target.channel: contains a NUL"),
+    ("proactive", {"by": "cron\x00daily"}, "by: contains a NUL character at index 4"),
+    ("proactive", {"text": "\ud800", "by": "cron"}, "text: contains a lone surrogate (U+D800)"),
+    ("proactive", {"by": "cron", "target": {"t\udcff": 1}}, "target (a key): contains a lone surrogate"),
+]
+
+
+@pytest.mark.parametrize(("method", "arguments", "named"), UNSTORABLE)
+def test_a_durable_turn_holding_a_string_no_store_can_hold_is_refused_before_anything_is_recorded_or_sent(
+    durable: JuneProducer,
+    db: str,
+    names: Names,
+    rclient: redis.Redis,
+    session_id: str,
+    method: str,
+    arguments: dict[str, Any],
+    named: str,
+) -> None:
+    send = getattr(durable, method)
+    arguments = {"text": "hi", **({"by": "cron"} if method == "proactive" else {}), **arguments}
+    text = arguments.pop("text")
+
+    with pytest.raises(ValueError, match="cannot be stored") as refused:
+        send("ops", session_id, text, **arguments)
+
+    assert named in str(refused.value) and "NUL characters or lone surrogates" in str(refused.value)
     assert _stored(db, session_id) == []
     assert rclient.llen(names.queue) == 0
 

@@ -19,7 +19,7 @@ import redis
 from producers import BrokerUnavailable, JuneProducer, ResultTimeout
 
 from .conftest import Names
-from .kit import pop_message, wait_until
+from .kit import pop_message, returns_within, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -237,18 +237,28 @@ def silent_port() -> Iterator[int]:
 
 @pytest.mark.timeout(60)  # a publish that hangs fails here instead of blocking the run
 @pytest.mark.parametrize("down", ["refused", "silent"])
-@pytest.mark.parametrize("scheme", ["redis", "amqp"])
+@pytest.mark.parametrize("scheme", ["redis", "sentinel", "amqp"])
 def test_a_broker_that_is_down_or_silent_raises_broker_unavailable_instead_of_hanging(scheme: str, down: str) -> None:
     with contextlib.ExitStack() as stack:
         port = stack.enter_context(silent_port()) if down == "silent" else closed_port()
-        url = f"redis://:{SECRET}@127.0.0.1:{port}/0" if scheme == "redis" else f"amqp://u:{SECRET}@127.0.0.1:{port}//"
+        url = {
+            "redis": f"redis://:{SECRET}@127.0.0.1:{port}/0",
+            "sentinel": f"sentinel://:{SECRET}@127.0.0.1:{port}/0",  # a Redis behind Sentinel: the sentinel hangs
+            "amqp": f"amqp://u:{SECRET}@127.0.0.1:{port}//",
+        }[scheme]
+        timeout_s, retries = 0.5, 2
         producer = stack.enter_context(
             JuneProducer(
-                f"redis://127.0.0.1:{closed_port()}/0", broker_url=url, publish_timeout_s=0.5, publish_retries=2
+                f"redis://127.0.0.1:{closed_port()}/0",
+                broker_url=url,
+                broker_transport_options={"master_name": "june"} if scheme == "sentinel" else None,
+                publish_timeout_s=timeout_s,
+                publish_retries=retries,
             )
         )
         with pytest.raises(BrokerUnavailable) as raised:
-            producer.start_turn("ops", "s1", "hi")
+            # what the retry policy allows, (retries + 1) x timeout, ten times over: a hang fails here, not at 60 s
+            returns_within(lambda: producer.start_turn("ops", "s1", "hi"), 10 * (retries + 1) * timeout_s, "start_turn")
 
     message = str(raised.value)
     assert message.startswith("could not send june.turn {agent=ops session=s1 turn_id=t_")

@@ -12,6 +12,7 @@ from june_worker.worker.settings import WorkerSettings
 from producers import JuneProducer
 
 REDIS = {"CELERY_BROKER_URL": "redis://broker:6379/0"}
+SENTINEL = {"CELERY_BROKER_URL": "sentinel://sentinel-1:26379;sentinel://sentinel-2:26379/0"}
 AMQP = {"CELERY_BROKER_URL": "amqp://guest:guest@rabbit:5672//"}
 
 
@@ -36,6 +37,21 @@ def test_on_redis_a_publish_cannot_wait_forever() -> None:
     assert options["broker_transport_options"]["socket_connect_timeout"] == 2.0
     assert options["broker_connection_timeout"] == 2.0
     assert options["task_publish_retry_policy"]["max_retries"] == 4
+
+
+def test_behind_sentinel_a_publish_is_bounded_too_and_redis_py_does_not_retry_on_its_own() -> None:
+    env = {**SENTINEL, "JUNE_PUBLISH_TIMEOUT_S": "2"}
+    transport = _options(env)["broker_transport_options"]
+    assert (transport["socket_timeout"], transport["socket_connect_timeout"]) == (2.0, 2.0)
+    asked = transport["sentinel_kwargs"]
+    assert (asked["socket_timeout"], asked["socket_connect_timeout"], asked["retry"].get_retries()) == (2.0, 2.0, 0)
+    with JuneProducer.from_env(env, broker_transport_options={"master_name": "june"}) as producer:
+        for app in (producer._turn_app, producer._control_app):
+            given = app.conf.broker_transport_options
+            assert (given["socket_timeout"], given["socket_connect_timeout"]) == (2.0, 2.0)
+            sentinel = given["sentinel_kwargs"]
+            assert (sentinel["socket_timeout"], sentinel["socket_connect_timeout"]) == (2.0, 2.0)
+            assert sentinel["retry"].get_retries() == 0 and given["master_name"] == "june"
 
 
 def test_on_rabbitmq_queues_are_durable_quorum_queues_and_publishes_are_confirmed() -> None:
@@ -79,3 +95,24 @@ def test_a_producer_declares_the_queues_the_workers_declare(env: dict[str, str])
                 app.conf.task_publish_retry_policy
                 == celery_options(WorkerSettings.from_env(env))["task_publish_retry_policy"]
             )
+
+
+@pytest.mark.parametrize("env", [REDIS, SENTINEL, AMQP])
+def test_every_broker_setting_is_one_the_installed_celery_and_kombu_read(env: dict[str, str]) -> None:
+    # Celery and kombu ignore a setting or transport option they do not know without a word: the floors in
+    # pyproject.toml (celery 5.5, kombu 5.7) are the versions that read all of these.
+    import inspect
+
+    import amqp
+    from celery.app.defaults import NAMESPACES, flatten
+    from kombu.transport import redis
+
+    options = _options(env)
+    assert set(options) <= {name for name, _ in flatten(NAMESPACES)}
+    if env is REDIS:
+        read = set(redis.Channel.from_transport_options)
+    elif env is SENTINEL:
+        read = set(redis.SentinelChannel.from_transport_options)
+    else:  # kombu hands RabbitMQ's transport options to py-amqp's connection as keyword arguments
+        read = set(inspect.signature(amqp.Connection).parameters)
+    assert set(options["broker_transport_options"]) <= read

@@ -33,7 +33,7 @@ def _variables_the_code_reads() -> set[str]:
 
 def test_the_stack_has_its_services_each_with_a_health_check(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert {"postgres", "redis", "worker", "beat", "flower"} <= set(services)
+    assert {"postgres", "redis", "worker", "control", "beat", "flower"} <= set(services)
     assert "FLOWER_BASIC_AUTH" in services["flower"]["environment"]  # Flower is never open without a login
     for name, svc in services.items():
         assert "healthcheck" in svc, f"service {name} has no health check"
@@ -102,13 +102,25 @@ def _mount_points(service: dict[str, Any]) -> set[str]:
     return {v["target"] if isinstance(v, dict) else str(v).split(":")[1] for v in service.get("volumes", [])}
 
 
-def test_the_worker_consumes_the_queues_the_tasks_are_routed_to(compose: dict[str, Any]) -> None:
-    worker = compose["services"]["worker"]
-    argv = worker["command"]
-    queues = set(argv[argv.index("-Q") + 1].split(","))
-    env = worker["environment"]
-    settings = WorkerSettings.from_env({k: str(v) for k, v in env.items()})
-    assert queues == {settings.queue, settings.control_queue}
+def worker_queues(compose: dict[str, Any]) -> dict[str, tuple[set[str], WorkerSettings]]:
+    """Each june worker service of the stack: the queues it consumes (``-Q``) and its settings."""
+    out = {}
+    for name, svc in _june_services(compose).items():
+        argv = svc["command"] if isinstance(svc["command"], list) else shlex.split(svc["command"])
+        if argv[:4] == ["celery", "-A", "june_worker", "worker"]:
+            settings = WorkerSettings.from_env({k: str(v) for k, v in svc["environment"].items()})
+            out[name] = (set(argv[argv.index("-Q") + 1].split(",")), settings)
+    return out
+
+
+def test_the_turn_queue_and_the_control_queue_are_consumed_each_by_workers_of_its_own(compose: dict[str, Any]) -> None:
+    # a worker consuming both may keep a control message while its pool runs turns (per-consumer prefetch on
+    # RabbitMQ's quorum queues): a cancel would wait for the turn it cancels (tests/integration/test_control_layout.py)
+    workers = worker_queues(compose)
+    consumed = set().union(*(queues for queues, _ in workers.values()))
+    for queues, settings in workers.values():
+        assert consumed == {settings.queue, settings.control_queue}
+        assert queues in ({settings.queue}, {settings.control_queue})
 
 
 def test_the_image_installs_the_extras_the_services_need() -> None:
