@@ -86,8 +86,9 @@ class Wire:
         nodes = self._client.nodes_manager
         if hasattr(nodes, "move_slot"):
             nodes.move_slot(exc)
-        else:  # redis-py before 7.2: recorded here, applied by the next slot lookup (``get_node_from_key``)
+        else:  # redis-py before 7.2 records it, and applies it at the next lookup through the nodes manager
             nodes.update_moved_exception(exc)
+            nodes.get_node_from_slot(exc.slot_id)  # now: get_node_from_key, which the next send asks, reads the cache
 
     def connection_of(self, key: str) -> Any:
         """The connection this wire writes ``key`` on, if it made one (for tests and diagnostics)."""
