@@ -235,9 +235,10 @@ async def _changes(
 class _Readers:
     """One task per group of streams, each an XREAD BLOCK loop, handing what it read over one at a time.
 
-    A reader hands on one XREAD's entries and reads again only once they were taken, so the feed holds
-    at most one batch per reader. Closing never cancels a Redis command: a reader waiting on Redis is let
-    finish its XREAD (at most ``block_s``), one waiting to hand over is cancelled.
+    A reader reads again only once its last XREAD's entries are queued, and the queue holds one batch per
+    reader, so the feed holds at most two batches per reader however slow its client. Closing never cancels
+    a Redis command: a reader waiting on Redis is let finish its XREAD (at most ``block_s``), one waiting to
+    hand over is cancelled.
     """
 
     def __init__(self, client: Any, groups: list[dict[str, str]], block_s: float) -> None:
