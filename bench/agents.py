@@ -70,6 +70,10 @@ class PublishProbe:
     def __init__(self) -> None:
         self.stamps: dict[str, int] = {}
 
+    def fires(self, point: str, step: str) -> bool:
+        """Never: the worker asks its crash hook this where it would die its own way (``before-intake``)."""
+        return False
+
     def __call__(self, point: str, step: str) -> None:
         now = time.monotonic_ns()
         if point == "before-publish":

@@ -328,7 +328,11 @@ def compare_pooled(results: list[LayoutResult]) -> None:
                 ratios = [
                     getattr(p, what) / getattr(s, what)
                     for p, s in zip(getattr(res, kind), getattr(separate, kind), strict=True)
+                    if getattr(s, what) > 0  # a batch too small to take one CPU tick (10 ms) has nothing to divide by
                 ]
+                if not ratios:
+                    print(f"{label} per turn ({per}), {res.broker} {res.layout} / {separate.layout}: too little CPU")
+                    continue
                 line = (
                     f"{label} per turn ({per}), {res.broker} {res.layout} / {separate.layout}: median "
                     f"{median(ratios):.2f} (rounds {min(ratios):.2f}-{max(ratios):.2f})"

@@ -81,8 +81,14 @@ class Wire:
     def moved(self, exc: MovedError) -> None:
         """A node answered MOVED: the slot lives on the node it names from now on (no-op on one Redis). An ASK (a
         slot half-way through a move) changes nothing: the next command of that slot asks again."""
-        if self._cluster:
-            self._client.nodes_manager.move_slot(exc)
+        if not self._cluster:
+            return
+        nodes = self._client.nodes_manager
+        if hasattr(nodes, "move_slot"):
+            nodes.move_slot(exc)
+        else:  # redis-py before 7.2 records it, and applies it at the next lookup through the nodes manager
+            nodes.update_moved_exception(exc)
+            nodes.get_node_from_slot(exc.slot_id)  # now: get_node_from_key, which the next send asks, reads the cache
 
     def connection_of(self, key: str) -> Any:
         """The connection this wire writes ``key`` on, if it made one (for tests and diagnostics)."""
@@ -94,11 +100,13 @@ class Wire:
     def _connection(self, node: str) -> Any:
         conn = self._conns.get(node)
         if conn is None:
-            pool = (
-                self._client.get_node(node_name=node).redis_connection.connection_pool
-                if self._cluster
-                else self._client.connection_pool
-            )
+            if self._cluster:
+                # A node the client has no connection to yet (a slot moved to a node that joined after the client
+                # learned the slot map) gets its connection pool here.
+                known = self._client.get_node(node_name=node)
+                pool = (known.redis_connection or self._client.get_redis_connection(known)).connection_pool
+            else:
+                pool = self._client.connection_pool
             conn = self._conns[node] = pool.make_connection()
             conn.health_check_interval = self._idle_check_s
         return conn

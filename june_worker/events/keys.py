@@ -43,7 +43,24 @@ from dataclasses import dataclass
 
 from ..engine.store import SessionRef
 
-__all__ = ["DEFAULT_KEYS", "EventKeys", "broker_unacked_keys"]
+__all__ = [
+    "CLUSTER_FIREHOSE_PARTITIONS",
+    "DEFAULT_KEYS",
+    "EventKeys",
+    "broker_unacked_keys",
+    "default_firehose_partitions",
+]
+
+CLUSTER_FIREHOSE_PARTITIONS = 16
+"""On a Redis Cluster the firehose is split over this many streams by default, so that its appends spread over
+the cluster's slots (and nodes) instead of all landing on the one node that owns a single stream."""
+
+
+def default_firehose_partitions(*, cluster: bool) -> int:
+    """``JUNE_FIREHOSE_PARTITIONS`` when it is unset, for workers and gateway alike: 16 on a cluster, 1 on one Redis.
+
+    Every process that writes or reads the firehose must use the same count; one default keeps them so."""
+    return CLUSTER_FIREHOSE_PARTITIONS if cluster else 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -405,7 +405,11 @@ class RedisStreamSink:
         if not self.pipelined:
             return
         with self._lock:
-            gaps = self._read_unread(keep)
+            try:
+                gaps = self._read_unread(keep)
+            except Exception as exc:  # a reply of a shape no publish sends: the store keeps the events
+                self._lost(exc, "acting on pipelined replies")
+                gaps = []
         for ref in gaps:
             assert self.store is not None
             try:
@@ -441,7 +445,10 @@ class RedisStreamSink:
                 reply = [0, 0, 1]
             elif isinstance(reply, AskError):  # MOVED (a subclass) or ASK: the command ran nowhere
                 if isinstance(reply, MovedError):
-                    self._wire.moved(reply)  # the slot's new node, for the next send
+                    try:
+                        self._wire.moved(reply)  # the slot's new node, for the next send
+                    except Exception as exc:  # the next send may be told MOVED again; the relay below follows it
+                        self._failed(exc, f"learning where slot {reply.slot_id} moved")
                 reply = [0, 0, 1]
             elif isinstance(reply, ResponseError):
                 self._failed(reply, f"append to the stream of {ref}" if ref else "delta")

@@ -25,6 +25,7 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
+from redis.exceptions import RedisClusterException
 from starlette.exceptions import HTTPException
 
 from producers import BrokerUnavailable, ResultTimeout, ResultUnavailable, TaskFailed, UnexpectedResult
@@ -106,6 +107,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     for database_error in (StoreUnavailableError, psycopg.OperationalError, psycopg_pool.PoolTimeout):
         app.add_exception_handler(database_error, database)
     app.add_exception_handler(redis.RedisError, event_store)
+    app.add_exception_handler(RedisClusterException, event_store)  # a cluster client's own: no node answered
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, body_parse_error)
 

@@ -12,6 +12,7 @@ the page refreshes what changed instead of polling.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -22,7 +23,9 @@ import psycopg
 import redis
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field
+from redis.exceptions import RedisClusterException
 
+from ..events._redis_url import is_cluster
 from . import console
 from .auth import Principal
 from .backend import GatewayBackend
@@ -175,6 +178,10 @@ async def changes(request: Request, principal: Authenticated, backend: Backend) 
     return SSEResponse(produce, backend.stats)
 
 
+_UNAVAILABLE = (redis.RedisError, RedisClusterException, OSError)
+"""Redis could not answer: one Redis's errors, and a cluster client's own (no node reachable, keys of two slots)."""
+
+
 async def _changes(
     backend: GatewayBackend,
     agents: frozenset[str],
@@ -185,33 +192,97 @@ async def _changes(
 ) -> AsyncIterator[bytes]:
     client = backend.redis
     deadline = time.monotonic() + max_stream_s
+    names = backend.keys.firehose_streams()
     streams: dict[str, str] = {}
     try:
-        for name in backend.keys.firehose_streams():  # from the newest entry on: only what happens next
+        for name in names:  # from the newest entry on: only what happens next
             last: Any = await client.xrevrange(name, count=1)
             streams[name] = str(last[0][0]) if last else "0-0"
-    except (redis.RedisError, OSError) as exc:
+    except _UNAVAILABLE as exc:
         log.warning("console feed: Redis read failed (%s)", type(exc).__name__)
         yield b": event store unavailable; reconnect\n\n"
         return
+    # One Redis reads every partition in one XREAD. On a cluster each partition is a slot of its own (maybe on
+    # another node), and a command may name keys of one slot only: one reader per partition, side by side.
+    groups = [[name] for name in names] if is_cluster(client) else [names]
+    feed = _Readers(client, [{name: streams[name] for name in group} for group in groups], heartbeat_s)
     yield b"retry: 2000\n: connected\n\n"
-    while not gone() and time.monotonic() < deadline:
+    try:
+        while not gone():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                yield b": stream time limit reached; reconnect\n\n"
+                return
+            found = await feed.next(timeout_s=min(heartbeat_s, remaining))
+            if found is None:
+                yield b": heartbeat\n\n"
+                continue
+            if isinstance(found, BaseException):
+                if not isinstance(found, _UNAVAILABLE):
+                    raise found
+                log.warning("console feed: Redis read failed (%s)", type(found).__name__)
+                yield b": event store unavailable; reconnect\n\n"
+                return
+            for _stream, entries in found:
+                for _entry_id, fields in entries:
+                    change = _change(fields)
+                    if change is not None and change["agent"] in agents:
+                        yield f"event: change\ndata: {json.dumps(change, separators=(',', ':'))}\n\n".encode()
+    finally:
+        await feed.close()
+
+
+class _Readers:
+    """One task per group of streams, each an XREAD BLOCK loop, handing what it read over one at a time.
+
+    A reader reads again only once its last XREAD's entries are queued, and the queue holds one batch per
+    reader, so the feed holds at most two batches per reader however slow its client. Closing never cancels
+    a Redis command: a reader waiting on Redis is let finish its XREAD (at most ``block_s``), one waiting to
+    hand over is cancelled.
+    """
+
+    def __init__(self, client: Any, groups: list[dict[str, str]], block_s: float) -> None:
+        self._client = client
+        self._block_ms = max(1, int(block_s * 1000))
+        self._found: asyncio.Queue[Any] = asyncio.Queue(maxsize=len(groups))
+        self._stop = False
+        self._in_redis: set[asyncio.Task[None]] = set()
+        self._tasks = [asyncio.create_task(self._read(group)) for group in groups]
+
+    async def _read(self, streams: dict[str, str]) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        while not self._stop:
+            self._in_redis.add(me)
+            try:
+                found: Any = await self._client.xread(streams, count=200, block=self._block_ms)
+            except Exception as exc:  # handed over: the feed decides (Redis unavailable, or a bug to raise)
+                found = exc
+            finally:
+                self._in_redis.discard(me)
+            if self._stop:
+                return
+            if isinstance(found, Exception):
+                await self._found.put(found)
+                return
+            if found:
+                for stream, entries in found:
+                    streams[str(stream)] = str(entries[-1][0])
+                await self._found.put(found)
+
+    async def next(self, *, timeout_s: float) -> Any:
+        """One XREAD's entries, an exception a reader met, or None when nothing came within ``timeout_s``."""
         try:
-            found: Any = await client.xread(streams, count=200, block=max(1, int(heartbeat_s * 1000)))  # type: ignore[arg-type]
-        except (redis.RedisError, OSError) as exc:
-            log.warning("console feed: Redis read failed (%s)", type(exc).__name__)
-            yield b": event store unavailable; reconnect\n\n"
-            return
-        if not found:
-            yield b": heartbeat\n\n"
-            continue
-        for stream, entries in found:
-            for entry_id, fields in entries:
-                streams[str(stream)] = str(entry_id)
-                change = _change(fields)
-                if change is not None and change["agent"] in agents:
-                    yield f"event: change\ndata: {json.dumps(change, separators=(',', ':'))}\n\n".encode()
-    yield b": stream time limit reached; reconnect\n\n"
+            return await asyncio.wait_for(self._found.get(), timeout=timeout_s)
+        except TimeoutError:
+            return None
+
+    async def close(self) -> None:
+        self._stop = True
+        for task in self._tasks:
+            if task not in self._in_redis:
+                task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def _change(fields: dict[str, Any]) -> dict[str, Any] | None:

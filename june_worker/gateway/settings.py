@@ -14,8 +14,8 @@ CELERY_RESULT_BACKEND          where control tasks' answers come back           
 JUNE_QUEUE                     queue of ``june.turn``                           june
 JUNE_CONTROL_QUEUE             queue of resume / cancel / reset                 june.control
 JUNE_KEY_PREFIX                prefix of every Redis key                        june
-JUNE_FIREHOSE_PARTITIONS       partitions of the all-sessions stream (the       1
-                               console's live feed reads them)
+JUNE_FIREHOSE_PARTITIONS       partitions of the all-sessions stream (the       1 (16 on a Redis Cluster,
+                               console's live feed reads them)                  as on the workers)
 JUNE_BROKER_QUEUE_TYPE         RabbitMQ queue type, as the workers declare it   quorum
 JUNE_PUBLISH_TIMEOUT_S         one try to send a task (connect, write, confirm) 5
 JUNE_PUBLISH_RETRIES           more tries before a 503                          3
@@ -59,6 +59,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..events._redis_url import is_cluster_url
+from ..events.keys import default_firehose_partitions
 from .access import AuthorizeSession
 from .auth import TokenTable, load_tokens
 from .slack_settings import SlackGatewaySettings, slack_from_env
@@ -144,7 +145,8 @@ class GatewaySettings:
     queue: str = "june"
     control_queue: str = "june.control"
     key_prefix: str = "june"
-    firehose_partitions: int = 1
+    firehose_partitions: int = 0
+    """0: the workers' default for ``redis_url`` (16 on a Redis Cluster, 1 on one Redis)."""
     broker_queue_type: str = "quorum"
     publish_timeout_s: float = 5.0
     publish_retries: int = 3
@@ -170,6 +172,11 @@ class GatewaySettings:
     """Slack's Events API and interactivity routes, when SLACK_SIGNING_SECRET is set (:mod:`.slack`)."""
 
     def __post_init__(self) -> None:
+        if self.firehose_partitions < 0:
+            raise ConfigError(f"JUNE_FIREHOSE_PARTITIONS must be at least 1, not {self.firehose_partitions}")
+        if self.firehose_partitions == 0:
+            cluster = is_cluster_url(self.redis_url)
+            object.__setattr__(self, "firehose_partitions", default_firehose_partitions(cluster=cluster))
         for name in self.agents:
             if not AGENT_NAME_RE.match(name):
                 raise ConfigError(f"invalid agent name {name!r}: expected 1-128 characters of A-Z a-z 0-9 _ . -")

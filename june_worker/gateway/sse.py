@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -75,8 +76,11 @@ def format_event(item: StreamEvent) -> bytes:
 
 
 def log_path(ref: SessionRef) -> str:
-    """The route that reads a session's committed events from Postgres (where a gap is reloaded from)."""
-    return f"/v1/agents/{ref.agent}/sessions/{ref.session}/log"
+    """The route that reads a session's committed events from Postgres (where a gap is reloaded from).
+
+    Every segment is percent-encoded, as in the 202's links: a session id may hold ``?``, ``#`` or ``%``."""
+    agent, session = (urllib.parse.quote(part, safe="") for part in (ref.agent, ref.session))
+    return f"/v1/agents/{agent}/sessions/{session}/log"
 
 
 def format_gap(ref: SessionRef, gap: StreamGapError) -> bytes:

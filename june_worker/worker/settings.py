@@ -82,12 +82,9 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from ..events._redis_url import is_cluster_url, parse_cluster_url
+from ..events.keys import default_firehose_partitions
 
 __all__ = ["WorkerSettings"]
-
-_CLUSTER_FIREHOSE_PARTITIONS = 16
-"""On a Redis Cluster the firehose is split over this many streams by default, so that its appends spread over
-the cluster's slots (and nodes) instead of all landing on the one node that owns a single stream."""
 
 _VISIBILITY_LEASES = 3
 """The Redis broker's visibility timeout, in lease lengths: long enough that a running turn's message is
@@ -167,7 +164,7 @@ class WorkerSettings:
                 parse_cluster_url(redis_url)
             except ValueError as exc:
                 raise ConfigError(f"JUNE_REDIS_URL: {exc}") from None
-        partitions_default = _CLUSTER_FIREHOSE_PARTITIONS if is_cluster_url(redis_url) else cls.firehose_partitions
+        partitions_default = default_firehose_partitions(cluster=is_cluster_url(redis_url))
         queue_type = env.get("JUNE_BROKER_QUEUE_TYPE", cls.broker_queue_type).strip().lower()
         if queue_type not in ("quorum", "classic"):
             raise ConfigError(f"JUNE_BROKER_QUEUE_TYPE={queue_type!r}: expected quorum or classic")

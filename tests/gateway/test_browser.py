@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
+from playwright.sync_api import Browser, ConsoleMessage, Page, Route, expect, sync_playwright
 
 from tests.integration.conftest import ROOT
 
@@ -150,6 +151,39 @@ def test_switching_sessions_leaves_nothing_of_the_previous_one_on_the_page(page:
     expect(page.locator("#transcript")).not_to_contain_text("hello second")
     page.select_option("#agent", "form")  # another agent: another session too
     expect(page.locator("#transcript")).to_have_text("")
+
+
+def test_a_reply_that_comes_after_switching_sessions_is_not_drawn_into_the_session_shown(
+    page: Page, gateway: Gateway
+) -> None:
+    # Given a turn started on the page whose POST is held in flight
+    held: list[Route] = []
+
+    def hold(route: Route) -> None:
+        held.append(route)
+
+    page.route("**/sessions/*/turns", hold)
+    first = start(page, "ops", "hello first")
+    deadline = time.monotonic() + 30
+    while not held and time.monotonic() < deadline:
+        page.wait_for_timeout(20)  # lets Playwright run the route handler; not a wait for a worker
+    assert held, "the page sent no POST"
+    # When the user switches to another session, and only then the POST goes through and its reply streams back
+    page.fill("#session", f"web-{uuid.uuid4().hex[:8]}")
+    page.press("#session", "Tab")
+    expect(page.locator("#transcript")).to_have_text("")
+    with page.expect_response(lambda r: r.request.method == "POST" and r.url.endswith("/turns")) as sent:
+        held[0].continue_()
+    page.unroute("**/sessions/*/turns")
+    turn_id = sent.value.headers["x-turn-id"]
+    assert gateway.stack.wait_terminal("ops", first, turn_id)["type"] == "turn.completed"
+    # Then the session shown gets nothing of it: a turn started there shows alone
+    page.fill("#text", "hello second")
+    page.click("#start")
+    expect(page.locator("#status")).to_have_text("completed")
+    expect(page.locator("#transcript")).to_contain_text("ok: hello second")
+    expect(page.locator("#transcript")).not_to_contain_text("hello first")
+    expect(page.locator("#events")).not_to_contain_text(turn_id)
 
 
 def test_the_page_shows_every_open_request_of_a_turn_and_answers_each_on_its_own(page: Page, tmp_path: Path) -> None:

@@ -5,19 +5,24 @@ missing events from Postgres, then the events the stream still holds; never a si
 
 from __future__ import annotations
 
+import urllib.parse
 import uuid
 from typing import Any
+
+import pytest
 
 from .kit import Gateway, read_events, sse_headers
 
 
-def trimmed_turn(gateway: Gateway) -> tuple[str, str, list[dict[str, Any]], list[dict[str, Any]]]:
+def trimmed_turn(
+    gateway: Gateway, session: str | None = None
+) -> tuple[str, str, list[dict[str, Any]], list[dict[str, Any]]]:
     """A completed ``order`` turn whose stream was then trimmed to its last 3 entries.
 
     Returns (session, turn id, the entries before the trim, the entries after it)."""
-    session = f"s-{uuid.uuid4().hex[:12]}"
+    session = session or f"s-{uuid.uuid4().hex[:12]}"
     r = gateway.client().post(
-        gateway.path("ops", session, "/turns"), json={"text": "order 2 book"}, params={"wait": "true"}
+        gateway.path("ops", quoted(session), "/turns"), json={"text": "order 2 book"}, params={"wait": "true"}
     )
     assert r.status_code == 200 and r.json()["status"] == "completed", r.text
     stack = gateway.stack
@@ -26,6 +31,10 @@ def trimmed_turn(gateway: Gateway) -> tuple[str, str, list[dict[str, Any]], list
     after = stack.events("ops", session)
     assert len(after) == 3 and after[-1]["type"] == "turn.completed"
     return session, r.json()["turn_id"], before, after
+
+
+def quoted(session: str) -> str:
+    return urllib.parse.quote(session, safe="")
 
 
 def first_seq(entries: list[dict[str, Any]]) -> int:
@@ -71,6 +80,24 @@ def test_following_a_trimmed_stream_from_its_start_is_told_that_seq_1_is_missing
     structural = [e for e in before if e["seq"] is not None]
     assert [(e["seq"], e["type"]) for e in log["events"]] == [(e["seq"], e["type"]) for e in structural]
     assert log["next_after_seq"] is None
+
+
+@pytest.mark.parametrize("odd", ["a?b", "c#d", "e%25f", "g%h?i#j"])
+def test_the_reload_link_of_a_gap_works_for_a_session_id_with_reserved_characters(gateway: Gateway, odd: str) -> None:
+    # Given a trimmed stream of a session whose id needs percent-encoding
+    session, turn_id, before, _after = trimmed_turn(gateway, f"{odd}-{uuid.uuid4().hex[:6]}")
+    path = gateway.path("ops", quoted(session), f"/turns/{turn_id}/events")
+    # When it is followed from its start
+    with gateway.client().stream("GET", path, headers=sse_headers(gateway)) as r:
+        gap = next(iter(read_events(r, until_terminal=turn_id)))
+    # Then the gap's reload link encodes the session id, and reading it gives the session's committed events
+    assert gap.event == "stream.gap" and gap.json()["session"] == session
+    reload = gap.json()["reload"]
+    assert reload == f"/v1/agents/ops/sessions/{quoted(session)}/log?after_seq=0"
+    log = gateway.client().get(reload)
+    assert log.status_code == 200, log.text
+    structural = [e["seq"] for e in before if e["seq"] is not None]
+    assert [e["seq"] for e in log.json()["events"]] == structural
 
 
 def test_the_log_route_pages_by_seq(gateway: Gateway) -> None:

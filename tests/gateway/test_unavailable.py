@@ -23,6 +23,7 @@ def closed_port() -> int:
 @pytest.fixture
 def broken(gateway: Gateway, request: pytest.FixtureRequest) -> Iterator[str]:
     down = {"redis": {"redis_url": f"redis://127.0.0.1:{closed_port()}/0"},
+            "redis-cluster": {"redis_url": f"redis+cluster://127.0.0.1:{closed_port()}"},
             "postgres": {"database_url": f"postgresql://postgres@127.0.0.1:{closed_port()}/none"}}[request.param]  # fmt: skip
     served = ServedApp(create_app(settings_for(gateway.stack, gateway.app.state.settings.tokens, **down)))
     try:
@@ -31,12 +32,23 @@ def broken(gateway: Gateway, request: pytest.FixtureRequest) -> Iterator[str]:
         served.stop()
 
 
-@pytest.mark.parametrize("broken", ["redis", "postgres"], indirect=True)
+@pytest.mark.parametrize("broken", ["redis", "redis-cluster", "postgres"], indirect=True)
 def test_a_service_that_does_not_answer_is_503(gateway: Gateway, broken: str, request: pytest.FixtureRequest) -> None:
-    which = request.node.callspec.params["broken"]
+    which = request.node.callspec.params["broken"].removesuffix("-cluster")
     health = httpx.get(f"{broken}/healthz", timeout=30)
     assert health.status_code == 503 and health.json()[which] == "unavailable"
     r = httpx.get(f"{broken}{gateway.path('ops', 's1', '/pending')}", headers=gateway.auth(), timeout=30)
     assert r.status_code == 503
     expected = "the event store is unavailable" if which == "redis" else "the database is unavailable"
     assert r.json() == {"detail": f"{expected}; retry later"}
+
+
+@pytest.mark.parametrize("broken", ["redis", "redis-cluster"], indirect=True)
+def test_the_console_feed_says_the_event_store_is_unavailable_when_redis_does_not_answer(
+    gateway: Gateway, broken: str
+) -> None:
+    headers = {**gateway.auth("admin"), "Accept": "text/event-stream"}
+    with httpx.stream("GET", f"{broken}/v1/console/events", headers=headers, timeout=30) as feed:
+        assert feed.status_code == 200
+        lines = list(feed.iter_lines())
+    assert ": event store unavailable; reconnect" in lines

@@ -27,6 +27,11 @@ SCRIPTS = {
     "storage.py": (["--threads", "2", "--turns", "3"], "after relay and pruning"),
     "parallel_tools.py": (["--calls", "2", "--wait-ms", "5", "--rounds", "1"], "ratio serial / parallel"),
     "subagents.py": (["--children", "2", "--wait-ms", "5", "--rounds", "1"], "ratio serial / parallel"),
+    "throughput.py": (
+        "--brokers redis --layouts 2x1,1x2 --rounds 1 --turns 4 --empty 4 --per-session 2 "
+        "--latency-turns 3 --warmup 1 --recovery-runs 0 --short-runs 1".split(),
+        "target < 15 s (short lease)",
+    ),
     "chaos.py": (["--turns", "6", "--sessions", "2", "--rate", "20", "--kill-every", "0.5", "1"], "stuck sessions"),
 }
 

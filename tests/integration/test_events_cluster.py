@@ -234,3 +234,50 @@ def test_the_gateways_sse_on_the_cluster_resumed_with_last_event_id_misses_nothi
     # Then the two responses together are the turn's entries on the cluster: every one once, in order
     assert got[-1][1] == "turn.completed"
     assert got == [(e["id"], e["type"]) for e in stack.events("dribble", session_id) if e["turn_id"] == turn_id]
+
+
+def test_the_consoles_live_feed_on_the_cluster_shows_sessions_whose_partitions_are_on_different_nodes(
+    stack: Stack,
+) -> None:
+    from june_worker.gateway import Principal, TokenTable, create_app
+    from june_worker.gateway.client import parse_sse
+    from tests.gateway.conftest import settings_for
+    from tests.gateway.kit import ServedApp
+
+    # Given sessions whose firehose partitions live on each of the cluster's three nodes
+    keys = EventKeys(prefix=stack.prefix, firehose_partitions=PARTITIONS)
+    client = connect(stack.events_url)
+    by_node: dict[str, str] = {}
+    try:
+        while len(by_node) < 3:
+            session = f"cl-feed-{uuid.uuid4().hex[:8]}"
+            stream = keys.firehose_stream(keys.partition(SessionRef("ops", session)))
+            by_node.setdefault(client.get_node_from_key(stream).name, session)
+    finally:
+        client.close()
+    # and an operator's console feed on a gateway whose JUNE_REDIS_URL is the cluster (partitions left to the default)
+    token = f"op-token-{uuid.uuid4().hex}"
+    table = TokenTable.of({token: Principal("op-carol", None, operator=True)})
+    served = ServedApp(create_app(settings_for(stack, table, agents=("ops",), redis_url=stack.events_url)))
+    headers = {"Authorization": f"Bearer {token}", "Accept": "text/event-stream"}
+    ended: dict[str, str] = {}
+    try:
+        with httpx.Client(base_url=served.url, timeout=httpx.Timeout(60, connect=5)) as http:
+            with http.stream("GET", "/v1/console/events", headers=headers) as feed:
+                assert feed.status_code == 200
+                lines = feed.iter_lines()
+                for line in lines:  # read up to the feed's start: what happens after it is sent
+                    if line == ": connected":
+                        break
+                # When each of them runs a turn
+                turns = {stack.turn("ops", session, "order 1 nut"): session for session in by_node.values()}
+                # Then the feed tells each turn's end, whichever node its partition is on
+                for message in parse_sse(lines):
+                    change = message.json()
+                    if change["type"] == "turn.completed" and change["turn_id"] in turns:
+                        ended[change["turn_id"]] = change["session"]
+                        if len(ended) == len(turns):
+                            break
+    finally:
+        served.stop()
+    assert ended == turns

@@ -469,6 +469,72 @@ def test_a_pipelined_sink_on_a_cluster_follows_a_slot_that_moved_and_loses_nothi
     client.close()
 
 
+def test_a_pipelined_sink_whose_client_fails_to_learn_a_moved_slot_does_not_raise_and_loses_nothing(
+    redis_cluster_url: str, ref: SessionRef, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a pipelined sink on a cluster that published the start of a turn
+    client = connect(redis_cluster_url)
+    keys = EventKeys(prefix=f"june-test-{uuid.uuid4().hex[:10]}")
+    store = MemoryStore()
+    sink = RedisStreamSink(client, keys=keys, store=store, pipelined=True, retry_after_s=0.0)
+    events = turn_events("t1", 1, ["a", "b"])
+    sink.publish(ref, _published(store, ref, events[:2]))
+    sink.flush()
+    # and a client whose slot map update fails once (redis-py's own, an internal of a version we did not test)
+    nodes = client.nodes_manager
+    name = "move_slot" if hasattr(nodes, "move_slot") else "update_moved_exception"
+    real, failures = getattr(nodes, name), []
+
+    def update_once_failing(exc: Any) -> Any:
+        if not failures:
+            failures.append(exc)
+            raise RuntimeError("the slot map could not be updated")
+        return real(exc)
+
+    monkeypatch.setattr(nodes, name, update_once_failing)
+    # When the session's slot moves and the turn goes on
+    stream = keys.session_stream(ref)
+    move_slot(client, stream)
+    sink.publish(ref, _published(store, ref, events[2:4]))
+    with caplog.at_level(logging.WARNING, logger="june_worker.events"):
+        sink.flush()  # must not raise
+        sink.publish(ref, _published(store, ref, events[4:]))
+        sink.flush()
+    # Then it said so, and the stream holds every event once, in order (the relay followed the MOVED)
+    assert failures and any("learning where slot" in r.getMessage() for r in caplog.records)
+    assert structural(client, stream) == [(e.seq, e.type) for e in store.events(ref)]
+    sink.close()
+    client.close()
+
+
+def test_a_pipelined_sink_writes_to_a_node_its_client_had_no_connection_to_when_a_slot_moved_there(
+    redis_cluster_url: str, ref: SessionRef
+) -> None:
+    # Given a pipelined sink on a cluster that published the start of a turn
+    client = connect(redis_cluster_url)
+    keys = EventKeys(prefix=f"june-test-{uuid.uuid4().hex[:10]}")
+    store = MemoryStore()
+    sink = RedisStreamSink(client, keys=keys, store=store, pipelined=True, retry_after_s=0.0)
+    events = turn_events("t1", 1, ["a", "b", "c"])
+    sink.publish(ref, _published(store, ref, events[:2]))
+    sink.flush()
+    # When the session's slot moves to a node the client has no connection to (as one that joined the cluster
+    # after the client learned the slot map: the MOVED names a node it has not met)
+    stream = keys.session_stream(ref)
+    old, new = move_slot(client, stream)
+    client.nodes_manager.nodes_cache.pop(new).redis_connection.close()
+    sink.publish_delta(ref, MessageDelta(turn_id="t1", step="model:2", text="lost"))
+    sink.flush()  # MOVED: the slot's node is new to the client; a delta is live only, so no relay went there first
+    sink.publish(ref, _published(store, ref, events[2:]))
+    sink.flush()
+    # Then the sink opened a connection to it and writes there, and the stream holds every event once, in order
+    assert structural(client, stream) == [(e.seq, e.type) for e in store.events(ref)]
+    conn = sink._wire.connection_of(stream)
+    assert conn is not None and f"{conn.host}:{conn.port}" == new != old
+    sink.close()
+    client.close()
+
+
 def test_a_pipelined_sink_rebuilds_the_stream_when_redis_does_not_know_its_script(
     client: redis.Redis, keys: EventKeys, ref: SessionRef
 ) -> None:

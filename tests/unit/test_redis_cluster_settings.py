@@ -61,6 +61,20 @@ def test_on_a_cluster_the_firehose_is_split_over_sixteen_partitions_unless_told_
     assert WorkerSettings.from_env({"JUNE_REDIS_URL": SINGLE}).firehose_partitions == 1
 
 
+def test_the_gateway_reads_as_many_firehose_partitions_as_the_workers_write_by_default() -> None:
+    # Given the same environment on both sides (the gateway's console feed reads what the workers append)
+    env = {"JUNE_REDIS_URL": CLUSTER, "CELERY_BROKER_URL": SINGLE, "CELERY_RESULT_BACKEND": SINGLE,
+           "JUNE_GATEWAY_AGENTS": "ops", "JUNE_GATEWAY_INSECURE_DEV": "1"}  # fmt: skip
+    for extra in ({}, {"JUNE_FIREHOSE_PARTITIONS": "4"}, {"JUNE_REDIS_URL": SINGLE}):
+        both = {**env, **extra}
+        worker = WorkerSettings.from_env(both).firehose_partitions
+        # Then the gateway's count is the workers': from its environment, and built directly
+        assert GatewaySettings.from_env(both).firehose_partitions == worker
+        direct = GatewaySettings(agents=("ops",), insecure_dev=True, redis_url=both["JUNE_REDIS_URL"])
+        assert direct.firehose_partitions == (worker if "JUNE_FIREHOSE_PARTITIONS" not in extra else 16)
+    assert GatewaySettings.from_env(env).firehose_partitions == 16
+
+
 def test_the_gateway_and_producers_refuse_a_cluster_as_broker_or_result_backend() -> None:
     with pytest.raises(ConfigError, match="CELERY_BROKER_URL is a Redis Cluster"):
         GatewaySettings.from_env({"JUNE_REDIS_URL": CLUSTER, "JUNE_GATEWAY_AGENTS": "ops"})
