@@ -8,7 +8,8 @@ and where an adapter writes its own error messages.
 
 The rule a reader must not break: **a string that came from outside the process (an
 exception's message, a provider's reply) is scrubbed before it is stored, published or logged
-by the engine.** Values shorter than :data:`MIN_SECRET_CHARS` are not registered: replacing a
+by the engine, and scrubbed whole, before it is cut to any bound** (a cut can split a secret into a
+piece nothing recognises). Values shorter than :data:`MIN_SECRET_CHARS` are not registered: replacing a
 short common string everywhere would garble every report, and no real credential is that short.
 """
 
@@ -17,9 +18,7 @@ from __future__ import annotations
 import re
 import threading
 
-from .types import ErrorInfo
-
-__all__ = ["MIN_SECRET_CHARS", "PLACEHOLDER", "register_secret", "scrub", "scrubbed"]
+__all__ = ["MIN_SECRET_CHARS", "PLACEHOLDER", "register_secret", "scrub"]
 
 PLACEHOLDER = "<redacted>"
 MIN_SECRET_CHARS = 8
@@ -47,14 +46,3 @@ def scrub(text: str) -> str:
         if secret in text:
             text = text.replace(secret, PLACEHOLDER)
     return _KEY_SHAPED.sub(PLACEHOLDER, text)
-
-
-def scrubbed(info: ErrorInfo) -> ErrorInfo:
-    """An error report with its message, every cause and its stack scrubbed."""
-    return info.model_copy(
-        update={
-            "message": scrub(info.message),
-            "cause_chain": [scrub(c) for c in info.cause_chain],
-            "stack": None if info.stack is None else scrub(info.stack),
-        }
-    )

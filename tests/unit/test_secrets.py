@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import uuid
 
-from june_worker.engine.endings import error_info
+from june_worker.engine.endings import MESSAGE_MAX_CHARS, STACK_MAX_CHARS, error_info
 from june_worker.engine.secrets import PLACEHOLDER, register_secret, scrub
-from june_worker.engine.tools import format_tool_error
+from june_worker.engine.tools import ERROR_MAX_CHARS, format_tool_error
 
 
 def fresh_secret() -> str:
@@ -55,3 +55,42 @@ def test_a_tools_error_text_is_scrubbed_before_the_model_reads_it() -> None:
     assert (
         format_tool_error(ValueError("key sk-ant-api03-AbCdEf123 refused")) == f"ValueError: key {PLACEHOLDER} refused"
     )
+
+
+# --- scrubbed whole, then cut ----------------------------------------------------------------------------
+
+
+def test_a_message_long_enough_to_be_cut_inside_a_secret_keeps_no_piece_of_it() -> None:
+    # Given a registered secret that straddles the message's bound
+    secret = fresh_secret()
+    register_secret(secret)
+    padding = "x" * (MESSAGE_MAX_CHARS - 10)
+    try:
+        try:
+            raise ValueError(padding + secret)
+        except ValueError as cause:
+            raise RuntimeError(padding + secret) from cause
+    except RuntimeError as exc:
+        info = error_info(exc)
+    # Then neither the message nor the cause ends with the secret's first characters
+    assert info.message == padding + PLACEHOLDER and info.cause_chain == [info.message]
+    assert secret[:6] not in info.model_dump_json()
+
+
+def test_a_stack_cut_to_its_tail_inside_a_key_keeps_no_piece_of_it() -> None:
+    # Given an error whose text puts a key just before the last STACK_MAX_CHARS characters of its traceback
+    key = "sk-ant-api03-Zq8kVb1yLr0Tn4Xp6Wd2Hc9Jm5Gs3Fa7"
+    try:
+        raise ValueError("denied " + key + "." * (STACK_MAX_CHARS - 30))
+    except ValueError as exc:
+        info = error_info(exc)
+    # Then the stack's tail holds no piece of the key's end
+    assert info.stack is not None and len(info.stack) == STACK_MAX_CHARS
+    assert key[-6:] not in info.stack and key[-6:] not in info.message
+
+
+def test_a_tool_error_is_scrubbed_whole_before_it_is_cut() -> None:
+    secret = fresh_secret()
+    register_secret(secret)
+    text = format_tool_error(ValueError("x" * (ERROR_MAX_CHARS - 20) + secret))
+    assert len(text) == ERROR_MAX_CHARS and secret[:8] not in text
