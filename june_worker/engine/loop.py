@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import inspect
 import json
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +60,7 @@ from .failures import DEFAULT_MAX_ATTEMPTS, STEP_RETRIES, Failure, backoff_s, cl
 from .hooks import NO_HOOKS, TurnHooks
 from .inputs import InputBroker
 from .model import Done, Model, ModelRequest, ReasoningChunk, TextChunk
+from .secrets import scrubbed_logger
 from .signals import CrashInjected, ParkSignal, SyncParkError
 from .sink import EventSink
 from .storable import storable_json, storable_text
@@ -107,7 +107,7 @@ from .types import (
 
 __all__ = ["NO_CANCEL", "CancelProbe", "CrashHook", "TurnRunner", "error_info", "reject_turn"]
 
-log = logging.getLogger("june_worker.turn")
+log = scrubbed_logger("june_worker.turn")
 
 
 class _Cancel(Exception):

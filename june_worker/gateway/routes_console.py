@@ -13,7 +13,6 @@ the page refreshes what changed instead of polling.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
@@ -23,6 +22,7 @@ import redis
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field
 
+from ..engine.secrets import scrubbed_logger
 from . import console
 from .auth import Principal
 from .backend import GatewayBackend
@@ -33,7 +33,7 @@ from .sse import SSEResponse
 
 __all__ = ["router"]
 
-log = logging.getLogger("june_worker.gateway")
+log = scrubbed_logger("june_worker.gateway")
 
 router = APIRouter(prefix="/v1/console", tags=["console"])
 

@@ -13,11 +13,11 @@ replay.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 from ..engine.model import ToolSpec
+from ..engine.secrets import scrubbed_logger
 from ..engine.types import (
     AssistantMessage,
     Finish,
@@ -46,7 +46,7 @@ __all__ = [
     "usage_from",
 ]
 
-log = logging.getLogger("june_worker.models.anthropic")
+log = scrubbed_logger("june_worker.models.anthropic")
 
 Block = dict[str, Any]
 MessageParam = dict[str, Any]

@@ -27,7 +27,6 @@ log line, an exception message, or ``repr()``.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Mapping
@@ -35,7 +34,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ..engine.model import Done, ModelDelta, ModelRequest, ReasoningChunk, TextChunk
-from ..engine.secrets import register_secret, scrub
+from ..engine.secrets import register_secret, scrub, scrubbed_logger
 from ..errors import ConfigError, ContextWindowExceededError, ModelProviderError, ModelStreamError
 from ._anthropic_mapping import (
     DEFAULT_TRIGGER_NOTE,
@@ -53,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_MODEL", "INSTALL_HINT", "AnthropicModel", "ModelProviderError"]
 
-log = logging.getLogger("june_worker.models.anthropic")
+log = scrubbed_logger("june_worker.models.anthropic")
 
 DEFAULT_MODEL = "claude-sonnet-4-6"
 INSTALL_HINT = "pip install 'june-worker[anthropic]'"

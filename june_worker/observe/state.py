@@ -15,7 +15,6 @@ name in the tables is summed under ``_other``): a producer can send any agent na
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import defaultdict
@@ -24,9 +23,11 @@ from typing import Any
 
 import psycopg
 
+from ..engine.secrets import scrubbed_logger
+
 __all__ = ["StateCollector", "broker_depths"]
 
-log = logging.getLogger("june_worker.observe")
+log = scrubbed_logger("june_worker.observe")
 
 OTHER = "_other"
 

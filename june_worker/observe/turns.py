@@ -26,6 +26,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from ..engine.agent import Agent
 from ..engine.events import ActionCompleted, InputRequested, TurnEvent, TurnFailed, TurnResult
 from ..engine.hooks import StepKind
+from ..engine.secrets import scrubbed_logger
 from ..engine.store import Commit, SessionRef, TurnRecord
 from . import tracing
 from .logs import transition
@@ -33,7 +34,7 @@ from .metrics import OTHER, Metrics, metrics
 
 __all__ = ["TurnObserver", "TurnWatch", "gen_ai_model", "gen_ai_system"]
 
-log = logging.getLogger("june_worker.observe")
+log = scrubbed_logger("june_worker.observe")
 _ENDINGS = ("completed", "failed", "cancelled", "suspended")
 _TOKEN_TYPES = (
     ("input_tokens", "input", "gen_ai.usage.input_tokens"),

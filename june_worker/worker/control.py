@@ -7,7 +7,6 @@ input: a refusal is a result, recorded where the turn id is known, never a retry
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +15,7 @@ from ..engine.children import cancel_children, child_grant, refuse_reserved
 from ..engine.events import TurnResult
 from ..engine.loop import reject_turn
 from ..engine.resume import RESUME_RACES, check_parked, grant_answer, resume_commit, still_open
+from ..engine.secrets import scrubbed_logger
 from ..engine.session import parked_reason
 from ..engine.store import UNFINISHED_TURN_STATUSES, SessionRef, TurnPayload, TurnRecord
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
@@ -37,7 +37,7 @@ __all__ = [
     "turn_message",
 ]
 
-log = logging.getLogger("june_worker.worker")
+log = scrubbed_logger("june_worker.worker")
 
 Dispatch = Callable[[TurnRecord], None]
 """Sends ``june.turn`` for a recorded turn (the tasks module provides it; the host knows no Celery)."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import logging
 import os
 import socket
 import threading
@@ -33,6 +32,7 @@ from ..engine.events import TurnEvent, TurnResult
 from ..engine.failures import backoff_s
 from ..engine.loop import TurnRunner, reject_turn
 from ..engine.resume import reset_park_commit, timeout_commit
+from ..engine.secrets import scrubbed_logger
 from ..engine.store import (
     UNFINISHED_TURN_STATUSES,
     Commit,
@@ -57,7 +57,7 @@ from .transcripts import TranscriptCache
 
 __all__ = ["WorkerHost", "get_host", "load_agents"]
 
-log = logging.getLogger("june_worker.worker")
+log = scrubbed_logger("june_worker.worker")
 
 
 def load_agents(paths: Iterable[str]) -> dict[str, Agent]:

@@ -20,10 +20,10 @@ the lease length) plus one sweep period.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..engine.secrets import scrubbed_logger
 from ..engine.store import TurnRecord
 from .children import wake_parents
 from .host import WorkerHost
@@ -31,7 +31,7 @@ from .retention import prune
 
 __all__ = ["sweep"]
 
-log = logging.getLogger("june_worker.sweeper")
+log = scrubbed_logger("june_worker.sweeper")
 
 
 def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: int = 500) -> dict[str, Any]:

@@ -2,14 +2,17 @@
 
 The real SDK talks to a local stand-in of the Messages API (:mod:`tests._anthropic_api`) that
 answers 401 with a message repeating the key, as a proxy or the API itself may do; the turn runs
-through the engine on a real Postgres and a real Redis.
+through the engine on a real Postgres and a real Redis. A real worker process's log is checked too,
+for credentials in the exceptions of failing turns (:mod:`.secret_agents`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -17,12 +20,15 @@ import redis
 
 from june_worker import Agent, Runtime
 from june_worker.engine.events import Failed
+from june_worker.engine.secrets import PLACEHOLDER
 from june_worker.engine.store import SessionRef
 from june_worker.events import EventKeys, RedisStreamSink
 from june_worker.models.anthropic import AnthropicModel
 from june_worker.stores.postgres import PostgresStore
 
 from .._anthropic_api import AnthropicAPI, api_error
+from .conftest import Stack, wait_for
+from .secret_agents import MODEL_TOKEN, TOOL_TOKEN
 
 pytestmark = pytest.mark.integration
 
@@ -47,6 +53,12 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="module")
+def worker_log(stack: Stack) -> Path:
+    """The log of a real worker (prefork) serving :mod:`.secret_agents`, at INFO as in production."""
+    return stack.worker("secrets", env={"JUNE_AGENTS": "tests.integration.secret_agents:ALL"}).log
 
 
 def every_row_as_text(url: str, schema: str) -> str:
@@ -108,3 +120,28 @@ async def test_a_401_repeating_the_key_leaves_no_trace_of_it_in_postgres_redis_o
         stale = list(redis_client.scan_iter(match=f"{keys.prefix}:*"))
         if stale:
             redis_client.delete(*stale)
+
+
+@pytest.mark.parametrize(("agent", "secret"), [("leaky-tool", TOOL_TOKEN), ("leaky-model", MODEL_TOKEN)])
+def test_a_credential_in_a_failing_turns_exception_stays_out_of_the_worker_log(
+    stack: Stack, worker_log: Path, agent: str, secret: str
+) -> None:
+    # Given a worker serving agents whose turn fails on an exception naming a registered credential: a fatal
+    # tool error, and an error the Anthropic adapter passes through as it is
+    session = f"leak-{uuid.uuid4().hex[:10]}"
+    # When a turn runs on a real worker process and fails
+    turn_id = stack.turn(agent, session, "hello")
+    ended = stack.wait_terminal(agent, session, turn_id)
+    assert ended["type"] == "turn.failed"
+    # Then the worker logged the failure with its traceback, and neither the log nor what was stored or
+    # published holds the credential
+    # (the transition line comes after the failure's own record: once it is there, the traceback is written)
+    wait_for(lambda: f"turn.failed {turn_id}" in worker_log.read_text(errors="replace"), what="the failure logged")
+    logged = worker_log.read_text(errors="replace")
+    assert "Traceback (most recent call last)" in logged and PLACEHOLDER in logged
+    assert secret not in logged
+    stored = "\n".join(str(r) for r in stack.sql("select t::text from june_turns t where session = %s", session))
+    stored += "\n".join(str(r) for r in stack.sql("select e::text from june_events e where session = %s", session))
+    published = json.dumps(stack.events(agent, session))
+    assert PLACEHOLDER in stored and PLACEHOLDER in published
+    assert secret not in stored and secret not in published
