@@ -86,6 +86,13 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+def _register_credentials(client: Any) -> None:
+    """Keep the client's credentials out of every scrubbed string: its API key (``x-api-key``) and its bearer
+    token (``auth_token``, ``ANTHROPIC_AUTH_TOKEN``: what a gateway in front of the API may take instead)."""
+    register_secret(getattr(client, "api_key", None))
+    register_secret(getattr(client, "auth_token", None))
+
+
 def _chunk(event: Any) -> TextChunk | ReasoningChunk | None:
     """The live delta in one raw stream event, if any (signature and tool-input deltas are not shown)."""
     if getattr(event, "type", None) != "content_block_delta":
@@ -184,9 +191,9 @@ class AnthropicModel:
         self._client = client
         self._api_key = api_key
         self._base_url = base_url
-        # the key to keep out of every message we raise or log, whichever side holds it
+        # the credentials to keep out of every message we raise or log, whichever side holds them
         register_secret(api_key)
-        register_secret(getattr(client, "api_key", None))
+        _register_credentials(client)
         self._owned: tuple[asyncio.AbstractEventLoop, AsyncAnthropic] | None = None
 
     @classmethod
@@ -258,7 +265,7 @@ class AnthropicModel:
             if self.max_retries is not None:
                 options["max_retries"] = self.max_retries
             self._owned = (loop, sdk.AsyncAnthropic(**options))
-            register_secret(getattr(self._owned[1], "api_key", None))  # the SDK may have read the environment
+            _register_credentials(self._owned[1])  # the SDK may have read them from the environment
         return self._owned[1]
 
     async def aclose(self) -> None:

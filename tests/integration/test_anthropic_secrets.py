@@ -122,6 +122,54 @@ async def test_a_401_repeating_the_key_leaves_no_trace_of_it_in_postgres_redis_o
             redis_client.delete(*stale)
 
 
+@pytest.mark.parametrize("configured", ["api_key", "auth_token"])
+async def test_the_configured_credential_itself_is_scrubbed_though_nothing_in_it_looks_like_a_key(
+    schema_url: tuple[str, str],
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+    session_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+    configured: str,
+) -> None:
+    # Given a credential not shaped like an Anthropic key (a gateway's token), passed as api_key or read by the
+    # SDK from ANTHROPIC_AUTH_TOKEN, and an API whose long 401 repeats it all along (so every cut of a report
+    # falls inside one)
+    schema, url = schema_url
+    secret = f"gwtoken-{uuid.uuid4().hex}"
+    keys = EventKeys(prefix=f"june-test-{uuid.uuid4().hex[:10]}")
+    echo = {"type": "error", "error": {"type": "authentication_error", "message": " ".join([secret] * 400)}}
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    if configured == "auth_token":
+        monkeypatch.setenv("ANTHROPIC_AUTH_TOKEN", secret)
+    store = PostgresStore(url, max_size=2)
+    try:
+        with AnthropicAPI() as api:
+            api.serve(api_error(401, echo))
+            key = secret if configured == "api_key" else None
+            model = AnthropicModel(api_key=key, base_url=api.url, max_retries=0)
+            runtime = Runtime([Agent(name="ops", model=model)], store, sink=RedisStreamSink(redis_client, keys=keys))
+            caplog.set_level(logging.DEBUG)
+            # When a turn runs and fails on the 401
+            session = runtime.session("ops", session_id)
+            result = await session.result(await session.start("hello", turn_id="t1"))
+            await model.aclose()
+            sent = api.requests[0].headers
+        # Then the credential was the one sent, and no piece of it reached the turn, the events, Redis or the log
+        assert any(secret in value for value in sent.values())
+        assert isinstance(result, Failed) and result.phase == "model" and PLACEHOLDER in result.error.message
+        stored = every_row_as_text(url, schema)
+        published = every_entry_as_text(redis_client, keys)
+        logged = "\n".join(logging.Formatter().format(r) for r in caplog.records)
+        assert "turn.failed" in published and PLACEHOLDER in stored
+        for where, text in (("postgres", stored), ("redis", published), ("log", logged)):
+            assert secret[:12] not in text and secret[-12:] not in text, f"the credential reached {where}"
+    finally:
+        store.close()
+        stale = list(redis_client.scan_iter(match=f"{keys.prefix}:*"))
+        if stale:
+            redis_client.delete(*stale)
+
+
 @pytest.mark.parametrize(("agent", "secret"), [("leaky-tool", TOOL_TOKEN), ("leaky-model", MODEL_TOKEN)])
 def test_a_credential_in_a_failing_turns_exception_stays_out_of_the_worker_log(
     stack: Stack, worker_log: Path, agent: str, secret: str
