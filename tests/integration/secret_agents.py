@@ -4,6 +4,8 @@
   credential the tool holds and registers, as docs/anthropic.md asks of tools).
 * ``leaky-model``: an :class:`AnthropicModel` on a look-alike client configured with :data:`MODEL_TOKEN`, whose
   every call raises a ``PermissionError`` naming it: an error the adapter passes through as it is.
+* ``leaky-approval``: parks on an input answered by policy; its ``authorize_answer`` hook raises naming
+  :data:`TOOL_TOKEN` (its directory refused the credential), so a resume is refused with ``error``.
 
 Neither token is shaped like an Anthropic key: only registration can keep it out.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from june_worker import Agent, FatalToolError, ToolContext, tool
+from june_worker.engine.agent import AnswerRequest
 from june_worker.engine.secrets import register_secret
 from june_worker.models import Reply, ScriptedModel
 from june_worker.models.anthropic import AnthropicModel
@@ -42,6 +45,16 @@ class RefusingClient:
         raise PermissionError(f"proxy refused api key {self.api_key}")
 
 
+@tool
+async def approve(ctx: ToolContext) -> dict[str, Any]:
+    """Ask an operator to approve."""
+    return {"ok": await ctx.request_input(id="approve", prompt="Approve?", answerers={"policy": "operator"})}
+
+
+def _authorize(req: AnswerRequest) -> bool:
+    raise RuntimeError(f"operator directory refused credential {TOOL_TOKEN}")
+
+
 ALL = [
     Agent(
         name="leaky-tool",
@@ -49,4 +62,10 @@ ALL = [
         tools=[leak],
     ),
     Agent(name="leaky-model", model=AnthropicModel(client=RefusingClient(MODEL_TOKEN))),
+    Agent(
+        name="leaky-approval",
+        model=ScriptedModel([Reply("", calls=[{"id": "c1", "name": "approve", "input": {}}])]),
+        tools=[approve],
+        authorize_answer=_authorize,
+    ),
 ]

@@ -193,3 +193,20 @@ def test_a_credential_in_a_failing_turns_exception_stays_out_of_the_worker_log(
     published = json.dumps(stack.events(agent, session))
     assert PLACEHOLDER in stored and PLACEHOLDER in published
     assert secret not in stored and secret not in published
+
+
+def test_a_resume_refused_on_an_error_naming_a_credential_does_not_publish_it(stack: Stack, worker_log: Path) -> None:
+    # Given a turn parked on an input whose agent's authorize_answer hook fails naming a credential
+    session = f"leak-{uuid.uuid4().hex[:10]}"
+    turn_id = stack.turn("leaky-approval", session, "hello")
+    assert stack.wait_terminal("leaky-approval", session, turn_id)["type"] == "input.requested"
+    # When an answer comes, through the worker's june.resume (its reason travels by the result backend)
+    payload = {"agent": "leaky-approval", "session": session, "turn_id": turn_id, "input_id": "approve", "value": 1}
+    out = stack.send("june.resume", {**payload, "by": "op-1"}).get(timeout=30)
+    # Then it is refused with the hook's error, scrubbed, and the worker's log of it holds no credential either
+    assert out["status"] == "error"
+    assert out["reason"] == f"RuntimeError: operator directory refused credential {PLACEHOLDER}"
+    logged = f"refused credential {PLACEHOLDER}"  # the end of the traceback the worker logs, then of its outcome
+    wait_for(lambda: logged in worker_log.read_text(errors="replace").split(turn_id, 1)[-1], what="the log")
+    assert f"{turn_id} failed before the answer" in worker_log.read_text(errors="replace")
+    assert TOOL_TOKEN not in worker_log.read_text(errors="replace")
