@@ -22,8 +22,6 @@ from june_worker.stores import SQLiteStore
 
 from .._anthropic_api import AnthropicAPI, api_error, request_problems, sse
 
-pytest.importorskip("anthropic")
-
 REF = SessionRef("ops", "s1")
 
 

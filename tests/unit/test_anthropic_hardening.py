@@ -22,8 +22,6 @@ from june_worker.stores import SQLiteStore
 
 from .._anthropic_api import AnthropicAPI, sse
 
-pytest.importorskip("anthropic")
-
 
 def order_agent(model: AnthropicModel, runs: list[dict[str, Any]]) -> Agent:
     @tool
