@@ -34,7 +34,7 @@ from ..errors import (
 from .agent import Agent
 from .cancel import NO_CANCEL, CancelProbe
 from .children import ChildLauncher, Delegator
-from .context import Due, compaction_due, plan_compaction, refused_due, request_view
+from .context import Compaction, Due, compaction_due, plan_compaction, refused_due, request_view
 from .crash import CrashHook
 from .endings import error_info, reject_turn
 from .events import (
@@ -461,6 +461,8 @@ class TurnRunner:
             if isinstance(last, AssistantMessage) and last.turn_id == self.turn_id:
                 # The final reply committed but the turn was not closed with it (older row); close now.
                 return self._complete_without_step(last.text)
+            if await self._compact_if_due():
+                continue  # the summary committed (a step of its own): come back for the model call
             with self.hooks.step("model", f"model:{len(self.messages)}"):
                 result = await self._model_step()
             if result is not None:
@@ -534,8 +536,6 @@ class TurnRunner:
     # --- model step --------------------------------------------------------------------------------
 
     async def _model_step(self) -> TurnResult | None:
-        if await self._compact_if_due():
-            return None  # the summary committed: the loop comes back for the model call
         n = len(self.messages)
         step = f"model:{n}"
         self._at = ("model", step)
@@ -646,6 +646,13 @@ class TurnRunner:
         if plan is None:
             log.warning("turn %s of %s: ~%d tokens, and nothing to compact", self.turn_id, self.ref, due.tokens)
             return False
+        with self.hooks.step("compact", step):
+            await self._summarise(due, plan, step, n)
+        return True
+
+    async def _summarise(self, due: Due, plan: Compaction, step: str, n: int) -> None:
+        """The compaction step's model call, and the commit of its summary as message ``n``."""
+        policy = due.policy
         self._at = ("model", step)
         self._check_cancel()
         # What it is sent stays clear of the window with room for its instructions and its answer.
@@ -696,7 +703,6 @@ class TurnRunner:
             plan.kept_from,
             n,
         )
-        return True
 
     # --- reading a model's stream ------------------------------------------------------------------
 
