@@ -174,3 +174,43 @@ def test_gateway_metrics_count_requests_by_route_template_and_serve_the_state(co
     assert samples["june_state_up"][()] == 1
     labels = {v for series in samples.values() for key in series for _, v in key}
     assert not [v for v in labels if session in v or v.startswith("t_")]
+
+
+def test_a_turns_timeline_shows_its_compaction_step(database_url: str) -> None:
+    # Given a session whose second turn compacted its transcript first (on Postgres, run in process)
+    import asyncio
+
+    import psycopg
+
+    from june_worker import Agent, Runtime
+    from june_worker.gateway.console import timeline
+    from june_worker.stores.postgres import PostgresStore
+    from tests.integration.conftest import _database
+    from tests.unit.kit import WindowModel
+
+    databases = _database(database_url)
+    db = next(databases)
+    store = PostgresStore(db, max_size=2)
+    try:
+        runtime = Runtime([Agent(name="window", model=WindowModel(2000, extra_tokens=1500))], store)
+        session = runtime.session("window", "s1")
+
+        async def turns() -> None:
+            await session.turn("hello", turn_id="t1")
+            await session.turn("x" * 300, turn_id="t2")  # ~1,500 tokens reported by the first: compacts first
+
+        asyncio.run(turns())
+        # When an operator reads that turn's timeline
+        with psycopg.connect(db, autocommit=True) as conn:
+            t = timeline(conn, "window", "s1", "t2")
+        # Then its compaction is a step with its duration and what it did, and its event says so, without text
+        assert t is not None and [s["step"] for s in t["steps"]] == ["compact:3", "model:4"]
+        compact = t["steps"][0]
+        assert compact["duration_s"] is not None and compact["duration_s"] >= 0
+        assert " in / 8 out" in compact["detail"] and "kept from message" in compact["detail"]
+        (event,) = [e for e in t["events"] if e["type"] == "context.compacted"]
+        assert event["step"] == "compact:3" and "messages summarised (threshold), kept from" in event["summary"]
+        assert "xxxx" not in json.dumps(t)
+    finally:
+        store.close()
+        databases.close()
