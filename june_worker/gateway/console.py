@@ -2,8 +2,8 @@
 
 Every list is a page of at most ``limit`` rows in a fixed order, and the next page starts after
 the last row of this one (keyset pagination: a cursor, never an offset), along an index of its
-own (migration 9): ``june_sessions_activity`` (newest activity first), ``june_sessions_parked``
-(longest waiting first), ``june_turns_failed`` (latest first). So a page costs the same at the
+own (migrations 9 and 10): ``june_sessions_activity`` (newest activity first), ``june_sessions_parked``
+(longest waiting first, by ``parked_at``), ``june_turns_failed`` (latest first). So a page costs the same at the
 10,000th session as at the first (bench/console.py). Lists show the agents the caller sees only.
 
 A cursor is the last row's sort key, as base64url JSON: opaque to clients, checked when read
@@ -62,20 +62,20 @@ select s.agent, s.session, s.status, s.updated_at, s.suspended is not null, s.le
 """
 
 _INBOX_FIRST = """
-select s.agent, s.session, s.updated_at, s.suspended::text, s.park_expires_at, s.reset_pending
+select s.agent, s.session, s.parked_at, s.suspended::text, s.park_expires_at, s.reset_pending
   from june_sessions s
  where s.suspended is not null and s.agent = any(%(agents)s::text[])
- order by s.updated_at, s.agent, s.session
+ order by s.parked_at, s.agent, s.session
  limit %(limit)s
 """
 
 _INBOX_AFTER = """
-select s.agent, s.session, s.updated_at, s.suspended::text, s.park_expires_at, s.reset_pending
+select s.agent, s.session, s.parked_at, s.suspended::text, s.park_expires_at, s.reset_pending
   from june_sessions s
  where s.suspended is not null
-   and (s.updated_at, s.agent, s.session) > (%(at)s::float8, %(agent)s::text, %(session)s::text)
+   and (s.parked_at, s.agent, s.session) > (%(at)s::float8, %(agent)s::text, %(session)s::text)
    and s.agent = any(%(agents)s::text[])
- order by s.updated_at, s.agent, s.session
+ order by s.parked_at, s.agent, s.session
  limit %(limit)s
 """
 
@@ -211,7 +211,7 @@ def inbox_page(
     conn: Any, agents: list[str], principal: Principal, limit: int, cursor: str | None, now: float
 ) -> tuple[list[dict[str, Any]], str | None]:
     """Parked sessions, longest waiting first: what each waits for (an item per open request), who may answer,
-    and since when."""
+    and since when (``parked_at``, stamped when the park was set: an answer that leaves others open keeps it)."""
     from ..engine.store import SuspendedCheckpoint
 
     params: dict[str, Any] = {"agents": agents, "limit": limit + 1}

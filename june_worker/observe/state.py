@@ -31,9 +31,10 @@ log = scrubbed_logger("june_worker.observe")
 
 OTHER = "_other"
 
-# Sessions parked on an input, per agent, and how long the oldest has waited (june_sessions_parked, migration 9).
+# Sessions parked on an input, per agent, and how long the oldest has waited since it parked (june_sessions_parked,
+# migration 10).
 _PARKED = """
-select agent, count(*), extract(epoch from now()) - min(updated_at)
+select agent, count(*), extract(epoch from now()) - min(parked_at)
   from june_sessions where suspended is not null group by agent
 """
 
