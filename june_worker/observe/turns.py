@@ -180,15 +180,18 @@ class TurnWatch:
 
     def finished(self, result: TurnResult) -> None:
         """How the run ended, when no commit of its own said so (a rejection, an ending committed elsewhere)."""
-        if self.status is None and result.status == "rejected":
-            self.status = "rejected"
-            self._m.turn_ended(self.agent.name, "rejected")
-            transition(
-                "turn.rejected", turn_id=self.turn_id, agent=self.agent.name, session=self.ref.session,
-                step=None, attempt=self.attempt,
-            )  # fmt: skip
-        elif self.status is None:
-            self.status = result.status
+        try:
+            if self.status is None and result.status == "rejected":
+                self.status = "rejected"
+                self._m.turn_ended(self.agent.name, "rejected")
+                transition(
+                    "turn.rejected", turn_id=self.turn_id, agent=self.agent.name, session=self.ref.session,
+                    step=None, attempt=self.attempt,
+                )  # fmt: skip
+            elif self.status is None:
+                self.status = result.status
+        except Exception:
+            _fault("turn finished")
 
     def close(self, token: object | None) -> None:
         try:

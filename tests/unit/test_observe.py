@@ -8,6 +8,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 from june_worker import Agent, FatalToolError, ToolContext, tool
 from june_worker.engine.hooks import StepKind
 from june_worker.engine.loop import TurnRunner
@@ -236,3 +238,28 @@ class _Both:
     def committed(self, commit: Commit) -> None:
         for h in self.hooks:
             h.committed(commit)
+
+
+def test_a_fault_of_the_metrics_when_a_run_finishes_never_reaches_the_turn(
+    monkeypatch: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from june_worker.engine.events import Rejected
+    from june_worker.observe import turns
+
+    # Given metrics that fail (a metrics file that cannot be written)
+    agent = Agent(name="ops", model=ScriptedModel(["hi"]))
+    observer = TurnObserver({"ops": agent})
+
+    def broken(agent: str, status: str) -> None:
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(observer.metrics, "turn_ended", broken)
+    monkeypatch.setattr(turns, "_warned", False)
+    store = MemoryStore()
+    ref = SessionRef("ops", "s1")
+    rec, _ = store.enqueue_turn(ref, "t1", TurnPayload(text="hi"))
+    # When a run is told how it finished (rejected: no commit of its own said so)
+    with caplog.at_level(logging.WARNING, logger="june_worker.observe"), observer.run(agent, ref, rec) as watch:
+        watch.finished(Rejected(turn_id="t1", reason="no"))
+    # Then the fault is logged, never raised
+    assert "observing a turn failed (turn finished)" in caplog.text
