@@ -96,6 +96,17 @@ class TurnObserver:
         except Exception:
             _fault("rejection")
 
+    def cancelled_by_reset(self, ref: SessionRef, turn_id: str) -> None:
+        """A parked turn a reset ended (cancelled, reason reset): no run of it commits that ending."""
+        try:
+            self.metrics.turn_ended(ref.agent, "cancelled")
+            transition(
+                "turn.cancelled", turn_id=turn_id, agent=ref.agent, session=ref.session, step=None, attempt=None,
+                reason="reset",
+            )  # fmt: skip
+        except Exception:
+            _fault("cancel by a reset")
+
     @contextlib.contextmanager
     def run(self, agent: Agent, ref: SessionRef, rec: TurnRecord) -> Iterator[TurnWatch]:
         """Around ``runner.run()``: the turn's span is current inside (its steps' spans are its children)."""

@@ -325,6 +325,7 @@ class WorkerHost:
         parked = self.store.pending(ref)
         if parked is not None:
             self.sink.publish(ref, self.store.commit(ref, reset_park_commit(parked), fence=fence))
+            self.observer.cancelled_by_reset(ref, parked.turn_id)  # observe: that turn ended, cancelled
         self.transcripts.drop(ref)
         result = self.store.reset(ref, fence=fence)
         log.info("reset %s: history archived as %s", ref, result.previous_session)
