@@ -580,7 +580,12 @@ class TurnRunner:
         if usage is not None:
             self.usage = self.usage + usage
         message = AssistantMessage(
-            turn_id=self.turn_id, text=reply.text, tool_calls=reply.tool_calls, reasoning=reply.reasoning, usage=usage
+            turn_id=self.turn_id,
+            text=reply.text,
+            tool_calls=reply.tool_calls,
+            reasoning=reply.reasoning,
+            usage=usage,
+            window_tokens=done.window_tokens if usage is not None else None,
         )
         events: list[TurnEvent] = []
         if reply.text:

@@ -286,7 +286,14 @@ class AnthropicModel:
             # Paused (a long server-tool run): send what it wrote so far back as the assistant's
             # message, as it came, and the model goes on from there. Still the same model step.
             params = {**params, "messages": continuation_param(params["messages"], finals)}
-        yield Done(reply=reply_from(*finals), finish=finish_for(finals[-1].stop_reason), usage=usage_from(*finals))
+        # usage summed over the requests (the cost); the window as the last one filled it (the context policy's)
+        last = usage_from(finals[-1]) if len(finals) > 1 else None
+        yield Done(
+            reply=reply_from(*finals),
+            finish=finish_for(finals[-1].stop_reason),
+            usage=usage_from(*finals),
+            window_tokens=None if last is None else last.context_tokens + last.output_tokens,
+        )
 
     async def _call(self, client: Any, params: dict[str, Any], finals: list[Any]) -> AsyncIterator[ModelDelta]:
         """One streamed request: forward its deltas, then append its final message to ``finals``."""
