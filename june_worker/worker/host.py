@@ -166,7 +166,9 @@ class WorkerHost:
         self.queue = SessionQueue(self.store.pool, lease_s=settings.lease_s)
         # Transcripts of sessions this process ran lately: a turn then reads only what it does not hold.
         self.transcripts = TranscriptCache(
-            max_sessions=settings.transcript_cache, max_messages=settings.transcript_cache_messages
+            max_sessions=settings.transcript_cache,
+            max_messages=settings.transcript_cache_messages,
+            max_bytes=settings.transcript_cache_bytes,
         )
         self.keys = EventKeys(prefix=settings.key_prefix, firehose_partitions=settings.firehose_partitions)
         self.redis = connect(settings.redis_url, health_check_interval=30, socket_timeout=5, socket_connect_timeout=2)
