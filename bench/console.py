@@ -8,7 +8,7 @@ running, ``--turns-per-session`` turns each (3 % failed), five events per turn. 
 query the console's pages run (june_worker/gateway/console.py, the very functions the routes
 call): the first page of 50, a page deep in the list (after its cursor), the approvals inbox,
 failed turns, a session's turns and a turn's timeline; each ``-n`` times, median and p95. Then
-drops migration 9's indexes, times again, and puts them back.
+drops the console's indexes (migrations 9 and 10), times again, and puts them back.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ from june_worker.stores import PostgresStore
 AGENTS = ["ops", "support", "billing"]
 INDEXES = {
     "june_sessions_activity": "create index june_sessions_activity on june_sessions (updated_at, agent, session)",
-    "june_sessions_parked": "create index june_sessions_parked on june_sessions (updated_at, agent, session)"
+    "june_sessions_parked": "create index june_sessions_parked on june_sessions (parked_at, agent, session)"
     " where suspended is not null",
     "june_turns_failed": "create index june_turns_failed on june_turns (finished_at, agent, session, turn_id)"
     " where status = 'failed'",
 }
 
 SEED = """
-insert into june_sessions (agent, session, status, suspended, event_seq, relayed_seq, next_position, updated_at)
+insert into june_sessions (agent, session, status, suspended, event_seq, relayed_seq, next_position, updated_at,
+                           parked_at)
 select agent, session,
        case when i % 10 = 0 then 'suspended' when i % 50 = 1 then 'running' else 'done' end,
        case when i % 10 = 0 then json_build_object(
@@ -45,7 +46,8 @@ select agent, session,
                                         'schema', json_build_object('type', 'boolean'),
                                         'answerers', json_build_object('policy', 'operator', 'scope', null))) end,
        %(tps)s * 5, %(tps)s * 5, %(tps)s + 1,
-       extract(epoch from now()) - (i * 60.0)
+       extract(epoch from now()) - (i * 60.0),
+       case when i % 10 = 0 then extract(epoch from now()) - (i * 60.0) end
   from (select i, (array['ops', 'support', 'billing'])[1 + i % 3] as agent, 's-' || lpad(i::text, 6, '0') as session
           from generate_series(1, %(sessions)s) i) s;
 insert into june_turns (agent, session, turn_id, position, status, payload, attempts, result, created_at, finished_at)

@@ -172,8 +172,9 @@ def request_problems(body: dict[str, Any]) -> list[str]:
 
     The first message is the user's and roles alternate; every ``tool_use`` is answered by a ``tool_result``
     (same id) in the very next message, results first, and no result answers a call that is not in the
-    message before it; a request with tool blocks defines tools; with thinking on, a request that continues a
-    tool loop (it ends with tool results) sends the assistant message before them starting with its thinking.
+    message before it; a request with tool blocks defines tools; with thinking on, the request ends on a user
+    message (no prefill), and one that continues a tool loop (it ends with tool results) sends the assistant
+    message before them starting with its thinking.
     """
     messages = body.get("messages", [])
     problems: list[str] = []
@@ -203,6 +204,8 @@ def request_problems(body: dict[str, Any]) -> list[str]:
     if has_tools and not body.get("tools"):
         problems.append("tools: a request with tool_use or tool_result blocks must define tools")
     thinking = body.get("thinking") or {}
+    if thinking.get("type") in ("enabled", "adaptive") and messages and messages[-1].get("role") == "assistant":
+        problems.append("messages: with thinking on, the final message must be the user's (no assistant prefill)")
     continues = len(messages) >= 2 and any(b.get("type") == "tool_result" for b in _blocks(messages[-1]))
     if thinking.get("type") in ("enabled", "adaptive") and continues:
         first = _blocks(messages[-2])[:1]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import logging
 import sys
 import tomllib
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -22,13 +21,14 @@ from ..errors import AgentDefinitionError
 from .context import ContextPolicy
 from .ids import validate_session_id
 from .model import Model
+from .secrets import scrubbed_logger
 from .store import SurfacePolicy
 from .tools import Tool, tool_name_problem
 from .types import InboundEvent, Principal
 
 __all__ = ["Agent", "AnswerRequest", "AuthorizeAnswer", "Deliver", "deliver_result", "derive_policies"]
 
-log = logging.getLogger("june_worker.agent")
+log = scrubbed_logger("june_worker.agent")
 
 
 @dataclass(frozen=True)

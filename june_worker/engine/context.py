@@ -172,13 +172,16 @@ def estimate_tokens(
     """The tokens the next request would take: the last call's report plus what came since, else a count.
 
     Only a call made after the latest compaction counts: an older one reported the transcript it replaced.
+    A reply made of several requests says how full the window is apart from its summed usage
+    (``window_tokens``): the sum counts the transcript once per request.
     """
     start = compacted_at + 1 if compacted_at is not None else 0
     for i in range(len(messages) - 1, start - 1, -1):
         m = messages[i]
         if isinstance(m, AssistantMessage) and m.usage is not None:
             since = sum(_chars(x) for x in messages[i + 1 :])
-            return m.usage.context_tokens + m.usage.output_tokens + math.ceil(since / chars_per_token)
+            filled = m.window_tokens if m.window_tokens is not None else m.usage.context_tokens + m.usage.output_tokens
+            return filled + math.ceil(since / chars_per_token)
     counted = len(system) + sum(_chars(x) for x in request_view(messages, compacted_at))
     return math.ceil(counted / chars_per_token)
 

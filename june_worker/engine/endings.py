@@ -5,7 +5,7 @@ from __future__ import annotations
 import traceback
 
 from .events import Rejected, TurnFailed, TurnResult
-from .secrets import scrubbed
+from .secrets import scrub
 from .sink import EventSink
 from .storable import safe_str, storable_text, unstorable_reason
 from .store import SessionRef, SessionStore, TurnPayload
@@ -21,20 +21,23 @@ MESSAGE_MAX_CHARS = 4000
 def error_info(exc: BaseException) -> ErrorInfo:
     """Message, class, cause chain (``__cause__``, else ``__context__``; at most :data:`CAUSE_CHAIN_MAX`
     entries) and a stack without locals, every string made storable (an exception whose ``__str__``
-    raises is reported by its class name)."""
+    raises is reported by its class name).
+
+    Stored and published, so no secret may reach any of it: each string is scrubbed whole, *then* cut
+    to its bound. A cut first could split a secret, leaving a piece the scrubber cannot recognise."""
     chain: list[str] = []
     seen = {id(exc)}
     cur = exc.__cause__ or exc.__context__
     while cur is not None and id(cur) not in seen and len(chain) < CAUSE_CHAIN_MAX:
         seen.add(id(cur))
-        chain.append(safe_str(cur)[:MESSAGE_MAX_CHARS])
+        chain.append(scrub(safe_str(cur))[:MESSAGE_MAX_CHARS])
         cur = cur.__cause__ or cur.__context__
     try:
-        stack = storable_text("".join(traceback.format_exception(exc))[-STACK_MAX_CHARS:])
+        stack = scrub(storable_text("".join(traceback.format_exception(exc))))[-STACK_MAX_CHARS:]
     except Exception:  # a traceback that cannot be formatted is left out, never the report
         stack = None
-    info = ErrorInfo(message=safe_str(exc)[:MESSAGE_MAX_CHARS], type=type(exc).__name__, cause_chain=chain, stack=stack)
-    return scrubbed(info)  # stored and published: no secret may reach either
+    message = scrub(safe_str(exc))[:MESSAGE_MAX_CHARS]
+    return ErrorInfo(message=message, type=type(exc).__name__, cause_chain=chain, stack=stack)
 
 
 def reject_turn(

@@ -5,17 +5,17 @@ An observer that raises is logged and kept; it never breaks the turn that emitte
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .events import TurnEvent, is_structural
+from .secrets import scrubbed_logger
 from .sink import EventSink
 from .store import SessionRef
 
 __all__ = ["FanoutSink", "Observer"]
 
-log = logging.getLogger("june_worker.events")
+log = scrubbed_logger("june_worker.events")
 
 Observer = Callable[[TurnEvent], object]
 

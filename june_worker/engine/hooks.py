@@ -4,12 +4,13 @@ The engine stays pure: it imports no metrics or tracing library. A host that wan
 turn passes a :class:`TurnHooks` to :class:`~june_worker.engine.loop.TurnRunner`; the runner
 calls it at two places only:
 
-* :meth:`TurnHooks.step` wraps each step it runs (a model call, a tool call) as a context
-  manager: entered before the step, left after its commit (or when it raises, with the
-  exception: a transient fault, a cancel, a failure);
+* :meth:`TurnHooks.step` wraps each step it runs (a model call, a tool call, a compaction of the
+  transcript) as a context manager: entered before the step, left after its commit (or when it
+  raises, with the exception: a transient fault, a cancel, a failure). A compaction runs on its
+  own before a model step, or inside one that the model refused as too long;
 * :meth:`TurnHooks.committed` is called after every checkpoint the store accepted, with the
   commit itself: a turn's transitions (``turn_status``), its tool results
-  (``action.completed`` events), its model usage (the model step's record) are all in it.
+  (``action.completed`` events), its model usage (the model or compaction step's record) are all in it.
 
 The rule a reader must not break: **a hook never changes what the turn does**. A hook that
 raises is a bug of the host's; the runner does not catch it, so hosts keep their hooks
@@ -25,12 +26,12 @@ from .store import Commit
 
 __all__ = ["NO_HOOKS", "StepKind", "TurnHooks"]
 
-StepKind = Literal["model", "tool"]
+StepKind = Literal["model", "tool", "compact"]
 
 
 class TurnHooks(Protocol):
     def step(self, kind: StepKind, step: str, tool: str | None = None) -> contextlib.AbstractContextManager[None]:
-        """Around one step: ``kind`` model or tool, ``step`` its id (``model:3``), ``tool`` the tool's name."""
+        """Around one step: ``kind`` model, tool or compact, ``step`` its id (``model:3``), ``tool`` the tool's name."""
         ...
 
     def committed(self, commit: Commit) -> None:

@@ -5,6 +5,8 @@ The rule a reader must not break: **ids minted by one process sort in the order 
 minted** (S54), also many in one millisecond, from many threads, or while the clock is behind
 the last id: then the last timestamp is kept and the random part counts up by one (the ULID
 spec's monotonic mode); a random part that would overflow carries into the next millisecond.
+A forked child (a Celery prefork pool process) starts afresh: it would otherwise count up from its
+parent's last id, as would each of its siblings, and two of them could mint the same id.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class MonotonicUlid:
         self._ms = -1
         self._random = 0
 
+    def reseed(self) -> None:
+        """Forget the last id: the next one draws a fresh random part (a forked child must not share its parent's)."""
+        self._lock = threading.Lock()  # the parent's may have been held by a thread that does not exist here
+        self._ms, self._random = -1, 0
+
     def __call__(self) -> str:
         with self._lock:
             now = self._clock_ms()
@@ -55,6 +62,8 @@ class MonotonicUlid:
 
 
 _mint = MonotonicUlid()
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_mint.reseed)
 
 
 def new_turn_id() -> str:

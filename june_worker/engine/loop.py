@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import inspect
 import json
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ from ..errors import (
 from .agent import Agent
 from .cancel import NO_CANCEL, CancelProbe
 from .children import ChildLauncher, Delegator
-from .context import Due, compaction_due, plan_compaction, refused_due, request_view
+from .context import Compaction, Due, compaction_due, plan_compaction, refused_due, request_view
 from .crash import CrashHook
 from .endings import error_info, reject_turn
 from .events import (
@@ -61,6 +60,7 @@ from .failures import DEFAULT_MAX_ATTEMPTS, STEP_RETRIES, Failure, backoff_s, cl
 from .hooks import NO_HOOKS, TurnHooks
 from .inputs import InputBroker
 from .model import Done, Model, ModelRequest, ReasoningChunk, TextChunk
+from .secrets import scrubbed_logger
 from .signals import CrashInjected, ParkSignal, SyncParkError
 from .sink import EventSink
 from .storable import storable_json, storable_text
@@ -107,7 +107,7 @@ from .types import (
 
 __all__ = ["NO_CANCEL", "CancelProbe", "CrashHook", "TurnRunner", "error_info", "reject_turn"]
 
-log = logging.getLogger("june_worker.turn")
+log = scrubbed_logger("june_worker.turn")
 
 
 class _Cancel(Exception):
@@ -461,6 +461,8 @@ class TurnRunner:
             if isinstance(last, AssistantMessage) and last.turn_id == self.turn_id:
                 # The final reply committed but the turn was not closed with it (older row); close now.
                 return self._complete_without_step(last.text)
+            if await self._compact_if_due():
+                continue  # the summary committed (a step of its own): come back for the model call
             with self.hooks.step("model", f"model:{len(self.messages)}"):
                 result = await self._model_step()
             if result is not None:
@@ -534,8 +536,6 @@ class TurnRunner:
     # --- model step --------------------------------------------------------------------------------
 
     async def _model_step(self) -> TurnResult | None:
-        if await self._compact_if_due():
-            return None  # the summary committed: the loop comes back for the model call
         n = len(self.messages)
         step = f"model:{n}"
         self._at = ("model", step)
@@ -580,7 +580,12 @@ class TurnRunner:
         if usage is not None:
             self.usage = self.usage + usage
         message = AssistantMessage(
-            turn_id=self.turn_id, text=reply.text, tool_calls=reply.tool_calls, reasoning=reply.reasoning, usage=usage
+            turn_id=self.turn_id,
+            text=reply.text,
+            tool_calls=reply.tool_calls,
+            reasoning=reply.reasoning,
+            usage=usage,
+            window_tokens=done.window_tokens if usage is not None else None,
         )
         events: list[TurnEvent] = []
         if reply.text:
@@ -646,6 +651,13 @@ class TurnRunner:
         if plan is None:
             log.warning("turn %s of %s: ~%d tokens, and nothing to compact", self.turn_id, self.ref, due.tokens)
             return False
+        with self.hooks.step("compact", step):
+            await self._summarise(due, plan, step, n)
+        return True
+
+    async def _summarise(self, due: Due, plan: Compaction, step: str, n: int) -> None:
+        """The compaction step's model call, and the commit of its summary as message ``n``."""
+        policy = due.policy
         self._at = ("model", step)
         self._check_cancel()
         # What it is sent stays clear of the window with room for its instructions and its answer.
@@ -696,7 +708,6 @@ class TurnRunner:
             plan.kept_from,
             n,
         )
-        return True
 
     # --- reading a model's stream ------------------------------------------------------------------
 

@@ -60,19 +60,28 @@ class ReasoningChunk(BaseModel):
 
 
 class Done(BaseModel):
-    """The model's final reply. ``finish`` is omitted from a dump when the model gave none (S39)."""
+    """The model's final reply. ``finish`` is omitted from a dump when the model gave none (S39).
+
+    ``usage``: what the reply cost, summed over its requests when it took several (a paused reply that
+    went on). ``window_tokens``: then, how full the context window is with the reply in it, the last
+    request's input (cached or not) plus its output; a sum over requests would count the transcript once
+    per request. None (left out of a dump) for a reply of one request: its ``usage`` says it.
+    """
 
     model_config = ConfigDict(frozen=True)
     type: Literal["done"] = "done"
     reply: ModelReply
     finish: Finish | None = None
     usage: Usage | None = None
+    window_tokens: int | None = None
 
     @model_serializer(mode="wrap")
     def _without_missing_finish(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
         if self.finish is None:
             data.pop("finish", None)
+        if self.window_tokens is None:
+            data.pop("window_tokens", None)
         return data
 
 

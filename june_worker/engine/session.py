@@ -16,7 +16,6 @@ Call it from asyncio::
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -61,6 +60,7 @@ from .resume import (
     still_open,
     timeout_commit,
 )
+from .secrets import scrubbed_logger
 from .sink import EventSink
 from .storable import unstorable_reason
 from .store import (
@@ -78,7 +78,7 @@ from .types import InboundEvent, JsonValue, Principal, ProactiveTrigger
 
 __all__ = ["AgentSession", "Runtime", "parked_reason"]
 
-log = logging.getLogger("june_worker.session")
+log = scrubbed_logger("june_worker.session")
 
 
 def parked_reason(ref: SessionRef, parked: SuspendedCheckpoint) -> str:

@@ -220,7 +220,9 @@ class TriggerMessage(_Model):
 
 class AssistantMessage(_Model):
     """A model reply. ``usage``: what the call that wrote it reported (how full the context window was);
-    left out of a dump when the model reported none, so rows without it look as they always did."""
+    left out of a dump when the model reported none, so rows without it look as they always did.
+    ``window_tokens``: for a reply made of several requests (its ``usage`` summed over them), how full the
+    window is with it (the last request's input plus its output); left out when None."""
 
     role: Literal["assistant"] = "assistant"
     turn_id: str
@@ -228,12 +230,15 @@ class AssistantMessage(_Model):
     tool_calls: list[ToolCall] = Field(default_factory=list)
     reasoning: list[ReasoningBlock] = Field(default_factory=list)
     usage: Usage | None = None
+    window_tokens: int | None = None
 
     @model_serializer(mode="wrap")
     def _without_missing_usage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
         if self.usage is None:
             data.pop("usage", None)
+        if self.window_tokens is None:
+            data.pop("window_tokens", None)
         return data
 
 

@@ -27,7 +27,6 @@ version's event type) are logged and skipped.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Generator, Iterable
@@ -38,6 +37,7 @@ import redis
 from pydantic import ValidationError
 
 from ..engine.events import TurnEvent, TurnEventAdapter, is_structural, is_terminal
+from ..engine.secrets import scrubbed_logger
 from ..engine.store import SessionRef
 from ._gaps import SCAN, Gap, Start, judge_start, jump, lost_start, queue_start_check
 from ._redis_url import AsyncRedisClient, RedisClient, socket_timeout_s
@@ -55,7 +55,7 @@ __all__ = [
     "read_group",
 ]
 
-log = logging.getLogger("june_worker.events.reader")
+log = scrubbed_logger("june_worker.events.reader")
 
 
 @dataclass(frozen=True, slots=True)

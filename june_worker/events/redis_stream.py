@@ -63,7 +63,6 @@ Limits, all of them the price of keeping the markers in Redis beside the streams
 from __future__ import annotations
 
 import json
-import logging
 import re
 import threading
 import time
@@ -78,6 +77,7 @@ from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError
 from redis.retry import Retry
 
 from ..engine.events import TurnEvent, is_structural
+from ..engine.secrets import scrubbed_logger
 from ..engine.store import SessionRef
 from ._redis_url import RedisClient, connect, describe, is_cluster
 from ._wire import Wire
@@ -85,7 +85,7 @@ from .keys import DEFAULT_KEYS, EventKeys
 
 __all__ = ["EventLog", "RedisStreamSink", "Trim", "encode_event", "redact"]
 
-log = logging.getLogger("june_worker.events.redis")
+log = scrubbed_logger("june_worker.events.redis")
 
 _APPEND_LUA = resources.files(__package__).joinpath("append.lua").read_text(encoding="utf-8")
 # Drop the marker fields (KEYS[2]) of sessions whose last append (KEYS[1], ms) is before ARGV[1]; at most ARGV[2].

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 from producers import BrokerUnavailable, ResultTimeout, ResultUnavailable, TaskFailed, UnexpectedResult
 
 from .. import __version__
+from ..engine.secrets import scrub_handlers, scrubbed_logger
 from ..errors import StoreUnavailableError
 from .backend import GatewayBackend
 from .guards import BodyLimit, body_parse_error, install_query_redaction, validation_error
@@ -43,7 +44,7 @@ from .settings import GatewaySettings
 
 __all__ = ["create_app"]
 
-log = logging.getLogger("june_worker.gateway")
+log = scrubbed_logger("june_worker.gateway")
 
 
 def _page(name: str) -> tuple[str, dict[str, str]]:
@@ -119,6 +120,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # logging is configured by now, however the app was launched: scrub whatever its handlers write
+        for name in ("", "uvicorn", "uvicorn.access"):
+            scrub_handlers(logging.getLogger(name))
         _warn_if_insecure(settings)
         await backend.start()
         log.info("june gateway serving agents %s with %d token(s)", ", ".join(settings.agents), len(settings.tokens))

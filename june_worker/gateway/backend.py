@@ -18,7 +18,6 @@ Celery call goes through :meth:`GatewayBackend.blocking`.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -30,6 +29,7 @@ from psycopg_pool import ConnectionPool
 
 from producers import JuneProducer, ResetOutcome, ResumeOutcome
 
+from ..engine.secrets import scrubbed_logger
 from ..engine.store import SessionRef, SuspendedCheckpoint, TurnRecord
 from ..events._redis_url import AsyncRedisClient, aconnect, is_cluster_url
 from ..events.keys import EventKeys
@@ -41,7 +41,7 @@ from .sse import StreamStats
 
 __all__ = ["GatewayBackend", "SENT_TTL_S"]
 
-log = logging.getLogger("june_worker.gateway")
+log = scrubbed_logger("june_worker.gateway")
 
 T = TypeVar("T")
 SENT_TTL_S = 86_400

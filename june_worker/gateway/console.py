@@ -2,8 +2,8 @@
 
 Every list is a page of at most ``limit`` rows in a fixed order, and the next page starts after
 the last row of this one (keyset pagination: a cursor, never an offset), along an index of its
-own (migration 9): ``june_sessions_activity`` (newest activity first), ``june_sessions_parked``
-(longest waiting first), ``june_turns_failed`` (latest first). So a page costs the same at the
+own (migrations 9 and 10): ``june_sessions_activity`` (newest activity first), ``june_sessions_parked``
+(longest waiting first, by ``parked_at``), ``june_turns_failed`` (latest first). So a page costs the same at the
 10,000th session as at the first (bench/console.py). Lists show the agents the caller sees only.
 
 A cursor is the last row's sort key, as base64url JSON: opaque to clients, checked when read
@@ -62,20 +62,20 @@ select s.agent, s.session, s.status, s.updated_at, s.suspended is not null, s.le
 """
 
 _INBOX_FIRST = """
-select s.agent, s.session, s.updated_at, s.suspended::text, s.park_expires_at, s.reset_pending
+select s.agent, s.session, s.parked_at, s.suspended::text, s.park_expires_at, s.reset_pending
   from june_sessions s
  where s.suspended is not null and s.agent = any(%(agents)s::text[])
- order by s.updated_at, s.agent, s.session
+ order by s.parked_at, s.agent, s.session
  limit %(limit)s
 """
 
 _INBOX_AFTER = """
-select s.agent, s.session, s.updated_at, s.suspended::text, s.park_expires_at, s.reset_pending
+select s.agent, s.session, s.parked_at, s.suspended::text, s.park_expires_at, s.reset_pending
   from june_sessions s
  where s.suspended is not null
-   and (s.updated_at, s.agent, s.session) > (%(at)s::float8, %(agent)s::text, %(session)s::text)
+   and (s.parked_at, s.agent, s.session) > (%(at)s::float8, %(agent)s::text, %(session)s::text)
    and s.agent = any(%(agents)s::text[])
- order by s.updated_at, s.agent, s.session
+ order by s.parked_at, s.agent, s.session
  limit %(limit)s
 """
 
@@ -211,7 +211,7 @@ def inbox_page(
     conn: Any, agents: list[str], principal: Principal, limit: int, cursor: str | None, now: float
 ) -> tuple[list[dict[str, Any]], str | None]:
     """Parked sessions, longest waiting first: what each waits for (an item per open request), who may answer,
-    and since when."""
+    and since when (``parked_at``, stamped when the park was set: an answer that leaves others open keeps it)."""
     from ..engine.store import SuspendedCheckpoint
 
     params: dict[str, Any] = {"agents": agents, "limit": limit + 1}
@@ -297,6 +297,8 @@ def _summary(kind: str, body: dict[str, Any]) -> str:
         return str(trigger.get("kind", ""))
     if kind in ("message.completed", "turn.completed"):
         return f"{len(str(body.get('text', '')))} characters"
+    if kind == "context.compacted":
+        return f"{body.get('summarized')} messages summarised ({body.get('reason')}), kept from {body.get('kept_from')}"
     return ""
 
 
@@ -304,7 +306,8 @@ def timeline(conn: Any, agent: str, session: str, turn_id: str) -> dict[str, Any
     """The turn, its committed events with when each landed and how long since the one before, and its steps.
 
     A step's duration is the time from the commit before it to its own first event's commit (the
-    events' ``created_at``, stamped by the database). Events are pruned after
+    events' ``created_at``, stamped by the database). Steps are the model, tool and input steps, and
+    the compaction steps (``compact:<n>``: the summary that replaced the transcript's older part). Events are pruned after
     ``JUNE_OUTBOX_RETENTION_S`` once relayed, so an old turn shows its row and steps only.
     """
     key = {"agent": agent, "session": session, "turn": turn_id}
@@ -328,16 +331,18 @@ def timeline(conn: Any, agent: str, session: str, turn_id: str) -> dict[str, Any
         previous = at
     steps = []
     for step_id, data_text in conn.execute(_TURN_STEPS, key).fetchall():
-        if not step_id.startswith(("model:", "tool:", "input:")):
+        if not step_id.startswith(("model:", "tool:", "input:", "compact:")):
             continue  # the session's reserved records (its initiator), not a step of the turn
         data = json.loads(data_text) if data_text else {}
         detail = ""
-        if isinstance(data, dict) and step_id.startswith("model:"):
+        if isinstance(data, dict) and step_id.startswith(("model:", "compact:")):
             usage = data.get("usage") or {}
             finish = (data.get("finish") or {}).get("reason")
             detail = f"{usage.get('input_tokens', 0)} in / {usage.get('output_tokens', 0)} out" + (
                 f", {finish}" if finish else ""
             )
+            if step_id.startswith("compact:"):  # a compaction of the transcript: what it replaced
+                detail += f", compacted ~{data.get('tokens_before')} tokens, kept from message {data.get('kept_from')}"
         elif isinstance(data, dict) and data.get("error"):
             detail = f"error: {str(data['error'])[:300]}"
         steps.append({"step": step_id, "duration_s": step_took.get(step_id), "detail": detail})

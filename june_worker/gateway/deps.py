@@ -7,13 +7,13 @@ word for word, so a token cannot learn which agents exist; a session the caller 
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from ..engine.secrets import scrubbed_logger
 from ..engine.store import SessionRef
 from .access import Action, HookFailed, SessionState, allowed
 from .auth import Principal
@@ -33,7 +33,7 @@ __all__ = [
     "wants_sse",
 ]
 
-log = logging.getLogger("june_worker.gateway")
+log = scrubbed_logger("june_worker.gateway")
 
 _bearer = HTTPBearer(
     auto_error=False,

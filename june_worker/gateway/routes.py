@@ -15,7 +15,6 @@ naming the field; 500 the agent's ``authorize_answer`` failed (the answer was NO
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +36,7 @@ from ..engine.events import (
     TurnFailed,
     is_terminal,
 )
+from ..engine.secrets import scrubbed_logger
 from ..engine.store import SessionRef, TurnRecord
 from ..errors import StreamGapError
 from ..events.reader import StreamEvent, afollow
@@ -69,7 +69,7 @@ from .sse import SSEResponse, follow_events
 
 __all__ = ["router"]
 
-log = logging.getLogger("june_worker.gateway")
+log = scrubbed_logger("june_worker.gateway")
 
 router = APIRouter(prefix="/v1")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
@@ -25,6 +24,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field
 from redis.exceptions import RedisClusterException
 
+from ..engine.secrets import scrubbed_logger
 from ..events._redis_url import is_cluster
 from . import console
 from .auth import Principal
@@ -36,7 +36,7 @@ from .sse import SSEResponse
 
 __all__ = ["router"]
 
-log = logging.getLogger("june_worker.gateway")
+log = scrubbed_logger("june_worker.gateway")
 
 router = APIRouter(prefix="/v1/console", tags=["console"])
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import math
 import time
 import urllib.parse
@@ -43,6 +42,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ..engine.events import is_structural, is_terminal
+from ..engine.secrets import scrubbed_logger
 from ..engine.store import SessionRef
 from ..errors import StreamGapError
 from ..events._redis_url import AsyncRedisClient
@@ -52,7 +52,7 @@ from ..events.redis_stream import encode_event
 
 __all__ = ["SSE_HEADERS", "SSEResponse", "StreamStats", "follow_events", "format_event", "format_gap", "log_path"]
 
-log = logging.getLogger("june_worker.gateway")
+log = scrubbed_logger("june_worker.gateway")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -13,11 +13,11 @@ replay.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 from ..engine.model import ToolSpec
+from ..engine.secrets import scrubbed_logger
 from ..engine.types import (
     AssistantMessage,
     Finish,
@@ -35,6 +35,7 @@ from ..engine.types import (
 
 __all__ = [
     "DEFAULT_TRIGGER_NOTE",
+    "EMPTY_MESSAGE_NOTE",
     "STOP_REASONS",
     "SUMMARY_NOTE",
     "continuation_param",
@@ -46,7 +47,7 @@ __all__ = [
     "usage_from",
 ]
 
-log = logging.getLogger("june_worker.models.anthropic")
+log = scrubbed_logger("june_worker.models.anthropic")
 
 Block = dict[str, Any]
 MessageParam = dict[str, Any]
@@ -61,6 +62,11 @@ SUMMARY_NOTE = (
     "within the context window.]"
 )
 """Sent as a text block before a context summary (:class:`SummaryMessage`), which goes as a user message."""
+
+EMPTY_MESSAGE_NOTE = "[The message had no text.]"
+"""Sent for a user (or trigger) message with no text but whitespace, which the API refuses as a block. Sending
+nothing would end the request on the assistant's last reply: a prefill, which the API refuses with thinking
+on (and a session's first turn would send no message at all)."""
 
 STOP_REASONS: dict[str, FinishReason] = {
     "end_turn": "stop",
@@ -131,10 +137,10 @@ def _tool_result(message: ToolMessage) -> Block:
 
 def _role_and_blocks(message: Message, trigger_note: str | None) -> tuple[str, list[Block]]:
     if isinstance(message, UserMessage):
-        return "user", _text(message.text)
+        return "user", _text(message.text) or _text(EMPTY_MESSAGE_NOTE)
     if isinstance(message, TriggerMessage):
         note = _text(trigger_note.format(by=message.by)) if trigger_note else []
-        return "user", note + _text(message.text)
+        return "user", note + _text(message.text) or _text(EMPTY_MESSAGE_NOTE)
     if isinstance(message, AssistantMessage):
         return "assistant", _assistant_blocks(message)
     if isinstance(message, SummaryMessage):

@@ -27,7 +27,6 @@ log line, an exception message, or ``repr()``.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Mapping
@@ -35,7 +34,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ..engine.model import Done, ModelDelta, ModelRequest, ReasoningChunk, TextChunk
-from ..engine.secrets import register_secret, scrub
+from ..engine.secrets import register_secret, scrub, scrubbed_logger
 from ..errors import ConfigError, ContextWindowExceededError, ModelProviderError, ModelStreamError
 from ._anthropic_mapping import (
     DEFAULT_TRIGGER_NOTE,
@@ -53,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_MODEL", "INSTALL_HINT", "AnthropicModel", "ModelProviderError"]
 
-log = logging.getLogger("june_worker.models.anthropic")
+log = scrubbed_logger("june_worker.models.anthropic")
 
 DEFAULT_MODEL = "claude-sonnet-4-6"
 INSTALL_HINT = "pip install 'june-worker[anthropic]'"
@@ -85,6 +84,13 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
         if isinstance(error, type) and issubclass(error, BaseException):
             found.append(error)
     return tuple(found)
+
+
+def _register_credentials(client: Any) -> None:
+    """Keep the client's credentials out of every scrubbed string: its API key (``x-api-key``) and its bearer
+    token (``auth_token``, ``ANTHROPIC_AUTH_TOKEN``: what a gateway in front of the API may take instead)."""
+    register_secret(getattr(client, "api_key", None))
+    register_secret(getattr(client, "auth_token", None))
 
 
 def _chunk(event: Any) -> TextChunk | ReasoningChunk | None:
@@ -185,9 +191,9 @@ class AnthropicModel:
         self._client = client
         self._api_key = api_key
         self._base_url = base_url
-        # the key to keep out of every message we raise or log, whichever side holds it
+        # the credentials to keep out of every message we raise or log, whichever side holds them
         register_secret(api_key)
-        register_secret(getattr(client, "api_key", None))
+        _register_credentials(client)
         self._owned: tuple[asyncio.AbstractEventLoop, AsyncAnthropic] | None = None
 
     @classmethod
@@ -259,7 +265,7 @@ class AnthropicModel:
             if self.max_retries is not None:
                 options["max_retries"] = self.max_retries
             self._owned = (loop, sdk.AsyncAnthropic(**options))
-            register_secret(getattr(self._owned[1], "api_key", None))  # the SDK may have read the environment
+            _register_credentials(self._owned[1])  # the SDK may have read them from the environment
         return self._owned[1]
 
     async def aclose(self) -> None:
@@ -280,7 +286,14 @@ class AnthropicModel:
             # Paused (a long server-tool run): send what it wrote so far back as the assistant's
             # message, as it came, and the model goes on from there. Still the same model step.
             params = {**params, "messages": continuation_param(params["messages"], finals)}
-        yield Done(reply=reply_from(*finals), finish=finish_for(finals[-1].stop_reason), usage=usage_from(*finals))
+        # usage summed over the requests (the cost); the window as the last one filled it (the context policy's)
+        last = usage_from(finals[-1]) if len(finals) > 1 else None
+        yield Done(
+            reply=reply_from(*finals),
+            finish=finish_for(finals[-1].stop_reason),
+            usage=usage_from(*finals),
+            window_tokens=None if last is None else last.context_tokens + last.output_tokens,
+        )
 
     async def _call(self, client: Any, params: dict[str, Any], finals: list[Any]) -> AsyncIterator[ModelDelta]:
         """One streamed request: forward its deltas, then append its final message to ``finals``."""

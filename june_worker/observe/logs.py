@@ -20,10 +20,12 @@ import logging
 import time
 from typing import Any
 
+from ..engine.secrets import scrub, scrubbed_logger
+
 __all__ = ["LOG_FORMATS", "JsonFormatter", "transition", "use_json_logs"]
 
 LOG_FORMATS = ("text", "json")
-log = logging.getLogger("june_worker.turns")
+log = scrubbed_logger("june_worker.turns")
 
 
 def transition(
@@ -52,7 +54,9 @@ def transition(
 
 
 class JsonFormatter(logging.Formatter):
-    """A record as one line of JSON: ``ts`` (ISO 8601, UTC), ``level``, ``logger``, ``message``, june's fields."""
+    """A record as one line of JSON: ``ts`` (ISO 8601, UTC), ``level``, ``logger``, ``message``, june's fields;
+    ``exc_type`` and ``exc`` (the traceback) with an exception. The message and the traceback are scrubbed
+    of secrets (:mod:`~june_worker.engine.secrets`) even on a handler without the scrubbing filter."""
 
     def format(self, record: logging.LogRecord) -> str:
         june = getattr(record, "june", None)
@@ -68,7 +72,11 @@ class JsonFormatter(logging.Formatter):
             out["message"] = record.getMessage()
         if record.exc_info:
             out["exc_type"] = record.exc_info[0].__name__ if record.exc_info[0] else None
-            out["exc"] = self.formatException(record.exc_info)
+            out["exc"] = scrub(record.exc_text or self.formatException(record.exc_info))
+        elif record.exc_text:  # formatted and scrubbed by ScrubFilter, which dropped the exception itself
+            out["exc_type"] = getattr(record, "exc_type_name", None)
+            out["exc"] = scrub(record.exc_text)
+        out["message"] = scrub(str(out["message"]))
         return json.dumps(out, default=str, ensure_ascii=False)
 
 

@@ -21,7 +21,6 @@ would wipe and sum each other's files.
 from __future__ import annotations
 
 import glob
-import logging
 import os
 import re
 import sys
@@ -30,11 +29,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..engine.secrets import scrubbed_logger
 from .state import StateCollector, broker_depths
 
 __all__ = ["prepare_directory", "serve"]
 
-log = logging.getLogger("june_worker.observe")
+log = scrubbed_logger("june_worker.observe")
 _LIVE_FILE = re.compile(r"^gauge_live\w*_(\d+)\.db$")
 
 

@@ -15,7 +15,6 @@ name in the tables is summed under ``_other``): a producer can send any agent na
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import defaultdict
@@ -24,15 +23,18 @@ from typing import Any
 
 import psycopg
 
+from ..engine.secrets import scrubbed_logger
+
 __all__ = ["StateCollector", "broker_depths"]
 
-log = logging.getLogger("june_worker.observe")
+log = scrubbed_logger("june_worker.observe")
 
 OTHER = "_other"
 
-# Sessions parked on an input, per agent, and how long the oldest has waited (june_sessions_parked, migration 9).
+# Sessions parked on an input, per agent, and how long the oldest has waited since it parked (june_sessions_parked,
+# migration 12).
 _PARKED = """
-select agent, count(*), extract(epoch from now()) - min(updated_at)
+select agent, count(*), extract(epoch from now()) - min(parked_at)
   from june_sessions where suspended is not null group by agent
 """
 

@@ -3,7 +3,8 @@
 :meth:`TurnObserver.run` wraps one run of one turn (the host's ``runner.run()``) in a
 ``june.turn`` span (a child of the span that sent the turn) and gives the runner a
 :class:`TurnWatch`, the engine's :class:`~june_worker.engine.hooks.TurnHooks`: a span per step
-(``chat <model>`` with the GenAI semantic conventions' attributes, ``execute_tool <name>``),
+(``chat <model>`` with the GenAI semantic conventions' attributes, for a model call and for a
+compaction of the transcript, ``june.step.kind`` telling them apart; ``execute_tool <name>``),
 step durations, token counts, tool outcomes, and a log line per transition, all read off the
 commits the store accepted.
 
@@ -26,6 +27,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from ..engine.agent import Agent
 from ..engine.events import ActionCompleted, InputRequested, TurnEvent, TurnFailed, TurnResult
 from ..engine.hooks import StepKind
+from ..engine.secrets import scrubbed_logger
 from ..engine.store import Commit, SessionRef, TurnRecord
 from . import tracing
 from .logs import transition
@@ -33,7 +35,7 @@ from .metrics import OTHER, Metrics, metrics
 
 __all__ = ["TurnObserver", "TurnWatch", "gen_ai_model", "gen_ai_system"]
 
-log = logging.getLogger("june_worker.observe")
+log = scrubbed_logger("june_worker.observe")
 _ENDINGS = ("completed", "failed", "cancelled", "suspended")
 _TOKEN_TYPES = (
     ("input_tokens", "input", "gen_ai.usage.input_tokens"),
@@ -94,6 +96,17 @@ class TurnObserver:
         except Exception:
             _fault("rejection")
 
+    def cancelled_by_reset(self, ref: SessionRef, turn_id: str) -> None:
+        """A parked turn a reset ended (cancelled, reason reset): no run of it commits that ending."""
+        try:
+            self.metrics.turn_ended(ref.agent, "cancelled")
+            transition(
+                "turn.cancelled", turn_id=turn_id, agent=ref.agent, session=ref.session, step=None, attempt=None,
+                reason="reset",
+            )  # fmt: skip
+        except Exception:
+            _fault("cancel by a reset")
+
     @contextlib.contextmanager
     def run(self, agent: Agent, ref: SessionRef, rec: TurnRecord) -> Iterator[TurnWatch]:
         """Around ``runner.run()``: the turn's span is current inside (its steps' spans are its children)."""
@@ -129,6 +142,10 @@ class TurnWatch:
         self._t0 = time.perf_counter()
         self._model = gen_ai_model(agent.model)
         self._system = gen_ai_system(agent.model)
+        summariser = agent.context.model if agent.context is not None and agent.context.model is not None else None
+        self._compact_model = gen_ai_model(summariser) if summariser is not None else self._model
+        self._compact_system = gen_ai_system(summariser) if summariser is not None else self._system
+        """Who writes a compaction step's summary: the context policy's model, else the agent's."""
         self._tools = {t.name for t in agent.tools}
 
     # --- the run -----------------------------------------------------------------------------------
@@ -174,15 +191,18 @@ class TurnWatch:
 
     def finished(self, result: TurnResult) -> None:
         """How the run ended, when no commit of its own said so (a rejection, an ending committed elsewhere)."""
-        if self.status is None and result.status == "rejected":
-            self.status = "rejected"
-            self._m.turn_ended(self.agent.name, "rejected")
-            transition(
-                "turn.rejected", turn_id=self.turn_id, agent=self.agent.name, session=self.ref.session,
-                step=None, attempt=self.attempt,
-            )  # fmt: skip
-        elif self.status is None:
-            self.status = result.status
+        try:
+            if self.status is None and result.status == "rejected":
+                self.status = "rejected"
+                self._m.turn_ended(self.agent.name, "rejected")
+                transition(
+                    "turn.rejected", turn_id=self.turn_id, agent=self.agent.name, session=self.ref.session,
+                    step=None, attempt=self.attempt,
+                )  # fmt: skip
+            elif self.status is None:
+                self.status = result.status
+        except Exception:
+            _fault("turn finished")
 
     def close(self, token: object | None) -> None:
         try:
@@ -202,6 +222,9 @@ class TurnWatch:
 
     @contextlib.contextmanager
     def step(self, kind: StepKind, step: str, tool: str | None = None) -> Iterator[None]:
+        # A compaction may run inside a model step (the model refused the request as too long): that step is
+        # current again after it.
+        outer = (self.step_id, self._step_span) if kind == "compact" else None
         self.step_id = step
         span = self._step_start(kind, step, tool)
         token = otel_context.attach(trace.set_span_in_context(span)) if span is not None else None
@@ -216,17 +239,22 @@ class TurnWatch:
         finally:
             if token is not None:
                 otel_context.detach(token)
+            if outer is not None and outer[1] is not None:
+                self.step_id, self._step_span = outer
 
     def _step_start(self, kind: StepKind, step: str, tool: str | None) -> trace.Span | None:
         try:
-            if kind == "model":
+            if kind in ("model", "compact"):
+                model, system = (
+                    (self._model, self._system) if kind == "model" else (self._compact_model, self._compact_system)
+                )
                 name, attributes = (
-                    f"chat {self._model}",
+                    f"chat {model}",
                     {
                         "gen_ai.operation.name": "chat",
-                        "gen_ai.system": self._system,
-                        "gen_ai.provider.name": self._system,
-                        "gen_ai.request.model": self._model,
+                        "gen_ai.system": system,
+                        "gen_ai.provider.name": system,
+                        "gen_ai.request.model": model,
                     },
                 )
             else:
@@ -240,7 +268,7 @@ class TurnWatch:
                     },
                 )
             attributes.update({"june.step": step, "june.step.kind": kind})
-            span = self._o.tracer.start_span(name, kind=SpanKind.CLIENT if kind == "model" else SpanKind.INTERNAL,
+            span = self._o.tracer.start_span(name, kind=SpanKind.INTERNAL if kind == "tool" else SpanKind.CLIENT,
                                              attributes=attributes)  # fmt: skip
             self._step_span = span
             return span
@@ -284,8 +312,12 @@ class TurnWatch:
             if isinstance(event, ActionCompleted):
                 self._tool_outcomes[event.step] = "error" if event.error is not None else "ok"
         for rec in commit.steps:
-            if rec.step_id.startswith("model:") and isinstance(rec.data, dict):
-                self._usage(rec.data)
+            if not isinstance(rec.data, dict):
+                continue
+            if rec.step_id.startswith("model:"):
+                self._usage(rec.data, self._model)
+            elif rec.step_id.startswith("compact:"):  # a compaction's call is a model call too: it costs tokens
+                self._usage(rec.data, self._compact_model)
         status = commit.turn_status if commit.turn_id == self.turn_id else None
         if status == "running":
             if self._m.enabled:
@@ -298,7 +330,7 @@ class TurnWatch:
             self._m.turn_ended(self.agent.name, status)
             self._log(f"turn.{status}", self.step_id, commit.events)
 
-    def _usage(self, data: dict[str, Any]) -> None:
+    def _usage(self, data: dict[str, Any], model: str) -> None:
         usage, finish = data.get("usage"), data.get("finish")
         span = self._step_span
         if span is not None and isinstance(finish, dict) and isinstance(finish.get("reason"), str):
@@ -312,7 +344,7 @@ class TurnWatch:
             if span is not None:
                 span.set_attribute(attribute, n)
             if n and self._m.enabled:
-                self._m.tokens.labels(self.label, self._model, kind).inc(n)
+                self._m.tokens.labels(self.label, model, kind).inc(n)
 
     def _log(self, event: str, step: str | None, events: list[TurnEvent]) -> None:
         phase = error_type = None

@@ -18,17 +18,17 @@ the pid of the last holder (for error messages only).
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
 import time
 
+from ..engine.secrets import scrubbed_logger
 from ..errors import StoreLockedError
 
 __all__ = ["FileLock"]
 
-log = logging.getLogger("june_worker.stores.sqlite")
+log = scrubbed_logger("june_worker.stores.sqlite")
 
 if sys.platform != "win32":
     import fcntl

@@ -84,7 +84,9 @@ def commit_statement(
         events=_count(len(events)),
         status=commit.status is not None,
         suspended=(
-            ("repark" if commit.repark_from is not None else "set")
+            # a park rewritten by an answer that left others open (it expects the park) is the same park, with
+            # or without an expiry to carry (repark_from): its expiry and its age still count from when it began
+            ("repark" if commit.repark_from is not None or commit.expect_suspended is not None else "set")
             if commit.suspended is not None
             else "clear"
             if commit.clear_suspended
@@ -107,7 +109,7 @@ def commit_statement(
     if commit.suspended is not None:
         p["suspended"] = commit.suspended.model_dump_json(by_alias=True)
         p["park_timeout"] = commit.suspended.park_timeout()
-        if commit.repark_from is not None:
+        if commit.repark_from is not None or commit.expect_suspended is not None:
             p["repark_from"] = commit.repark_from
     if commit.expect_suspended is not None:
         p["exp_turn"], p["exp_input"] = commit.expect_suspended
@@ -195,11 +197,12 @@ def _sql(shape: _Shape) -> str:
     if shape.suspended == "set":
         sets.append("suspended = %(suspended)s::json")
         sets.append("park_expires_at = extract(epoch from now()) + %(park_timeout)s::float8")
-    elif shape.suspended == "repark":  # the same park, fewer requests: its expiry still counts from the park
+        sets.append("parked_at = extract(epoch from now())")
+    elif shape.suspended == "repark":  # the same park, fewer requests: its expiry and its age still count from the park
         sets.append("suspended = %(suspended)s::json")
         sets.append("park_expires_at = s.park_expires_at - %(repark_from)s::float8 + %(park_timeout)s::float8")
     elif shape.suspended == "clear":
-        sets.append("suspended = null, park_expires_at = null")
+        sets.append("suspended = null, park_expires_at = null, parked_at = null")
     if shape.release:
         free = (
             "not s.reset_pending and not exists (select 1 from june_turns t where t.agent = s.agent and t.session = s.session"

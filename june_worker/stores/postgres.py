@@ -433,6 +433,15 @@ _MIGRATIONS: list[str] = [
     select true, ins.t from ins union all select false, existing.t from existing
     $$;
     """,
+    # 12: when a session parked, by the database's clock: set with a new park, kept while answers close some of its
+    # requests (a park on several), cleared with it. The console's inbox and the parked-age gauge read it: every
+    # commit moves updated_at, so the age they read from it went back to 0 at each partial answer.
+    """
+    alter table june_sessions add column parked_at double precision;
+    update june_sessions set parked_at = updated_at where suspended is not null;
+    drop index june_sessions_parked;
+    create index june_sessions_parked on june_sessions (parked_at, agent, session) where suspended is not null;
+    """,
 ]
 
 _WHY_NOT = """
@@ -568,7 +577,8 @@ with am as (
 ), ds as (
     delete from june_steps where agent = %(agent)s and session = %(session)s
 )
-update june_sessions set generation = generation + 1, status = 'new', suspended = null, reset_pending = false
+update june_sessions set generation = generation + 1, status = 'new', suspended = null, parked_at = null,
+       reset_pending = false
 where agent = %(agent)s and session = %(session)s
 """
 

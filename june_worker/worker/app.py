@@ -8,7 +8,6 @@ finds this app through :mod:`june_worker.celery`.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import signal
 from typing import Any
@@ -17,9 +16,11 @@ from celery import Celery
 from celery.concurrency import get_implementation
 from celery.signals import after_setup_logger, after_setup_task_logger, worker_init, worker_ready
 
+from ..engine.secrets import scrubbed_logger
+
 __all__ = ["SUPPORTED_POOLS", "app", "kill_worker"]
 
-log = logging.getLogger("june_worker.worker")
+log = scrubbed_logger("june_worker.worker")
 
 
 def _config() -> Any:
@@ -123,9 +124,14 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
 @after_setup_logger.connect  # type: ignore[untyped-decorator]
 @after_setup_task_logger.connect  # type: ignore[untyped-decorator]
 def _log_format(logger: Any = None, **_: Any) -> None:
-    """JUNE_LOG_FORMAT=json: every record the worker writes is one JSON object per line."""
+    """Every record the worker (or beat) writes is scrubbed of secrets, whoever logged it (Celery's own
+    task-failure lines, a library); JUNE_LOG_FORMAT=json: each is one JSON object per line."""
+    from ..engine.secrets import scrub_handlers
     from ..observe.logs import use_json_logs
     from .settings import WorkerSettings
 
-    if logger is not None and WorkerSettings.from_env().log_format == "json":
+    if logger is None:
+        return
+    scrub_handlers(logger)
+    if WorkerSettings.from_env().log_format == "json":
         use_json_logs(logger)

@@ -10,11 +10,11 @@ after its child ended answers itself (:func:`wake_parent`, run by the worker tha
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from ..engine.children import announce_child_park, child_answer, child_input_id, children_of_park
 from ..engine.events import Cancelled, TurnResult
+from ..engine.secrets import scrubbed_logger
 from ..engine.store import ENDED_TURN_STATUSES, SessionRef, TurnRecord
 from . import control
 from .host import WorkerHost
@@ -22,7 +22,7 @@ from .payloads import ResumeMessage
 
 __all__ = ["answer_parent", "turn_ended", "wake_parent", "wake_parents"]
 
-log = logging.getLogger("june_worker.worker")
+log = scrubbed_logger("june_worker.worker")
 
 Dispatch = Callable[[TurnRecord], None]
 

@@ -7,7 +7,6 @@ input: a refusal is a result, recorded where the turn id is known, never a retry
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +15,7 @@ from ..engine.children import cancel_children, child_grant, refuse_reserved
 from ..engine.events import TurnResult
 from ..engine.loop import reject_turn
 from ..engine.resume import RESUME_RACES, check_parked, grant_answer, resume_commit, still_open
+from ..engine.secrets import scrub, scrubbed_logger
 from ..engine.session import parked_reason
 from ..engine.store import UNFINISHED_TURN_STATUSES, SessionRef, TurnPayload, TurnRecord
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
@@ -37,7 +37,7 @@ __all__ = [
     "turn_message",
 ]
 
-log = logging.getLogger("june_worker.worker")
+log = scrubbed_logger("june_worker.worker")
 
 Dispatch = Callable[[TurnRecord], None]
 """Sends ``june.turn`` for a recorded turn (the tasks module provides it; the host knows no Celery)."""
@@ -211,15 +211,16 @@ def resume(
             except ResumeConflictError:
                 if attempt == RESUME_RACES:
                     raise  # else another request of the park was answered meanwhile: read it again
+    # A reason is published (the result backend, the gateway, the answerer's channel): scrubbed, as an error report.
     except ResumeAuthorizationError as exc:
-        return _refused(agent, msg, {**out, "status": "forbidden", "reason": str(exc)})
+        return _refused(agent, msg, {**out, "status": "forbidden", "reason": scrub(str(exc))})
     except InvalidAnswerError as exc:
-        return _refused(agent, msg, {**out, "status": "invalid", "reason": str(exc)})
+        return _refused(agent, msg, {**out, "status": "invalid", "reason": scrub(str(exc))})
     except ResumeConflictError as exc:
-        return _refused(agent, msg, {**out, "status": "conflict", "reason": str(exc)})
+        return _refused(agent, msg, {**out, "status": "conflict", "reason": scrub(str(exc))})
     except Exception as exc:  # the authorize_answer hook (or the store) failed: nothing applied, retry later
         log.exception("resume of %s %s failed before the answer was applied", ref, msg.turn_id)
-        return {**out, "status": "error", "reason": f"{type(exc).__name__}: {exc}"}
+        return {**out, "status": "error", "reason": scrub(f"{type(exc).__name__}: {exc}")}
     host.sink.publish(ref, events)
     left = [i.request.id for i in parked.more]
     if left:  # other requests of the park are still open: the turn waits for them

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import logging
 import os
 import socket
 import threading
@@ -33,6 +32,7 @@ from ..engine.events import TurnEvent, TurnResult
 from ..engine.failures import backoff_s
 from ..engine.loop import TurnRunner, reject_turn
 from ..engine.resume import reset_park_commit, timeout_commit
+from ..engine.secrets import scrubbed_logger
 from ..engine.store import (
     UNFINISHED_TURN_STATUSES,
     Commit,
@@ -57,7 +57,7 @@ from .transcripts import TranscriptCache
 
 __all__ = ["WorkerHost", "get_host", "load_agents"]
 
-log = logging.getLogger("june_worker.worker")
+log = scrubbed_logger("june_worker.worker")
 
 
 def load_agents(paths: Iterable[str]) -> dict[str, Agent]:
@@ -166,7 +166,9 @@ class WorkerHost:
         self.queue = SessionQueue(self.store.pool, lease_s=settings.lease_s)
         # Transcripts of sessions this process ran lately: a turn then reads only what it does not hold.
         self.transcripts = TranscriptCache(
-            max_sessions=settings.transcript_cache, max_messages=settings.transcript_cache_messages
+            max_sessions=settings.transcript_cache,
+            max_messages=settings.transcript_cache_messages,
+            max_bytes=settings.transcript_cache_bytes,
         )
         self.keys = EventKeys(prefix=settings.key_prefix, firehose_partitions=settings.firehose_partitions)
         self.redis = connect(settings.redis_url, health_check_interval=30, socket_timeout=5, socket_connect_timeout=2)
@@ -325,6 +327,7 @@ class WorkerHost:
         parked = self.store.pending(ref)
         if parked is not None:
             self.sink.publish(ref, self.store.commit(ref, reset_park_commit(parked), fence=fence))
+            self.observer.cancelled_by_reset(ref, parked.turn_id)  # observe: that turn ended, cancelled
         self.transcripts.drop(ref)
         result = self.store.reset(ref, fence=fence)
         log.info("reset %s: history archived as %s", ref, result.previous_session)

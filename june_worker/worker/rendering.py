@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import queue
 import threading
 import time
@@ -34,6 +33,7 @@ from ..channels.base import Channels, RenderContext, Renderer
 from ..engine.agent import Agent, deliver_result
 from ..engine.events import TurnEvent, TurnResult, is_structural
 from ..engine.failures import Failure, classify
+from ..engine.secrets import scrubbed_logger
 from ..engine.sink import EventSink
 from ..engine.store import SessionRef, TurnRecord
 from ..engine.types import JsonValue
@@ -42,7 +42,7 @@ from ..stores.postgres import PostgresStore, pooled
 
 __all__ = ["LiveRender", "PgRenderState", "deliver_once", "notify", "start_live"]
 
-log = logging.getLogger("june_worker.worker")
+log = scrubbed_logger("june_worker.worker")
 
 _STOP = object()
 LIVE_DRAIN_S = 30.0

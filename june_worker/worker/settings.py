@@ -58,6 +58,9 @@ JUNE_TRANSCRIPT_CACHE       transcripts a worker process keeps in    256
                             messages it does not hold (0: off)
 JUNE_TRANSCRIPT_CACHE_      messages held in all; a longer           50000
 MESSAGES                    transcript is read whole every turn
+JUNE_TRANSCRIPT_CACHE_      about how much they take in all (the     32000000
+BYTES                       characters of their JSON); a larger
+                            transcript is read whole every turn
 JUNE_METRICS_PORT           the worker's main process serves         0 (off)
                             Prometheus metrics on this port
                             (``/metrics``; docs/operations.md)
@@ -134,6 +137,7 @@ class WorkerSettings:
     publish_retries: int = 3
     transcript_cache: int = 256
     transcript_cache_messages: int = 50_000
+    transcript_cache_bytes: int = 32_000_000
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
     metrics_dir: str | None = None
@@ -202,6 +206,7 @@ class WorkerSettings:
             publish_retries=int(_float(env, "JUNE_PUBLISH_RETRIES", cls.publish_retries)),
             transcript_cache=int(_float(env, "JUNE_TRANSCRIPT_CACHE", cls.transcript_cache)),
             transcript_cache_messages=int(_float(env, "JUNE_TRANSCRIPT_CACHE_MESSAGES", cls.transcript_cache_messages)),
+            transcript_cache_bytes=int(_float(env, "JUNE_TRANSCRIPT_CACHE_BYTES", cls.transcript_cache_bytes)),
             metrics_port=metrics_port,
             metrics_host=env.get("JUNE_METRICS_HOST", cls.metrics_host),
             metrics_dir=env.get("PROMETHEUS_MULTIPROC_DIR") or None,

@@ -26,11 +26,11 @@ the task is retried, whole).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..engine.endings import reject_turn
+from ..engine.secrets import scrubbed_logger
 from ..engine.storable import storable_text
 from ..engine.store import TurnPayload, TurnRecord
 from ..errors import StoreUnavailableError
@@ -41,7 +41,7 @@ from .retention import Pruned, prune
 
 __all__ = ["sweep"]
 
-log = logging.getLogger("june_worker.sweeper")
+log = scrubbed_logger("june_worker.sweeper")
 T = TypeVar("T")
 
 

@@ -10,12 +10,12 @@ transient class) is retried, with backoff.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from celery import Task
 
 from ..engine.loop import reject_turn
+from ..engine.secrets import scrubbed_logger
 from ..engine.storable import storable_text
 from ..engine.store import SessionRef, TurnPayload
 from ..errors import PayloadError, StoreUnavailableError
@@ -38,7 +38,7 @@ from .sweeper import sweep
 
 __all__ = ["cancel_task", "proactive_task", "reset_task", "resume_task", "sweep_task", "turn_task"]
 
-log = logging.getLogger("june_worker.worker")
+log = scrubbed_logger("june_worker.worker")
 
 _RETRY = {
     "autoretry_for": (StoreUnavailableError,),

@@ -39,6 +39,12 @@ class Held:
     generation: int
     messages: list[Message]
     """Never changed in place: a new list goes in with every :meth:`TranscriptCache.put`."""
+    size: int = 0
+    """Their approximate size: the characters of their JSON (the objects themselves take a few times that)."""
+
+
+def _size(message: Message) -> int:
+    return len(message.model_dump_json())
 
 
 _NOTHING = {"g": Int4(-1), "have": Int4(0), "last": ""}
@@ -52,18 +58,24 @@ def held_params(held: Held | None) -> dict[str, Any]:
 
 
 class TranscriptCache:
-    """At most ``max_sessions`` transcripts and ``max_messages`` messages in all, least recently used out first.
+    """At most ``max_sessions`` transcripts, ``max_messages`` messages and about ``max_bytes`` of them in all
+    (:attr:`Held.size`), least recently used out first.
 
-    ``max_sessions=0`` turns it off. A transcript longer than ``max_messages`` is not kept. Safe to share
-    between threads (a thread pool's tasks): every method takes the lock, and entries are never changed in
-    place. ``hits`` and ``misses`` count :meth:`get` calls, for tests and benches.
+    ``max_sessions=0`` turns it off. A transcript past ``max_messages`` or ``max_bytes`` alone is not kept. Safe
+    to share between threads (a thread pool's tasks): every method takes the lock, and entries are never changed
+    in place. ``hits`` and ``misses`` count :meth:`get` calls, for tests and benches.
+
+    A transcript's size is measured once per message: a put that extends what is held (the same generation, the
+    held messages its prefix) measures only the messages added, so a turn's cost stays flat in the history.
     """
 
-    def __init__(self, *, max_sessions: int, max_messages: int) -> None:
+    def __init__(self, *, max_sessions: int, max_messages: int, max_bytes: int = 32_000_000) -> None:
         self.max_sessions = max_sessions
         self.max_messages = max_messages
+        self.max_bytes = max_bytes
         self._entries: OrderedDict[SessionRef, Held] = OrderedDict()
         self._count = 0
+        self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -75,6 +87,11 @@ class TranscriptCache:
     def messages(self) -> int:
         """How many messages are held in all."""
         return self._count
+
+    @property
+    def bytes(self) -> int:
+        """About how much they take in all (:attr:`Held.size`)."""
+        return self._bytes
 
     def get(self, ref: SessionRef) -> Held | None:
         with self._lock:
@@ -89,19 +106,33 @@ class TranscriptCache:
     def put(self, ref: SessionRef, generation: int, messages: list[Message]) -> None:
         """Hold ``messages`` (committed, in order from index 0) as generation ``generation`` of ``ref``'s transcript."""
         with self._lock:
-            self._pop(ref)
+            before = self._pop(ref)
             if self.max_sessions <= 0 or len(messages) > self.max_messages:
                 return
-            self._entries[ref] = Held(generation=generation, messages=messages)
+            n, size = 0, 0
+            if before is not None and before.generation == generation and 0 < len(before.messages) <= len(messages):
+                if messages[len(before.messages) - 1] is before.messages[-1]:  # it extends what was held
+                    n, size = len(before.messages), before.size
+            size += sum(map(_size, messages[n:]))
+            if size > self.max_bytes:
+                return
+            self._entries[ref] = Held(generation=generation, messages=messages, size=size)
             self._count += len(messages)
-            while len(self._entries) > self.max_sessions or self._count > self.max_messages:
+            self._bytes += size
+            while (
+                len(self._entries) > self.max_sessions
+                or self._count > self.max_messages
+                or self._bytes > self.max_bytes
+            ):
                 self._pop(next(iter(self._entries)))
 
     def drop(self, ref: SessionRef) -> None:
         with self._lock:
             self._pop(ref)
 
-    def _pop(self, ref: SessionRef) -> None:
+    def _pop(self, ref: SessionRef) -> Held | None:
         held = self._entries.pop(ref, None)
         if held is not None:
             self._count -= len(held.messages)
+            self._bytes -= held.size
+        return held

@@ -62,7 +62,9 @@ class LogCapture(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         text = f"{record.levelname} {record.name}: {record.getMessage()}"
-        if record.exc_info:
+        if record.exc_text:  # formatted (and scrubbed) already by june's log filter
+            text += "\n" + record.exc_text
+        elif record.exc_info:
             text += "\n" + logging.Formatter().formatException(record.exc_info)
         with self._lock2:
             self.lines.append(text)

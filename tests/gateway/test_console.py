@@ -8,14 +8,25 @@ step and error; a turn's timeline has its steps and events with durations; the l
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
+from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import wait_for
+from june_worker import Agent, Runtime, ToolContext, tool
+from june_worker.engine.events import Suspended
+from june_worker.gateway.auth import Principal
+from june_worker.gateway.console import inbox_page, timeline
+from june_worker.models import Reply, ScriptedModel
+from june_worker.observe.state import StateCollector
+from june_worker.stores.postgres import PostgresStore
+from tests.integration.conftest import _database, wait_for
+from tests.unit.kit import WindowModel
 
 from .console_kit import console_gateway, console_stack
 from .kit import Gateway, parse_sse
@@ -174,3 +185,89 @@ def test_gateway_metrics_count_requests_by_route_template_and_serve_the_state(co
     assert samples["june_state_up"][()] == 1
     labels = {v for series in samples.values() for key in series for _, v in key}
     assert not [v for v in labels if session in v or v.startswith("t_")]
+
+
+def test_a_turns_timeline_shows_its_compaction_step(database_url: str) -> None:
+    # Given a session whose second turn compacted its transcript first (on Postgres, run in process)
+    databases = _database(database_url)
+    db = next(databases)
+    store = PostgresStore(db, max_size=2)
+    try:
+        runtime = Runtime([Agent(name="window", model=WindowModel(2000, extra_tokens=1500))], store)
+        session = runtime.session("window", "s1")
+
+        async def turns() -> None:
+            await session.turn("hello", turn_id="t1")
+            await session.turn("x" * 300, turn_id="t2")  # ~1,500 tokens reported by the first: compacts first
+
+        asyncio.run(turns())
+        # When an operator reads that turn's timeline
+        with psycopg.connect(db, autocommit=True) as conn:
+            t = timeline(conn, "window", "s1", "t2")
+        # Then its compaction is a step with its duration and what it did, and its event says so, without text
+        assert t is not None and [s["step"] for s in t["steps"]] == ["compact:3", "model:4"]
+        compact = t["steps"][0]
+        assert compact["duration_s"] is not None and compact["duration_s"] >= 0
+        assert " in / 8 out" in compact["detail"] and "kept from message" in compact["detail"]
+        (event,) = [e for e in t["events"] if e["type"] == "context.compacted"]
+        assert event["step"] == "compact:3" and "messages summarised (threshold), kept from" in event["summary"]
+        assert "xxxx" not in json.dumps(t)
+    finally:
+        store.close()
+        databases.close()
+
+
+@tool
+async def sign_off(ctx: ToolContext, desk: int) -> dict[str, Any]:
+    """Ask one desk to sign off."""
+    return {"answer": await ctx.request_input(id=f"desk{desk}", prompt=f"Desk {desk}?")}
+
+
+def test_a_parks_age_counts_from_when_it_parked_through_an_answer_that_leaves_another_request_open(
+    database_url: str,
+) -> None:
+    # Given a turn parked on two requests at once (calls run in parallel), on Postgres, run in process
+    calls = [{"id": f"c{i}", "name": "sign_off", "input": {"desk": i}} for i in (1, 2)]
+    agent = Agent(name="desks", model=ScriptedModel([Reply("", calls=calls), "signed"]), tools=[sign_off],
+                  parallel_tools=2)  # fmt: skip
+    databases = _database(database_url)
+    db = next(databases)
+    store = PostgresStore(db, max_size=2)
+    try:
+        session = Runtime([agent], store).session("desks", "s1")
+
+        def inbox() -> tuple[list[dict[str, Any]], float]:
+            with psycopg.connect(db, autocommit=True) as conn:
+                items, _ = inbox_page(conn, ["desks"], Principal("op", None, operator=True), 10, None, 0.0)
+                (updated,) = conn.execute("select updated_at from june_sessions where session = 's1'").fetchone()
+            return items, updated
+
+        async def park_then_answer_one() -> tuple[Any, Any, Any]:
+            parked = await session.result(await session.start("sign off", turn_id="t1"))
+            before = inbox()
+            await session.resume("t1", "desk1", True)  # the park stays, on desk2
+            return parked, before, inbox()
+
+        parked, (before, parked_updated), (after, answered_updated) = asyncio.run(park_then_answer_one())
+        assert isinstance(parked, Suspended) and [i["input_id"] for i in before] == ["desk1", "desk2"]
+        # When an operator reads the inbox again: Then the open request is still listed from when the turn
+        # parked, though the answer was a commit of the session's after it
+        assert [i["input_id"] for i in after] == ["desk2"] and answered_updated > parked_updated
+        assert after[0]["parked_at"] == before[0]["parked_at"] <= parked_updated
+        # and the parked-age gauge reads the same time (an hour's wait, made so here)
+        with psycopg.connect(db, autocommit=True) as conn:
+            conn.execute("update june_sessions set parked_at = parked_at - 3600 where session = 's1'")
+        collector = StateCollector(db, agents=["desks"])
+        try:
+            ages = {
+                s.labels["agent"]: s.value
+                for family in collector.collect()
+                if family.name == "june_sessions_parked_oldest_seconds"
+                for s in family.samples
+            }
+        finally:
+            collector.close()
+        assert ages["desks"] >= 3600
+    finally:
+        store.close()
+        databases.close()

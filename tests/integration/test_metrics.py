@@ -183,3 +183,36 @@ _ENDS = {"lookup": "completed", "fatal": "failed", "ask": "suspended"}
 
 def _word(ids: dict[str, str], record: dict[str, object]) -> str:
     return next(w for w, t in ids.items() if t == record["turn_id"])
+
+
+def test_a_parked_turn_a_reset_ends_is_counted_cancelled_and_logged(
+    stack: Stack, workers: list[tuple[Proc, int]]
+) -> None:
+    # Given a turn parked on an answer
+    before = by(summed(workers), "june_turns_total", "agent", "status").get(("metered", "cancelled"), 0)
+    session = f"r-{uuid.uuid4().hex[:10]}"
+    turn_id = stack.turn("metered", session, f"ask {SECRET}")
+    assert stack.wait_terminal("metered", session, turn_id)["type"] == "input.requested"
+    # When the session is reset
+    assert stack.send("june.reset", {"agent": "metered", "session": session}).get(timeout=60)["status"] == "reset"
+    # Then that turn counts as cancelled once, and its transition is logged (reason reset)
+    wait_for(
+        lambda: (
+            by(summed(workers), "june_turns_total", "agent", "status").get(("metered", "cancelled"), 0) == before + 1
+        ),
+        timeout_s=30,
+        every_s=0.5,
+        what="the reset turn counted as cancelled",
+    )
+
+    def cancelled() -> dict[str, object] | None:
+        for proc, _ in workers:
+            for line in proc.log.read_text().splitlines():
+                if line.startswith("{") and turn_id in line:
+                    record = json.loads(line)
+                    if record.get("event") == "turn.cancelled":
+                        return record  # type: ignore[no-any-return]
+        return None
+
+    record = wait_for(cancelled, timeout_s=20, every_s=0.2, what="the turn.cancelled transition")
+    assert (record["agent"], record["session"], record["reason"]) == ("metered", session, "reset")

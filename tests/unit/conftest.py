@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import anthropic
 import pytest
 
+from june_worker.models.anthropic import AnthropicModel
 from june_worker.stores import SQLiteStore
 
 from .._anthropic_api import KEY, AnthropicAPI
@@ -66,9 +68,7 @@ def api() -> Iterator[AnthropicAPI]:
 
 @pytest.fixture
 async def make_model(api: AnthropicAPI) -> AsyncIterator[Callable[..., Any]]:
-    """Builds an ``AnthropicModel`` on a real SDK client pointed at :func:`api` (the SDK is an extra)."""
-    anthropic = pytest.importorskip("anthropic")
-    from june_worker.models.anthropic import AnthropicModel
+    """Builds an ``AnthropicModel`` on a real SDK client pointed at :func:`api` (the SDK is in ``[dev]``)."""
 
     clients: list[Any] = []
 

@@ -6,23 +6,22 @@ so a turn that completes here sent only valid requests; each test also checks th
 
 from __future__ import annotations
 
+import json
 import pickle
 from typing import Any
 
 import pytest
 
 from june_worker import Agent, Runtime, tool
-from june_worker.engine.context import ContextPolicy
+from june_worker.engine.context import ContextPolicy, estimate_tokens
 from june_worker.engine.events import ContextCompacted, Failed
 from june_worker.engine.store import SessionRef
-from june_worker.engine.types import SummaryMessage
+from june_worker.engine.types import AssistantMessage, SummaryMessage, Usage
 from june_worker.errors import ContextWindowExceededError
 from june_worker.models._anthropic_mapping import SUMMARY_NOTE
 from june_worker.stores import SQLiteStore
 
 from .._anthropic_api import AnthropicAPI, api_error, request_problems, sse
-
-pytest.importorskip("anthropic")
 
 REF = SessionRef("ops", "s1")
 
@@ -145,3 +144,27 @@ def test_the_stand_in_refuses_a_transcript_the_api_refuses() -> None:
     assert request_problems({"messages": [user, call, result]})  # tool blocks but no tools
     thinking = {"type": "adaptive"}
     assert request_problems({"messages": [user, call, result], "tools": tools, "thinking": thinking})
+
+
+async def test_a_reply_continued_after_pause_turn_estimates_the_window_from_its_last_request_not_the_sum(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given a 2,000-token window (compacting past 1,600) and a reply paused once and continued: its first
+    # request took 520 tokens in and wrote 42, its continuation took 1,090 in (the transcript and what the
+    # first wrote) and wrote 9
+    api.serve(sse("pause_turn_search.sse"), sse("pause_turn_resumed.sse"), sse("text_only.sse"))
+    store = SQLiteStore(":memory:")
+    model = make_model(max_tokens=256, context_window_tokens=2000)
+    runtime = Runtime([Agent(name="ops", model=model, context=ContextPolicy())], store)
+    session = runtime.session("ops", "s1")
+    await session.turn("What is the weather in Paris?", turn_id="t1")
+    # Then the reply's cost is the sum of both requests, and the window it fills the last one's (1,099)
+    (reply,) = [m for m in store.load(REF).messages if isinstance(m, AssistantMessage)]
+    assert reply.usage == Usage(input_tokens=1130, output_tokens=51, cache_read_tokens=480)
+    assert reply.window_tokens == 1090 + 9
+    assert estimate_tokens(store.load(REF).messages, None, system="", chars_per_token=3.0) == 1099
+    # And the next turn asks at once: by the sum (1,661 tokens) it would have compacted first
+    assert await session.turn("Thanks", turn_id="t2") == "Hello there!"
+    assert len(api.requests) == 3 and "You compact the history" not in json.dumps(api.bodies[2])
+    assert not [e for e in store.events(REF) if isinstance(e, ContextCompacted)]
+    store.close()

@@ -16,12 +16,11 @@ from june_worker.engine.model import Done, ModelRequest
 from june_worker.engine.store import SessionRef
 from june_worker.engine.types import AssistantMessage, UserMessage
 from june_worker.errors import ConfigError
+from june_worker.models._anthropic_mapping import EMPTY_MESSAGE_NOTE
 from june_worker.models.anthropic import AnthropicModel
 from june_worker.stores import SQLiteStore
 
 from .._anthropic_api import AnthropicAPI, sse
-
-pytest.importorskip("anthropic")
 
 
 def order_agent(model: AnthropicModel, runs: list[dict[str, Any]]) -> Agent:
@@ -80,6 +79,30 @@ async def test_a_whitespace_only_text_block_is_never_sent_back_so_the_session_go
     sent = [b for body in api.bodies for m in body["messages"] for b in m["content"] if b["type"] == "text"]
     assert sent and all(b["text"].strip() for b in sent)
     assert [b["type"] for b in api.bodies[1]["messages"][1]["content"]] == ["tool_use"]
+    store.close()
+
+
+async def test_a_user_turn_of_only_whitespace_is_sent_as_a_note_so_no_request_ends_on_the_assistant(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given thinking on (the API refuses a request that ends on an assistant message: a prefill), and an API
+    # that refuses whitespace-only text blocks
+    api.serve(sse("text_only.sse"), sse("text_only.sse"), sse("text_only.sse"))
+    store = SQLiteStore(":memory:")
+    runtime = Runtime([Agent(name="ops", model=make_model(thinking=True))], store)
+    # When a session's first turn is only whitespace, and another session's second one is
+    assert await runtime.session("ops", "s1").turn(" \n", turn_id="t1") == "Hello there!"
+    session = runtime.session("ops", "s2")
+    assert await session.turn("Hi", turn_id="t2") == "Hello there!"
+    assert await session.turn("\n\n", turn_id="t3") == "Hello there!"
+    # Then each request ended on the user's turn, sent as the note that it had no text
+    note = {"type": "text", "text": EMPTY_MESSAGE_NOTE}
+    assert [body["messages"][-1]["role"] for body in api.bodies] == ["user", "user", "user"]
+    assert [{k: v for k, v in b.items() if k != "cache_control"} for b in api.bodies[0]["messages"][-1]["content"]] == [
+        note
+    ]
+    assert [m["role"] for m in api.bodies[2]["messages"]] == ["user", "assistant", "user"]
+    assert api.bodies[2]["messages"][-1]["content"][0]["text"] == EMPTY_MESSAGE_NOTE
     store.close()
 
 

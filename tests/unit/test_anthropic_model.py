@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import anthropic
 import pytest
 
 from june_worker import Agent, Runtime, tool
@@ -40,8 +41,6 @@ from june_worker.models.anthropic import INSTALL_HINT, AnthropicModel, ModelProv
 from june_worker.stores import SQLiteStore
 
 from .._anthropic_api import HANG_UP, KEY, SSE_HEADERS, AnthropicAPI, Recorded, api_error, closed_port, recorded, sse
-
-anthropic = pytest.importorskip("anthropic")
 
 
 def ask(*messages: Message, system: str = "", tools: list[ToolSpec] | None = None) -> ModelRequest:

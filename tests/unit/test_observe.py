@@ -8,6 +8,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 from june_worker import Agent, FatalToolError, ToolContext, tool
 from june_worker.engine.hooks import StepKind
 from june_worker.engine.loop import TurnRunner
@@ -167,3 +169,97 @@ async def test_calls_run_in_parallel_each_count_their_own_outcome() -> None:
         watch.finished(await TurnRunner(agent, store, NullSink(), ref, rec, hooks=watch).run())
     counted = {o: observer.metrics.tool_calls.labels("ops", "slow", o)._value.get() for o in ("ok", "error", "parked")}
     assert counted == {"ok": 1, "error": 1, "parked": 1}
+
+
+async def test_a_compaction_is_a_step_and_a_span_of_its_own_and_its_tokens_count_under_the_policys_model() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from june_worker.engine.context import ContextPolicy
+
+    from .kit import WindowModel
+
+    # Given an agent whose second turn compacts first (its first request reported ~1,500 tokens of 2,000),
+    # the summary written by the policy's own model
+    summariser = WindowModel(2000)
+    summariser.model = "summariser-1"  # type: ignore[attr-defined]  # its name, as a real model says it
+    agent = Agent(name="ops", model=WindowModel(2000, extra_tokens=1500), context=ContextPolicy(model=summariser))
+    observer = TurnObserver({"ops": agent})
+    observer.metrics = Metrics(enabled=True, agents=["ops"])
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    observer.tracer = provider.get_tracer("test")
+    store = MemoryStore()
+    ref = SessionRef("ops", "s1")
+    seen: list[Any] = []
+    for turn_id, text in (("t1", "hello"), ("t2", "x" * 300)):
+        rec, _ = store.enqueue_turn(ref, turn_id, TurnPayload(text=text))
+        with observer.run(agent, ref, rec) as watch:
+            recording = Recording()
+            hooks = _Both(watch, recording)
+            assert (await TurnRunner(agent, store, NullSink(), ref, rec, hooks=hooks).run()).status == "completed"
+        seen = recording.seen
+    # When the second turn ran: Then its compaction was a step of its own, before the model step, not in it
+    assert [s[1:3] for s in seen if s[0] == "enter"] == [("compact", "compact:3"), ("model", "model:4")]
+    assert seen.index(("left", "compact:3")) < seen.index(("enter", "model", "model:4", None))
+    # and its span is a child of the turn's, named for the policy's model, with the tokens it reported
+    spans = exporter.get_finished_spans()
+    (compact,) = [s for s in spans if (s.attributes or {}).get("june.step.kind") == "compact"]
+    turn = next(s for s in spans if s.name == "june.turn" and (s.attributes or {}).get("june.turn_id") == "t2")
+    assert compact.name == "chat summariser-1" and compact.parent is not None
+    assert compact.parent.span_id == turn.context.span_id
+    reported = summariser.tokens(summariser.requests[-1])
+    assert (compact.attributes or {}).get("gen_ai.usage.input_tokens") == reported
+    # and the counters hold its tokens under that model, and its duration under kind compact
+    m = observer.metrics
+    assert m.tokens.labels("ops", "summariser-1", "input")._value.get() == reported
+    assert m.tokens.labels("ops", "summariser-1", "output")._value.get() == 8
+    counts = {
+        s.labels["kind"]: s.value for f in m.step_seconds.collect() for s in f.samples if s.name.endswith("_count")
+    }
+    assert counts == {"model": 2, "compact": 1}
+
+
+class _Both:
+    """Two TurnHooks at once."""
+
+    def __init__(self, *hooks: Any) -> None:
+        self.hooks = hooks
+
+    @contextlib.contextmanager
+    def step(self, kind: StepKind, step: str, tool: str | None = None) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for h in self.hooks:
+                stack.enter_context(h.step(kind, step, tool))
+            yield
+
+    def committed(self, commit: Commit) -> None:
+        for h in self.hooks:
+            h.committed(commit)
+
+
+def test_a_fault_of_the_metrics_when_a_run_finishes_never_reaches_the_turn(
+    monkeypatch: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from june_worker.engine.events import Rejected
+    from june_worker.observe import turns
+
+    # Given metrics that fail (a metrics file that cannot be written)
+    agent = Agent(name="ops", model=ScriptedModel(["hi"]))
+    observer = TurnObserver({"ops": agent})
+
+    def broken(agent: str, status: str) -> None:
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(observer.metrics, "turn_ended", broken)
+    monkeypatch.setattr(turns, "_warned", False)
+    store = MemoryStore()
+    ref = SessionRef("ops", "s1")
+    rec, _ = store.enqueue_turn(ref, "t1", TurnPayload(text="hi"))
+    # When a run is told how it finished (rejected: no commit of its own said so)
+    with caplog.at_level(logging.WARNING, logger="june_worker.observe"), observer.run(agent, ref, rec) as watch:
+        watch.finished(Rejected(turn_id="t1", reason="no"))
+    # Then the fault is logged, never raised
+    assert "observing a turn failed (turn finished)" in caplog.text

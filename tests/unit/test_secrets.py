@@ -1,12 +1,26 @@
-"""Secrets never reach a stored or published string: error reports, causes, stacks, tool errors."""
+"""Secrets never reach a stored, published or logged string: error reports, causes, stacks, tool errors, logs."""
 
 from __future__ import annotations
 
+import importlib
+import json
+import logging
+import pkgutil
 import uuid
+from typing import Any
 
-from june_worker.engine.endings import error_info
-from june_worker.engine.secrets import PLACEHOLDER, register_secret, scrub
-from june_worker.engine.tools import format_tool_error
+import pytest
+
+import june_worker
+from june_worker import Agent, FatalToolError, Runtime, ToolContext, tool
+from june_worker.engine.endings import MESSAGE_MAX_CHARS, STACK_MAX_CHARS, error_info
+from june_worker.engine.events import Failed
+from june_worker.engine.secrets import PLACEHOLDER, ScrubFilter, register_secret, scrub
+from june_worker.engine.tools import ERROR_MAX_CHARS, format_tool_error
+from june_worker.models import Reply, ScriptedModel
+from june_worker.models.anthropic import AnthropicModel
+from june_worker.observe.logs import JsonFormatter
+from june_worker.stores import MemoryStore
 
 
 def fresh_secret() -> str:
@@ -55,3 +69,141 @@ def test_a_tools_error_text_is_scrubbed_before_the_model_reads_it() -> None:
     assert (
         format_tool_error(ValueError("key sk-ant-api03-AbCdEf123 refused")) == f"ValueError: key {PLACEHOLDER} refused"
     )
+
+
+# --- scrubbed whole, then cut ----------------------------------------------------------------------------
+
+
+def test_a_message_long_enough_to_be_cut_inside_a_secret_keeps_no_piece_of_it() -> None:
+    # Given a registered secret that straddles the message's bound
+    secret = fresh_secret()
+    register_secret(secret)
+    padding = "x" * (MESSAGE_MAX_CHARS - 10)
+    try:
+        try:
+            raise ValueError(padding + secret)
+        except ValueError as cause:
+            raise RuntimeError(padding + secret) from cause
+    except RuntimeError as exc:
+        info = error_info(exc)
+    # Then neither the message nor the cause ends with the secret's first characters
+    assert info.message == padding + PLACEHOLDER and info.cause_chain == [info.message]
+    assert secret[:6] not in info.model_dump_json()
+
+
+def test_a_stack_cut_to_its_tail_inside_a_key_keeps_no_piece_of_it() -> None:
+    # Given an error whose text puts a key just before the last STACK_MAX_CHARS characters of its traceback
+    key = "sk-ant-api03-Zq8kVb1yLr0Tn4Xp6Wd2Hc9Jm5Gs3Fa7"
+    try:
+        raise ValueError("denied " + key + "." * (STACK_MAX_CHARS - 30))
+    except ValueError as exc:
+        info = error_info(exc)
+    # Then the stack's tail holds no piece of the key's end
+    assert info.stack is not None and len(info.stack) == STACK_MAX_CHARS
+    assert key[-6:] not in info.stack and key[-6:] not in info.message
+
+
+def test_a_tool_error_is_scrubbed_whole_before_it_is_cut() -> None:
+    secret = fresh_secret()
+    register_secret(secret)
+    text = format_tool_error(ValueError("x" * (ERROR_MAX_CHARS - 20) + secret))
+    assert len(text) == ERROR_MAX_CHARS and secret[:8] not in text
+
+
+# --- logs ----------------------------------------------------------------------------------------------
+
+
+def record_with(secret: str, *, exc: BaseException | None = None) -> logging.LogRecord:
+    exc_info = (type(exc), exc, exc.__traceback__) if exc is not None else None
+    return logging.LogRecord("t", logging.ERROR, __file__, 1, "refused %s: %r", (secret, {"k": secret}), exc_info)
+
+
+def test_the_log_filter_scrubs_a_records_message_and_its_traceback() -> None:
+    # Given a record whose arguments and exception hold a registered secret
+    secret = fresh_secret()
+    register_secret(secret)
+    try:
+        raise PermissionError(f"proxy refused {secret}")
+    except PermissionError as exc:
+        record = record_with(secret, exc=exc)
+    # When the filter has seen it
+    assert ScrubFilter().filter(record) is True
+    # Then no formatter prints the secret, and the traceback still says what was raised
+    for formatter in (logging.Formatter(), JsonFormatter()):
+        text = formatter.format(record)
+        assert secret not in text and f"PermissionError: proxy refused {PLACEHOLDER}" in text
+    assert record.exc_info is None and json.loads(JsonFormatter().format(record))["exc_type"] == "PermissionError"
+
+
+def test_the_log_filter_leaves_a_record_without_a_secret_as_it_is() -> None:
+    record = logging.LogRecord("t", logging.INFO, __file__, 1, "%s - %s", ("GET", "/v1/turns"), None)
+    ScrubFilter().filter(record)
+    assert (record.msg, record.args) == ("%s - %s", ("GET", "/v1/turns"))
+
+
+def test_the_log_filter_scrubs_arguments_that_do_not_fit_their_message() -> None:
+    secret = fresh_secret()
+    register_secret(secret)
+    record = logging.LogRecord("t", logging.INFO, __file__, 1, "%s and %s", (secret,), None)
+    ScrubFilter().filter(record)
+    assert secret not in record.getMessage()
+
+
+def test_every_logger_of_the_package_scrubs_its_records() -> None:
+    # Given every module of the package imported
+    for info in pkgutil.walk_packages(june_worker.__path__, "june_worker."):
+        importlib.import_module(info.name)
+    loggers = {
+        name: logger
+        for name, logger in logging.Logger.manager.loggerDict.items()
+        if name.startswith("june_worker") and isinstance(logger, logging.Logger)
+    }
+    # Then each carries the scrubbing filter, but those of modules that only run in the processes whose
+    # handlers june scrubs (worker and beat: worker/app.py; the gateway: its lifespan)
+    handlers_only = {"june_worker.channels.slack", "june_worker.channels.webhook", "june_worker.gateway.slack",
+                     "june_worker.retention"}  # fmt: skip
+    unscrubbed = {n for n, lg in loggers.items() if not any(isinstance(f, ScrubFilter) for f in lg.filters)}
+    assert "june_worker.turn" in loggers and unscrubbed <= handlers_only
+
+
+@tool
+def leak(ctx: ToolContext) -> dict[str, Any]:
+    """Fail the turn, naming the credential it used."""
+    raise FatalToolError(f"upstream refused credential {LEAKED}")
+
+
+LEAKED = fresh_secret()
+
+
+class RefusingClient:
+    """A look-alike SDK client whose every call raises an error the adapter passes through as it is."""
+
+    def __init__(self, api_key: str) -> None:
+        self.api_key = api_key
+        self.messages = self
+
+    def stream(self, **params: Any) -> Any:
+        raise PermissionError(f"proxy refused api key {self.api_key}")
+
+
+@pytest.mark.parametrize("fault", ["fatal tool error", "passed-through model error"])
+async def test_a_secret_in_a_failing_turns_exception_stays_out_of_the_in_process_log(
+    fault: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a turn that fails on an exception whose text holds a registered secret (not key-shaped)
+    register_secret(LEAKED)
+    token = fresh_secret()
+    if fault == "fatal tool error":
+        model: Any = ScriptedModel([Reply("", calls=[{"id": "c1", "name": "leak", "input": {}}])])
+        secret = LEAKED
+    else:
+        model, secret = AnthropicModel(client=RefusingClient(token)), token  # registers the client's key
+    runtime = Runtime([Agent(name="ops", model=model, tools=[leak])], MemoryStore())
+    # When it runs, logging everything
+    caplog.set_level(logging.DEBUG)
+    result = await runtime.session("ops", "s1").result(await runtime.session("ops", "s1").start("hi"))
+    # Then it failed, its traceback was logged, and neither the log nor the report holds the secret
+    assert isinstance(result, Failed) and PLACEHOLDER in result.error.message
+    logged = "\n".join(logging.Formatter().format(r) for r in caplog.records)
+    assert "Traceback" in logged and PLACEHOLDER in logged
+    assert secret not in logged and secret not in caplog.text

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from june_worker.engine.store import SessionRef
 from june_worker.engine.types import Message, UserMessage
+from june_worker.worker import transcripts
 from june_worker.worker.transcripts import TranscriptCache, held_params
 
 
@@ -43,3 +46,46 @@ def test_a_new_put_replaces_the_sessions_entry_and_zero_sessions_turns_it_off() 
     off = TranscriptCache(max_sessions=0, max_messages=100)
     off.put(A, 0, _messages(1))
     assert off.get(A) is None and held_params(None) == {"g": -1, "have": 0, "last": ""}
+
+
+def _json_size(messages: list[Message]) -> int:
+    return sum(len(m.model_dump_json()) for m in messages)
+
+
+def test_sessions_go_until_the_bytes_held_fit_and_a_transcript_too_large_is_not_kept() -> None:
+    # Given a cache bounded by size only: room for two transcripts of 4 messages, not three
+    four = _json_size(_messages(4))
+    cache = TranscriptCache(max_sessions=10, max_messages=1000, max_bytes=2 * four + 10)
+    cache.put(A, 0, _messages(4))
+    cache.put(B, 0, _messages(4))
+    cache.put(C, 0, _messages(4))
+    # Then the least recently used went, and what is held is measured by its messages' JSON
+    assert cache.get(A) is None and cache.bytes == 2 * four and cache.messages == 8
+    # And a transcript larger than the bound alone is not kept (nor does it push the others out)
+    big = [UserMessage(turn_id="t1", text="x" * (3 * four))]
+    cache.put(A, 0, big)
+    assert cache.get(A) is None and cache.bytes == 2 * four and len(cache) == 2
+
+
+def test_a_transcript_that_grows_is_measured_by_what_was_added_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a held transcript of 100 messages
+    measured: list[Message] = []
+
+    def size(message: Message) -> int:
+        measured.append(message)
+        return len(message.model_dump_json())
+
+    monkeypatch.setattr(transcripts, "_size", size)
+    cache = TranscriptCache(max_sessions=4, max_messages=1000)
+    first = _messages(100)
+    cache.put(A, 0, first)
+    measured.clear()
+    # When the next turn puts it back with two messages more (the same objects first, as a turn leaves them)
+    grown = [*first, *_messages(2, "t2")]
+    cache.put(A, 0, grown)
+    # Then only those two were measured, and the size is the whole list's
+    assert measured == grown[100:] and cache.bytes == _json_size(grown)
+    # But a put of another generation (a reset) is measured whole
+    measured.clear()
+    cache.put(A, 1, grown)
+    assert len(measured) == 102 and cache.bytes == _json_size(grown)
