@@ -130,12 +130,25 @@ def _validate_answer(parked: SuspendedCheckpoint, value: JsonValue) -> None:
 
 
 def resume_commit(
-    parked: SuspendedCheckpoint, value: JsonValue, *, by: str | None, granted: Grant | None = None
+    parked: SuspendedCheckpoint,
+    value: JsonValue,
+    *,
+    by: str | None,
+    granted: Grant | None = None,
+    cancel: str | None = None,
 ) -> Commit:
-    """Authorize and validate the answer, then build the commit that applies it and re-queues the turn."""
+    """Authorize and validate the answer, then build the commit that applies it and re-queues the turn.
+
+    ``cancel``: the turn's cancel (stored with its park, or carried by a child turn cancelled with it): the commit
+    stores it and re-queues the turn whatever requests are still open, so that it runs and ends ``cancelled``
+    at once (its calls do not run again), instead of waiting on a park nobody needs any more.
+    """
     _authorize(parked, by, granted)
     _validate_answer(parked, value)
-    return _answer_commit(parked, [(parked.inputs()[0], {"answer": value, "by": by})])
+    commit = _answer_commit(parked, [(parked.inputs()[0], {"answer": value, "by": by})], close=cancel is not None)
+    if cancel is not None:
+        commit.cancel_reason = cancel
+    return commit
 
 
 def timeout_commit(parked: SuspendedCheckpoint) -> Commit | None:
@@ -153,9 +166,11 @@ def timeout_commit(parked: SuspendedCheckpoint) -> Commit | None:
     return commit
 
 
-def _answer_commit(parked: SuspendedCheckpoint, answers: list[tuple[OpenInput, dict[str, JsonValue]]]) -> Commit:
-    """Answer some of the park's open requests: the turn re-queues when none is left open, else the park stays
-    with the others (a new ``version`` of the checkpoint, its expiry still counted from the park)."""
+def _answer_commit(
+    parked: SuspendedCheckpoint, answers: list[tuple[OpenInput, dict[str, JsonValue]]], *, close: bool = False
+) -> Commit:
+    """Answer some of the park's open requests: the turn re-queues when none is left open (or ``close``), else the
+    park stays with the others (a new ``version`` of the checkpoint, its expiry still counted from the park)."""
     answered = {i.request.id for i, _ in answers}
     steps = []
     for open_input, data in answers:
@@ -167,7 +182,7 @@ def _answer_commit(parked: SuspendedCheckpoint, answers: list[tuple[OpenInput, d
     first = answers[0][0]
     expect = (parked.turn_id, first.request.id)
     left = [i for i in parked.inputs() if i.request.id not in answered]
-    if left:
+    if left and not close:
         rest = parked.model_copy(
             update={
                 "request": left[0].request,

@@ -401,7 +401,7 @@ class SessionStore(Protocol):
     def child_turns(self, parent: SessionRef, parent_turn_id: str, agents: Collection[str]) -> list[TurnRecord]:
         """The child turns (``TurnPayload.parent``) that turn ``parent_turn_id`` started, on any of ``agents``.
 
-        They live in the sessions ``"<parent session>:sub:<call id>"``: a range of session ids, read along
+        They live in the sessions ``"<parent session>:sub:..."``: a range of session ids, read along
         the turns' primary key (agent, session, ...), never a scan of every turn.
         """
         ...

@@ -603,7 +603,9 @@ def test_cancel_marks_only_queued_and_running_turns_never_a_parked_one(kit: Kit,
     assert kit.store.pending(ref) == checkpoint("t3", "approve")
 
 
-def test_a_commit_marks_its_turn_cancel_requested_even_parked_keeping_the_first_reason(kit: Kit, ref: SessionRef) -> None:
+def test_a_commit_marks_its_turn_cancel_requested_even_parked_keeping_the_first_reason(
+    kit: Kit, ref: SessionRef
+) -> None:
     for t in ("t1", "t2", "t3"):
         kit.store.enqueue_turn(ref, t, TurnPayload(text=t))
     kit.store.commit(ref, Commit(turn_id="t1", turn_status="completed", turn_result=Completed(turn_id="t1", text="")))

@@ -199,10 +199,23 @@ async def delegate_to(ctx: ToolContext, agent: str, text: str, wait: bool = True
     return await ctx.delegate(agent=agent, text=text, wait=wait)
 
 
+@tool
+async def give_up(ctx: ToolContext, key: str) -> dict[str, Any]:
+    """Fail the turn (a fatal error) once a scout child of ``key`` has started working."""
+    from june_worker.errors import FatalToolError
+
+    r, deadline = _redis(), time.monotonic() + 30
+    while time.monotonic() < deadline and not r.llen(f"it:scout:{key}:log"):
+        await asyncio.sleep(0.05)
+    raise FatalToolError("the boss gives up")
+
+
 def _boss_script(request: ModelRequest) -> Reply:
-    """``delegate <n> <key> [start|hold|ask|mixed]``: n calls at once, each delegating ``scout <key> <i> <n>`` to the scout
-    agent (``start``: without waiting for it; ``hold``: the children wait for a release key; ``ask``: each child
-    asks a person, ``go``; ``mixed``: the first child holds, the others end at once)."""
+    """``delegate <n> <key> [start|hold|ask|mixed|holdask|holdfail]``: n calls at once, each delegating
+    ``scout <key> <i> <n>`` to the scout agent (``start``: without waiting for it; ``hold``: the children wait for a
+    release key; ``ask``: each child asks a person, ``go``; ``mixed``: the first child holds, the others end at once;
+    ``holdask``: as ``hold``, and one more call asks user ``owner-1`` (request ``desk1``); ``holdfail``: as ``hold``,
+    and one more call fails the turn once a child works)."""
     last = request.messages[-1]
     if isinstance(last, ToolMessage):
         results = [m.result for m in request.messages if isinstance(m, ToolMessage)]
@@ -212,7 +225,7 @@ def _boss_script(request: ModelRequest) -> Reply:
         return Reply(f"ok: {' '.join(words)}")
     n, key, mode = int(words[1]), words[2], words[3:4]
     # hold: each child waits for it:scout:<key>:release; mixed: the first does, the others end at once
-    barrier = 0 if mode == ["hold"] else n
+    barrier = 0 if mode in (["hold"], ["holdask"], ["holdfail"]) else n
     calls = [
         {
             "id": f"c{i}",
@@ -227,6 +240,10 @@ def _boss_script(request: ModelRequest) -> Reply:
         }
         for i in range(1, n + 1)
     ]
+    if mode == ["holdask"]:
+        calls.append({"id": f"c{n + 1}", "name": "sign_off", "input": {"desk": 1}})
+    if mode == ["holdfail"]:
+        calls.append({"id": f"c{n + 1}", "name": "give_up", "input": {"key": key}})
     return Reply("Delegating.", calls=calls)
 
 
@@ -284,7 +301,7 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
         Agent(name="window", model=WindowModel(2000, extra_tokens=1500)),
         Agent(name="fan", model=ScriptedModel(_fan_script), tools=[fan_call], parallel_tools=8),
         Agent(name="desks", model=ScriptedModel(_desks_script), tools=[sign_off], parallel_tools=8),
-        Agent(name="boss", model=ScriptedModel(_boss_script), tools=[delegate_to], parallel_tools=4),
+        Agent(name="boss", model=ScriptedModel(_boss_script), tools=[delegate_to, sign_off, give_up], parallel_tools=4),
         Agent(name="scout", model=ScriptedModel(_scout_script), tools=[scout_work, scout_ask]),
     ]
 
