@@ -275,7 +275,9 @@ class AgentSession:
         if self.store.get_turn(self.ref, turn_id) is None:
             parked = self.store.pending(self.ref)
             if parked is not None and self._expire_due(parked):
-                parked = None  # it expired unanswered: it goes on without an answer, this turn queues behind it
+                # it expired unanswered: it goes on without an answer and this turn queues behind it, unless the
+                # park has requests that expire later (then it is still parked on those)
+                parked = self.store.pending(self.ref)
             if parked is not None and not self._reset_pending:  # a pending reset ends the park: S90, queue behind it
                 reason = parked_reason(self.ref, parked)
                 reject_turn(self.store, self.runtime.fanout, self.ref, turn_id, reason, payload=payload, new_only=True)

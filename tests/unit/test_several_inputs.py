@@ -183,6 +183,31 @@ async def test_a_park_left_by_a_process_that_ended_expires_request_by_request_in
     assert _signed(store) == [{"desk": "finance", "signed": None}, {"desk": "legal", "signed": None}]
 
 
+async def test_a_turn_sent_after_one_request_of_the_park_expired_is_rejected_at_once_while_another_is_open(
+    tmp_path: Path,
+) -> None:
+    import time
+
+    from june_worker.errors import TurnRejectedError
+
+    store = make_store("sqlite", tmp_path)
+    await _parked(store, timeouts={"finance": 0.05})
+    time.sleep(0.1)  # the finance request's time passes, and no timer answers it (the event loop does not run)
+    rt = runtime_with(store, ScriptedModel(SCRIPT), [sign_off_tool(Counter())], parallel_tools=4)
+    session = rt.session("ops", "s1")
+
+    # When a new turn is sent: the start answers the expired request with a timeout, and the park goes on
+    with pytest.raises(TurnRejectedError, match="legal-ok"):
+        await session.start("another thing", turn_id="t2")
+
+    # Then it was refused at once, never queued behind a park that is still there
+    parked = session.pending()
+    assert parked is not None and [i.request.id for i in parked.inputs()] == ["legal-ok"]
+    rec = store.get_turn(REF, "t2")
+    assert rec is not None and rec.status == "rejected"
+    assert store.unfinished_turns(REF) == []
+
+
 PARK_CRASHES = [("before-publish", "turn:end")]
 
 
