@@ -14,12 +14,15 @@ from dataclasses import dataclass
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
 from .agent import Agent, AnswerRequest
 from .events import Cancelled, InputAnswered, TurnCancelled, TurnStarted
+from .failures import backoff_s
 from .store import Commit, OpenInput, StepRecord, SuspendedCheckpoint, input_step_id
 from .types import JsonValue, PolicyAnswerer, Principal, ResumeTrigger, UserAnswerer
 
 __all__ = [
     "RESUME_RACES",
     "Grant",
+    "race_tries",
+    "race_wait_s",
     "check_parked",
     "grant_answer",
     "reset_park_commit",
@@ -226,7 +229,21 @@ def reset_park_commit(parked: SuspendedCheckpoint) -> Commit:
 
 
 RESUME_RACES = 5
-"""Tries of one answer against a park whose other requests keep being answered at the same moment."""
+"""Tries of one answer beyond one per other request of its park (:func:`race_tries`)."""
+
+
+def race_tries(parked: SuspendedCheckpoint) -> int:
+    """How many times an answer to ``parked`` is tried while its request stays open. It loses a race only to an
+    answer (or an expiry) of *another* request of the park, which closes that request: so it can lose at most once
+    per other request, and :data:`RESUME_RACES` more for whatever else moved the checkpoint on. Before each try it
+    reads the park again, so once its own request was answered or expired it gets that conflict instead."""
+    return len(parked.inputs()) + RESUME_RACES
+
+
+def race_wait_s(attempt: int) -> float:
+    """The pause after try ``attempt`` lost a race: full jitter, up to 20 ms, so that answers landing together
+    (a parent's children ending at once) spread out instead of colliding again."""
+    return backoff_s(attempt - 1, base_s=0.001, cap_s=0.02)
 
 
 def still_open(

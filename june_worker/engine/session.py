@@ -59,6 +59,8 @@ from .resume import (
     Grant,
     check_parked,
     grant_answer,
+    race_tries,
+    race_wait_s,
     reset_park_commit,
     resume_commit,
     still_open,
@@ -396,11 +398,14 @@ class AgentSession:
         refuse_reserved(input_id, child_turn)
         stored = self.store.get_turn(self.ref, turn_id)
         cancel = (stored.cancel_reason if stored is not None else None) or cancel
-        for attempt in range(1, RESUME_RACES + 1):
+        attempt, tries = 0, RESUME_RACES
+        while True:
+            attempt += 1
             pending = self.store.pending(self.ref)
             if pending is not None and self._expire_due(pending):
                 pending = still_open(self.store.pending(self.ref), pending, turn_id, input_id)
             parked = check_parked(pending, turn_id, input_id, reset_pending=self._reset_pending)
+            tries = max(tries, race_tries(parked))
             grant = granted
             if child_turn is not None:
                 grant = child_grant(child_turn)
@@ -411,8 +416,10 @@ class AgentSession:
                 self._apply(commit)
                 break
             except ResumeConflictError:
-                if attempt == RESUME_RACES:
-                    raise  # else another request of the park was answered meanwhile: read it again
+                if attempt >= tries:
+                    raise
+            # another request of the park was answered meanwhile: read it again (ours may still be open)
+            await asyncio.sleep(race_wait_s(attempt))
         self._disarm(turn_id)
         if commit.suspended is not None:
             self._arm(turn_id)  # the park goes on with its other requests

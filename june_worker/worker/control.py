@@ -8,6 +8,7 @@ input: a refusal is a result, recorded where the turn id is known, never a retry
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,15 @@ from ..engine.agent import Agent
 from ..engine.children import cancel_children, cancel_parked, child_grant, refuse_reserved
 from ..engine.events import TurnResult
 from ..engine.loop import reject_turn
-from ..engine.resume import RESUME_RACES, check_parked, grant_answer, resume_commit, still_open
+from ..engine.resume import (
+    RESUME_RACES,
+    check_parked,
+    grant_answer,
+    race_tries,
+    race_wait_s,
+    resume_commit,
+    still_open,
+)
 from ..engine.session import parked_reason
 from ..engine.store import UNFINISHED_TURN_STATUSES, SessionRef, TurnPayload, TurnRecord
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
@@ -199,7 +208,9 @@ def resume(
         refuse_reserved(msg.input_id, child_turn)
         stored = host.store.get_turn(ref, msg.turn_id)
         cancel = (stored.cancel_reason if stored is not None else None) or cancel
-        for attempt in range(1, RESUME_RACES + 1):
+        attempt, tries = 0, RESUME_RACES
+        while True:
+            attempt += 1
             pending = host.store.pending(ref)
             if pending is not None and host.expire_park(ref, pending):
                 rec = host.store.get_turn(ref, pending.turn_id)
@@ -207,6 +218,7 @@ def resume(
                     dispatch(rec)
                 pending = still_open(host.store.pending(ref), pending, msg.turn_id, msg.input_id)
             parked = check_parked(pending, msg.turn_id, msg.input_id, reset_pending=host.queue.reset_pending(ref))
+            tries = max(tries, race_tries(parked))
             if child_turn is not None:
                 granted = child_grant(child_turn)
             else:
@@ -218,8 +230,10 @@ def resume(
                 events = host.store.commit(ref, commit)
                 break
             except ResumeConflictError:
-                if attempt == RESUME_RACES:
-                    raise  # else another request of the park was answered meanwhile: read it again
+                if attempt >= tries:
+                    raise
+            # another request of the park was answered meanwhile: read it again (ours may still be open)
+            time.sleep(race_wait_s(attempt))
     except ResumeAuthorizationError as exc:
         return _refused(agent, msg, {**out, "status": "forbidden", "reason": str(exc)})
     except InvalidAnswerError as exc:

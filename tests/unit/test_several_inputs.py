@@ -208,6 +208,47 @@ async def test_a_turn_sent_after_one_request_of_the_park_expired_is_rejected_at_
     assert store.unfinished_turns(REF) == []
 
 
+async def test_many_answers_landing_at_once_all_apply_however_often_each_loses_a_race(store_kind: str) -> None:
+    import asyncio
+
+    from june_worker import Agent, Runtime
+    from june_worker.engine.agent import AnswerRequest
+
+    n = 16
+
+    @tool
+    async def desk(ctx: ToolContext, i: int) -> dict[str, Any]:
+        """Ask desk i."""
+        return {"i": i, "ok": await ctx.request_input(id=f"r{i}", prompt="Sign?", answerers={"policy": "desk"})}
+
+    async def authorize(req: AnswerRequest) -> bool:
+        await asyncio.sleep(0)  # every answer reads the park, then they all commit: one wins each round
+        return True
+
+    store = make_store(store_kind)
+    calls = [{"id": f"c{i}", "name": "desk", "input": {"i": i}} for i in range(n)]
+    agent = Agent(
+        name="ops",
+        model=ScriptedModel([Reply("", calls=calls), "all signed"]),
+        tools=[desk],
+        parallel_tools=n,
+        authorize_answer=authorize,
+    )
+    session = Runtime([agent], store).session("ops", "s1")
+    # Given a turn parked on 16 requests (a parent's 16 children, say)
+    await session.start("go", turn_id="t1")
+    assert isinstance(await session.result("t1"), Suspended)
+
+    # When all 16 answers land at the same moment: each round, one applies and every other loses the race
+    await asyncio.gather(*(session.resume("t1", f"r{i}", True, by="op") for i in range(n)))
+
+    # Then every one of them applied (none got a conflict), and the turn went on once, with all its answers
+    assert (await session.result("t1")).status == "completed"
+    assert _signed(store) == [{"i": i, "ok": True} for i in range(n)]
+    answered = [e for e in store.events(REF) if isinstance(e, InputAnswered)]
+    assert len(answered) == n - 1 and sorted(e.open for e in answered) == list(range(1, n))
+
+
 PARK_CRASHES = [("before-publish", "turn:end")]
 
 
