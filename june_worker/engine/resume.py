@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
 from .agent import Agent, AnswerRequest
-from .events import Cancelled, InputAnswered, TurnCancelled, TurnStarted
+from .events import Cancelled, InputAnswered, Suspended, TurnCancelled, TurnStarted
 from .failures import backoff_s
 from .store import Commit, OpenInput, StepRecord, SuspendedCheckpoint, input_step_id
 from .types import JsonValue, PolicyAnswerer, Principal, ResumeTrigger, UserAnswerer
@@ -199,6 +199,10 @@ def _answer_commit(
             events=[InputAnswered(turn_id=parked.turn_id, input_id=i.request.id, open=len(left)) for i, _ in answers],
             suspended=rest,
             repark_from=parked.park_timeout(),
+            # the turn's stored result lists what it still waits for (read where its events were lost)
+            turn_id=parked.turn_id,
+            turn_status="suspended",
+            turn_result=Suspended(turn_id=parked.turn_id, request=left[0].request, more=[i.request for i in left[1:]]),
             expect_suspended=expect,
             expect_version=parked.version,
         )
