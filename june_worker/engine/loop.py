@@ -808,18 +808,24 @@ class TurnRunner:
 
         tasks = {c.id: asyncio.ensure_future(one(c)) for c in concurrent}
         parks: dict[str, _Park] = {}
+        failed: str | None = None  # the step of the call whose exception leaves the batch
         try:
-            for call in runnable:  # the sync calls (and unknown tools) in turn, while the async ones run
+            # The sync calls (and unknown tools) in turn, each once the async ones had a chance to run: an async
+            # call starts and runs to its first wait before the next sync call holds the loop with its transaction.
+            for call in runnable:
                 if call.id in tasks:
                     continue
+                await asyncio.sleep(0)
+                failed = f"tool:{n}:{call.id}"
                 parked = await self._call_in_turn(n, call)
+                failed = None
                 if parked is not None:  # a sync tool cannot park; kept for symmetry with the serial path
                     parks[call.id] = parked
             await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
-            failures = [t.exception() for t in tasks.values() if t.done() and not t.cancelled()]
-            failure = next((f for f in failures if f is not None), None)  # the first, in call order
-            if failure is not None:
-                raise failure
+            for call_id, t in tasks.items():  # the first failure, in call order
+                if t.done() and not t.cancelled() and (failure := t.exception()) is not None:
+                    failed = f"tool:{n}:{call_id}"
+                    raise failure
             parks.update((call_id, found) for call_id, t in tasks.items() if (found := t.result()) is not None)
         finally:
             pending = [t for t in tasks.values() if not t.done()]
@@ -827,6 +833,9 @@ class TurnRunner:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
+            if failed is not None:
+                # ``_at`` is shared by the calls running together: name the one that failed, not the last to start
+                self._at = ("tool", failed)
         return [parks[c.id] for c in runnable if c.id in parks]
 
     async def _call_in_turn(self, n: int, call: ToolCall) -> _Park | None:
