@@ -298,6 +298,8 @@ class Delegator:
         self._steps = steps
         self._broker = broker
         self._crash = crash
+        self.started: dict[str, tuple[SessionRef, str]] = {}
+        """The child session and turn each call delegated to in this run, by call id (for its events)."""
 
     async def delegate(self, ctx: ToolContext, *, agent: str, text: str, wait: bool) -> dict[str, JsonValue]:
         if ctx.is_sync:
@@ -331,6 +333,7 @@ class Delegator:
         request = PolicyAnswerer(policy=CHILD_POLICY, scope=turn_id)
         prompt = f"waiting for child turn {turn_id} of {agent} (session {child.session})"
         if wait and input_step_id(ctx.turn_id, input_id) in self._steps:
+            self.started[ctx.call.id] = (child, turn_id)
             return dict(await self._ask(ctx, input_id, prompt, request))  # answered: the replay after the resume
         rec = self._store.get_turn(child, turn_id)
         if rec is None:
@@ -349,6 +352,7 @@ class Delegator:
             )
             if created and self._crash is not None:
                 self._crash("after-child-start", ctx.step)
+        self.started[ctx.call.id] = (child, turn_id)
         if rec.status in UNFINISHED_TURN_STATUSES:
             self._launcher.launch(rec)
         if not wait:

@@ -34,7 +34,7 @@ from ..errors import (
 )
 from .agent import Agent
 from .cancel import NO_CANCEL, CancelProbe
-from .children import ChildLauncher, Delegator
+from .children import ChildLauncher, Delegator, child_session_id, parse_child_input
 from .context import Due, compaction_due, plan_compaction, refused_due, request_view
 from .crash import CrashHook
 from .endings import error_info, reject_turn
@@ -586,9 +586,13 @@ class TurnRunner:
         if reply.text:
             events.append(MessageCompleted(turn_id=self.turn_id, step=step, text=reply.text))
         batch = self._concurrent_ids(reply.tool_calls)
+        limit = self.agent.parallel_tools if batch else None
         for call in reply.tool_calls:
-            together = batch if call.id in batch else None
-            events.append(ActionRequested(turn_id=self.turn_id, step=f"tool:{n}:{call.id}", call=call, batch=together))
+            together, at_once = (batch, limit) if call.id in batch else (None, None)
+            step_id = f"tool:{n}:{call.id}"
+            events.append(
+                ActionRequested(turn_id=self.turn_id, step=step_id, call=call, batch=together, batch_limit=at_once)
+            )
         step_rec = StepRecord(step_id=step, turn_id=self.turn_id, data=_model_step_data(finish, usage))
         commit = Commit(messages=[(n, message)], steps=[step_rec], events=events)
         result: TurnResult | None = None
@@ -950,10 +954,21 @@ class TurnRunner:
 
     def _tool_commit(self, step: str, call: ToolCall, result: JsonValue, *, error: str | None) -> Commit:
         n = int(step.split(":", 2)[1])
+        child = self._delegator.started.get(call.id) if self._delegator is not None else None
+        completed = ActionCompleted(
+            turn_id=self.turn_id,
+            step=step,
+            call=call,
+            result=result,
+            error=error,
+            child_agent=child[0].agent if child is not None else None,
+            child_session=child[0].session if child is not None else None,
+            child_turn_id=child[1] if child is not None else None,
+        )
         return Commit(
             messages=self._ready_messages(n, (call, result, error)),
             steps=[StepRecord(step_id=step, turn_id=self.turn_id, data={"result": result, "error": error})],
-            events=[ActionCompleted(turn_id=self.turn_id, step=step, call=call, result=result, error=error)],
+            events=[completed],
         )
 
     def _commit_tool_result(self, step: str, call: ToolCall, result: JsonValue, *, error: str | None) -> None:
@@ -985,7 +1000,7 @@ class TurnRunner:
         result = Suspended(turn_id=self.turn_id, request=request, more=[r for _, r in others])
         self._commit(
             Commit(
-                events=[InputRequested(turn_id=self.turn_id, step=p.step, request=r) for p, r in opened.values()],
+                events=[self._input_requested(p, r) for p, r in opened.values()],
                 status="suspended",
                 suspended=checkpoint,
                 turn_id=self.turn_id,
@@ -996,6 +1011,21 @@ class TurnRunner:
             cancellable=True,
         )
         return result
+
+    def _input_requested(self, park: _Park, request: InputRequest) -> InputRequested:
+        """The event of one request the turn parks on; a child turn's request names that child turn."""
+        child = parse_child_input(request.id)
+        if child is None:
+            return InputRequested(turn_id=self.turn_id, step=park.step, request=request)
+        agent, turn_id = child
+        return InputRequested(
+            turn_id=self.turn_id,
+            step=park.step,
+            request=request,
+            child_agent=agent,
+            child_session=child_session_id(self.ref.session, turn_id, park.call.id),
+            child_turn_id=turn_id,
+        )
 
     def _close_batch(self, result_for: Callable[[ToolCall], tuple[JsonValue, str | None]]) -> list[tuple[int, Message]]:
         """Tool messages for every call still owed one, so the transcript stays valid for the next turn."""

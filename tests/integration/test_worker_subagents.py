@@ -105,6 +105,14 @@ def test_four_children_run_in_parallel_on_two_workers_and_the_parent_completes_w
     parked = [e["request"]["id"] for e in events if e["type"] == "input.requested"]
     assert sorted(parked) == sorted(f"child:scout:{t}" for _, t, _ in children)
     assert [e["trigger"]["kind"] for e in events if e["type"] == "turn.started"] == ["proactive", "resume"]
+    # the parent's events name each call's child turn (its agent, session and turn id)
+    named = sorted(
+        (e["child_agent"], e["child_session"], e["child_turn_id"])
+        for e in events
+        if e["type"] in ("input.requested", "action.completed")
+    )
+    assert named == sorted(2 * [("scout", s, t) for s, t, _ in children])
+    assert all(e["batch_limit"] == 4 for e in events if e["type"] == "action.requested")
     # each child's opening names its parent and call
     for i in range(1, 5):
         started = [

@@ -128,12 +128,27 @@ async def test_each_call_commits_its_result_as_it_finishes_and_the_events_say_wh
     assert [e.call.id for e in stored if isinstance(e, ActionCompleted)] == ["c4", "c3", "c2", "c1"]
 
 
+async def test_the_events_of_a_batch_larger_than_the_limit_say_how_many_of_it_run_at_once(store_kind: str) -> None:
+    store = make_store(store_kind)
+    probe = Probe()
+    seen = Recorder()
+    rt = runtime_with(store, ScriptedModel(_script(_lookups())), [lookup_tool(probe)], parallel_tools=2)
+    rt.session("ops", "s1").observe(seen)
+    await rt.session("ops", "s1").turn("look up four keys", turn_id="t1")
+    requested: list[ActionRequested] = seen.of("action.requested")
+    # the batch is every async call of the reply; batch_limit of them run at once (and did: no more)
+    assert [(e.batch, e.batch_limit) for e in requested] == [(CALLS, 2)] * 4
+    assert probe.most == 2
+    assert requested[0].model_dump(mode="json")["batch_limit"] == 2
+
+
 async def test_a_serial_agent_says_each_call_runs_alone(store_kind: str) -> None:
     seen = Recorder()
     rt = runtime_with(make_store(store_kind), ScriptedModel(_script(_lookups(2))), [lookup_tool(Probe())])
     rt.session("ops", "s1").observe(seen)
     await rt.session("ops", "s1").turn("look up", turn_id="t1")
-    assert [e.batch for e in seen.of("action.requested")] == [None, None]
+    assert [(e.batch, e.batch_limit) for e in seen.of("action.requested")] == [(None, None), (None, None)]
+    assert "batch_limit" not in seen.of("action.requested")[0].model_dump(mode="json")
 
 
 # --- crashes at every commit of a parallel batch ---------------------------------------------------------

@@ -652,3 +652,40 @@ async def test_two_parent_turns_that_reuse_a_call_id_get_a_child_session_each(st
     assert [m.text for m in store.load(second).messages if m.role == "user"] == ["second"]
     assert rt.session("researcher", first.session).pending() is not None  # the first child still waits
     assert second != first
+
+
+async def test_the_parents_events_name_the_child_turn_of_a_delegated_call(store_kind: str) -> None:
+    store = make_store(store_kind)
+    rt = runtime(store)
+    # Given a parent whose call delegates, When it parks on the child and wakes with its result
+    await rt.session("ops", "s1").start("q", turn_id="t1")
+    assert (await ended(rt, "ops", "s1", "t1")).status == "completed"
+
+    # Then the parent's input.requested and action.completed carry the child's agent, session and turn id
+    child, child_turn = child_of(SessionRef("ops", "s1"), "t1", "c1", "researcher")
+    events = store.events(SessionRef("ops", "s1"))
+    (asked,) = [e for e in events if e.type == "input.requested"]
+    (done,) = [e for e in events if e.type == "action.completed"]
+    for e in (asked, done):
+        assert (e.turn_id, e.child_agent, e.child_session, e.child_turn_id) == (
+            "t1",
+            "researcher",
+            child.session,
+            child_turn,
+        )
+        assert {"child_agent", "child_session", "child_turn_id"} <= set(e.model_dump())
+    # and the child's turn.started names the parent turn: each side carries the other's id
+    (started,) = [e for e in store.events(child) if e.type == "turn.started"]
+    assert started.parent is not None and started.parent.turn_id == "t1"
+
+
+def test_events_of_calls_that_did_not_delegate_read_as_they_always_did() -> None:
+    from june_worker.engine.events import ActionCompleted, InputRequested, TurnEventAdapter
+    from june_worker.engine.types import InputRequest, ToolCall
+
+    done = ActionCompleted(turn_id="t1", step="tool:1:c1", call=ToolCall(id="c1", name="n", input={}), result=1)
+    asked = InputRequested(turn_id="t1", step="tool:1:c1", request=InputRequest(id="ok", prompt="?"))
+    for e in (done, asked):
+        data = e.model_dump(mode="json")
+        assert not {"child_agent", "child_session", "child_turn_id"} & set(data)
+        assert TurnEventAdapter.validate_python(data) == e  # and an event stored without them loads
