@@ -16,7 +16,8 @@ worker gets the same replies.
   first attempt the even-numbered ones block until the test kills the worker (or releases them), the odd
   ones return at once. Each logs when it starts and ends, so a test sees how many ran together.
 * ``desks`` (``parallel_tools=8``): "desks <n>" asks n desks to sign off at once (async ``sign_off``
-  calls, request ``desk<i>``, answered by user ``owner-<i>``): the turn parks on all n requests.
+  calls, request ``desk<i>``, answered by user ``owner-<i>``): the turn parks on all n requests;
+  "desks <n> expire" gives desk 1 a second (``timeout_s``), after which its call reads "timed out".
 * ``echo``: answers with :func:`transcript_digest` of the transcript it was sent, so a test can check
   that every model call saw the stored transcript, whichever worker made it; "tick" first calls the
   sync ``tick`` tool.
@@ -140,20 +141,31 @@ def _fan_script(request: ModelRequest) -> Reply:
 
 
 @tool
-async def sign_off(ctx: ToolContext, desk: int) -> dict[str, Any]:
-    """Ask one desk to sign off."""
-    ok = await ctx.request_input(
-        id=f"desk{desk}", prompt=f"Desk {desk}: sign off?", answerers={"user": f"owner-{desk}"}
-    )
+async def sign_off(ctx: ToolContext, desk: int, timeout_s: float | None = None) -> dict[str, Any]:
+    """Ask one desk to sign off (within ``timeout_s``, if given: then the answer is ``"timed out"``)."""
+    from june_worker.errors import InputTimeoutError
+
+    try:
+        ok = await ctx.request_input(
+            id=f"desk{desk}", prompt=f"Desk {desk}: sign off?", answerers={"user": f"owner-{desk}"}, timeout_s=timeout_s
+        )
+    except InputTimeoutError:
+        ok = "timed out"
     return {"desk": desk, "answer": ok}
 
 
 def _desks_script(request: ModelRequest) -> Reply:
+    """``desks <n> [expire]``: n desks at once; with ``expire``, desk 1 has a second to answer."""
     last = request.messages[-1]
     if isinstance(last, ToolMessage):
         return Reply(f"signed: {[m.result for m in request.messages if isinstance(m, ToolMessage)]}")
-    n = int((last.text if isinstance(last, UserMessage) else "desks 2").split()[1])
-    return Reply("Asking.", calls=[{"id": f"c{i}", "name": "sign_off", "input": {"desk": i}} for i in range(1, n + 1)])
+    words = (last.text if isinstance(last, UserMessage) else "desks 2").split()
+    n, expire = int(words[1]), words[2:3] == ["expire"]
+    calls = [
+        {"id": f"c{i}", "name": "sign_off", "input": {"desk": i, **({"timeout_s": 1.0} if expire and i == 1 else {})}}
+        for i in range(1, n + 1)
+    ]
+    return Reply("Asking.", calls=calls)
 
 
 def _authorize(req: AnswerRequest) -> bool:
