@@ -1,7 +1,7 @@
 """Subagents as child turns: a tool starts a turn on another agent and its turn parks until that turn ends.
 
 ``await ctx.delegate(agent="researcher", text="...")`` records a child turn in the session
-``"<parent session>:sub:<call id>"`` and parks the parent turn on a reserved request,
+``"<parent session>:sub:<call id>.<digits of the child turn id>"`` and parks the parent turn on a reserved request,
 ``child:<agent>:<child turn id>``, that no human can answer. Whoever ends the child turn (the
 in-process runtime, a worker, or the sweeper when that worker died) answers the request with
 the child's result through the ordinary resume path, and the parent turn goes on.
@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import DelegationError, ResumeAuthorizationError, ResumeConflictError
-from .events import ChildInputRequested, TurnEvent, TurnResult
+from .events import Cancelled, ChildInputRequested, TurnEvent, TurnResult
 from .ids import validate_session_id
 from .resume import Grant
 from .signals import SyncParkError
@@ -45,10 +45,12 @@ if TYPE_CHECKING:
 __all__ = [
     "CHILD_INPUT_PREFIX",
     "CHILD_POLICY",
+    "ENDS_CHILDREN",
     "ChildLauncher",
     "announce_child_park",
     "Delegator",
     "cancel_children",
+    "cancel_parked",
     "child_answer",
     "child_grant",
     "child_input_id",
@@ -56,6 +58,7 @@ __all__ = [
     "child_session_id",
     "child_turn_id",
     "park_chain",
+    "parent_cancel",
     "parse_child_input",
     "refuse_reserved",
 ]
@@ -66,8 +69,11 @@ CHILD_POLICY = "june:child-turn"
 """The answerer policy of a child request; only :func:`child_grant` satisfies it (no ``authorize_answer`` is asked)."""
 
 
-def child_session_id(parent_session: str, call_id: str) -> str:
-    return f"{parent_session}:sub:{call_id}"
+def child_session_id(parent_session: str, child_turn: str, call_id: str) -> str:
+    """The session of a call's child turn: ``"<parent session>:sub:<call id>.<12 hex digits>"``, the digits from the
+    child turn id (:func:`child_turn_id`: derived from the parent turn), so two turns of one session that reuse a
+    call id (a scripted model, a provider that numbers calls per reply) get two child sessions, not one."""
+    return f"{parent_session}:sub:{call_id}.{child_turn[3:15]}"
 
 
 def child_turn_id(parent: SessionRef, parent_turn_id: str, call_id: str) -> str:
@@ -95,7 +101,7 @@ def children_of_park(ref: SessionRef, parked: SuspendedCheckpoint) -> list[tuple
         found = parse_child_input(open_input.request.id)
         if found is not None:
             agent, turn_id = found
-            out.append((SessionRef(agent, child_session_id(ref.session, open_input.call_id)), turn_id))
+            out.append((SessionRef(agent, child_session_id(ref.session, turn_id, open_input.call_id)), turn_id))
     return out
 
 
@@ -199,22 +205,74 @@ def cancel_children(
 ) -> list[tuple[SessionRef, list[str]]]:
     """Durably ask the unfinished child turns (and theirs, all the way down) of these turns to stop.
 
-    Returns what was marked, per child session, for the caller to signal. A child parked on input stays
-    parked (the store never cancels a parked turn); its parent no longer waits for it once cancelled.
+    Returns what was marked, per child session, for the caller to signal. A child parked on children of its own
+    that are still running is cancelled through them (:func:`cancel_parked`). A child parked on a person only
+    stays parked (the store never cancels a parked turn); its parent no longer waits for it once cancelled.
     """
     marked: list[tuple[SessionRef, list[str]]] = []
-    todo = [(parent, t) for t in parent_turn_ids]
-    while todo:
-        ref, turn_id = todo.pop()
-        for child in store.child_turns(ref, turn_id, agents):
-            if child.status not in UNFINISHED_TURN_STATUSES:
-                continue
-            child_ref = SessionRef(child.agent, child.session)
-            ids = store.request_cancel(child_ref, "parent", turn_ids=[child.turn_id])
-            if ids:
-                marked.append((child_ref, ids))
-            todo.append((child_ref, child.turn_id))
+    for turn_id in parent_turn_ids:
+        marked.extend(_mark(store, _reached(store, parent, turn_id, agents)))
     return marked
+
+
+def cancel_parked(
+    store: SessionStore, ref: SessionRef, turn_id: str, reason: str, agents: Collection[str]
+) -> list[tuple[SessionRef, list[str]]]:
+    """Cancel the parked turn ``turn_id`` through its child turns: when a cancel reaches an unfinished turn under
+    it, the parked turn's own cancel is stored first (:attr:`Commit.cancel_reason`: it ends ``cancelled`` when it
+    next runs, and the answer that wakes it closes its whole park), then the turns under it are marked.
+
+    Returns the child turns marked, per session; empty when the turn waits on people only (nothing is marked
+    then: a parked turn is never cancelled).
+    """
+    below = _reached(store, ref, turn_id, agents)
+    if not below:
+        return []
+    store.commit(ref, Commit(turn_id=turn_id, cancel_reason=reason))
+    return _mark(store, below)
+
+
+def _reached(
+    store: SessionStore, ref: SessionRef, turn_id: str, agents: Collection[str], depth: int = 0
+) -> list[tuple[SessionRef, TurnRecord]]:
+    """The child turns under ``turn_id`` a cancel reaches, each before the turns under it: the unfinished ones, and
+    the parked ones with an unfinished turn under them."""
+    out: list[tuple[SessionRef, TurnRecord]] = []
+    if depth >= 32:
+        return out
+    for child in store.child_turns(ref, turn_id, agents):
+        if child.status not in UNFINISHED_TURN_STATUSES and child.status != "suspended":
+            continue
+        child_ref = SessionRef(child.agent, child.session)
+        below = _reached(store, child_ref, child.turn_id, agents, depth + 1)
+        if child.status in UNFINISHED_TURN_STATUSES or below:
+            out.append((child_ref, child))
+            out.extend(below)
+    return out
+
+
+def _mark(store: SessionStore, reached: list[tuple[SessionRef, TurnRecord]]) -> list[tuple[SessionRef, list[str]]]:
+    marked: list[tuple[SessionRef, list[str]]] = []
+    for child_ref, child in reached:
+        if child.status == "suspended":  # parked on its own children: its cancel is stored with the park
+            store.commit(child_ref, Commit(turn_id=child.turn_id, cancel_reason="parent"))
+            ids = [child.turn_id]
+        else:
+            ids = store.request_cancel(child_ref, "parent", turn_ids=[child.turn_id])
+        if ids:
+            marked.append((child_ref, ids))
+    return marked
+
+
+ENDS_CHILDREN: frozenset[str] = frozenset({"failed", "cancelled", "rejected"})
+"""A turn that ends so cancels its unfinished child turns (reason ``parent``): nobody reads their results any
+more. A completed turn leaves them be (a child started with ``wait=False`` outlives its parent)."""
+
+
+def parent_cancel(result: TurnResult) -> str | None:
+    """The cancel a child turn's answer carries to its parked parent: a child cancelled because its parent was
+    (reason ``parent``) wakes the parent to end cancelled too, whatever else its park still waits for."""
+    return "requested" if isinstance(result, Cancelled) and result.reason == "parent" else None
 
 
 class Delegator:
@@ -240,6 +298,8 @@ class Delegator:
         self._steps = steps
         self._broker = broker
         self._crash = crash
+        self.started: dict[str, tuple[SessionRef, str]] = {}
+        """The child session and turn each call delegated to in this run, by call id (for its events)."""
 
     async def delegate(self, ctx: ToolContext, *, agent: str, text: str, wait: bool) -> dict[str, JsonValue]:
         if ctx.is_sync:
@@ -263,16 +323,17 @@ class Delegator:
         unstorable = unstorable_reason({"text": text})
         if unstorable is not None:
             raise DelegationError(f"cannot delegate to {agent!r}: the text cannot be stored ({unstorable})")
-        child = SessionRef(agent, child_session_id(self._ref.session, ctx.call.id))
+        turn_id = child_turn_id(self._ref, ctx.turn_id, ctx.call.id)
+        child = SessionRef(agent, child_session_id(self._ref.session, turn_id, ctx.call.id))
         try:
             validate_session_id(child.session)
         except ValueError as exc:
             raise DelegationError(f"cannot delegate to {agent!r}: the child session id is not usable ({exc})") from None
-        turn_id = child_turn_id(self._ref, ctx.turn_id, ctx.call.id)
         input_id = child_input_id(child, turn_id)
         request = PolicyAnswerer(policy=CHILD_POLICY, scope=turn_id)
         prompt = f"waiting for child turn {turn_id} of {agent} (session {child.session})"
         if wait and input_step_id(ctx.turn_id, input_id) in self._steps:
+            self.started[ctx.call.id] = (child, turn_id)
             return dict(await self._ask(ctx, input_id, prompt, request))  # answered: the replay after the resume
         rec = self._store.get_turn(child, turn_id)
         if rec is None:
@@ -291,6 +352,7 @@ class Delegator:
             )
             if created and self._crash is not None:
                 self._crash("after-child-start", ctx.step)
+        self.started[ctx.call.id] = (child, turn_id)
         if rec.status in UNFINISHED_TURN_STATUSES:
             self._launcher.launch(rec)
         if not wait:

@@ -99,36 +99,63 @@ class MessageCompleted(_Event):
     text: str
 
 
+def _drop_none(data: dict[str, Any], *fields: str) -> dict[str, Any]:
+    """``data`` without those of ``fields`` that are None: an event without them reads as it always did."""
+    for name in fields:
+        if data.get(name, 0) is None:
+            del data[name]
+    return data
+
+
 class ActionRequested(_Event):
-    """A tool call of the model's reply, about to run. ``batch``: the ids of the reply's calls that run
-    concurrently, this one among them (the agent's ``parallel_tools`` of them at a time); None when it
-    runs alone, in turn."""
+    """A tool call of the model's reply, about to run. ``batch``: the ids of the reply's async calls that run
+    concurrently, this one among them, in call order; None when it runs alone, in turn. At most ``batch_limit``
+    of them (the agent's ``parallel_tools``) run at once: the first ``batch_limit`` start together, and each
+    one that ends lets the next of the list start."""
 
     type: Literal["action.requested"] = "action.requested"
     step: str
     call: ToolCall
     batch: list[str] | None = None
+    batch_limit: int | None = None
 
     @model_serializer(mode="wrap")
     def _without_missing_batch(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        if self.batch is None:  # a call run alone reads as it always did
-            data.pop("batch", None)
-        return data
+        return _drop_none(handler(self), "batch", "batch_limit")  # a call run alone reads as it always did
 
 
 class ActionCompleted(_Event):
+    """A tool call's result committed. ``child_agent``, ``child_session``, ``child_turn_id``: the child turn the call
+    delegated to (``ctx.delegate``; the parent turn is the event's own ``turn_id``), left out for other calls."""
+
     type: Literal["action.completed"] = "action.completed"
     step: str
     call: ToolCall
     result: JsonValue = None
     error: str | None = None
+    child_agent: str | None = None
+    child_session: str | None = None
+    child_turn_id: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_missing_child(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "child_agent", "child_session", "child_turn_id")
 
 
 class InputRequested(_Event):
+    """The turn parked on ``request``. For the request of a child turn (``child:<agent>:<turn>``, ``ctx.delegate``)
+    ``child_agent``, ``child_session`` and ``child_turn_id`` name it; left out for other requests."""
+
     type: Literal["input.requested"] = "input.requested"
     step: str | None = None
     request: InputRequest
+    child_agent: str | None = None
+    child_session: str | None = None
+    child_turn_id: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_missing_child(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "child_agent", "child_session", "child_turn_id")
 
 
 class InputAnswered(_Event):

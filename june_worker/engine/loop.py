@@ -33,7 +33,7 @@ from ..errors import (
 )
 from .agent import Agent
 from .cancel import NO_CANCEL, CancelProbe
-from .children import ChildLauncher, Delegator
+from .children import ChildLauncher, Delegator, child_session_id, parse_child_input
 from .context import Compaction, Due, compaction_due, plan_compaction, refused_due, request_view
 from .crash import CrashHook
 from .endings import error_info, reject_turn
@@ -591,9 +591,13 @@ class TurnRunner:
         if reply.text:
             events.append(MessageCompleted(turn_id=self.turn_id, step=step, text=reply.text))
         batch = self._concurrent_ids(reply.tool_calls)
+        limit = self.agent.parallel_tools if batch else None
         for call in reply.tool_calls:
-            together = batch if call.id in batch else None
-            events.append(ActionRequested(turn_id=self.turn_id, step=f"tool:{n}:{call.id}", call=call, batch=together))
+            together, at_once = (batch, limit) if call.id in batch else (None, None)
+            step_id = f"tool:{n}:{call.id}"
+            events.append(
+                ActionRequested(turn_id=self.turn_id, step=step_id, call=call, batch=together, batch_limit=at_once)
+            )
         step_rec = StepRecord(step_id=step, turn_id=self.turn_id, data=_model_step_data(finish, usage))
         commit = Commit(messages=[(n, message)], steps=[step_rec], events=events)
         result: TurnResult | None = None
@@ -819,18 +823,24 @@ class TurnRunner:
 
         tasks = {c.id: asyncio.ensure_future(one(c)) for c in concurrent}
         parks: dict[str, _Park] = {}
+        failed: str | None = None  # the step of the call whose exception leaves the batch
         try:
-            for call in runnable:  # the sync calls (and unknown tools) in turn, while the async ones run
+            # The sync calls (and unknown tools) in turn, each once the async ones had a chance to run: an async
+            # call starts and runs to its first wait before the next sync call holds the loop with its transaction.
+            for call in runnable:
                 if call.id in tasks:
                     continue
+                await asyncio.sleep(0)
+                failed = f"tool:{n}:{call.id}"
                 parked = await self._call_in_turn(n, call)
+                failed = None
                 if parked is not None:  # a sync tool cannot park; kept for symmetry with the serial path
                     parks[call.id] = parked
             await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
-            failures = [t.exception() for t in tasks.values() if t.done() and not t.cancelled()]
-            failure = next((f for f in failures if f is not None), None)  # the first, in call order
-            if failure is not None:
-                raise failure
+            for call_id, t in tasks.items():  # the first failure, in call order
+                if t.done() and not t.cancelled() and (failure := t.exception()) is not None:
+                    failed = f"tool:{n}:{call_id}"
+                    raise failure
             parks.update((call_id, found) for call_id, t in tasks.items() if (found := t.result()) is not None)
         finally:
             pending = [t for t in tasks.values() if not t.done()]
@@ -838,6 +848,9 @@ class TurnRunner:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
+            if failed is not None:
+                # ``_at`` is shared by the calls running together: name the one that failed, not the last to start
+                self._at = ("tool", failed)
         return [parks[c.id] for c in runnable if c.id in parks]
 
     async def _call_in_turn(self, n: int, call: ToolCall) -> _Park | None:
@@ -952,10 +965,21 @@ class TurnRunner:
 
     def _tool_commit(self, step: str, call: ToolCall, result: JsonValue, *, error: str | None) -> Commit:
         n = int(step.split(":", 2)[1])
+        child = self._delegator.started.get(call.id) if self._delegator is not None else None
+        completed = ActionCompleted(
+            turn_id=self.turn_id,
+            step=step,
+            call=call,
+            result=result,
+            error=error,
+            child_agent=child[0].agent if child is not None else None,
+            child_session=child[0].session if child is not None else None,
+            child_turn_id=child[1] if child is not None else None,
+        )
         return Commit(
             messages=self._ready_messages(n, (call, result, error)),
             steps=[StepRecord(step_id=step, turn_id=self.turn_id, data={"result": result, "error": error})],
-            events=[ActionCompleted(turn_id=self.turn_id, step=step, call=call, result=result, error=error)],
+            events=[completed],
         )
 
     def _commit_tool_result(self, step: str, call: ToolCall, result: JsonValue, *, error: str | None) -> None:
@@ -987,7 +1011,7 @@ class TurnRunner:
         result = Suspended(turn_id=self.turn_id, request=request, more=[r for _, r in others])
         self._commit(
             Commit(
-                events=[InputRequested(turn_id=self.turn_id, step=p.step, request=r) for p, r in opened.values()],
+                events=[self._input_requested(p, r) for p, r in opened.values()],
                 status="suspended",
                 suspended=checkpoint,
                 turn_id=self.turn_id,
@@ -998,6 +1022,21 @@ class TurnRunner:
             cancellable=True,
         )
         return result
+
+    def _input_requested(self, park: _Park, request: InputRequest) -> InputRequested:
+        """The event of one request the turn parks on; a child turn's request names that child turn."""
+        child = parse_child_input(request.id)
+        if child is None:
+            return InputRequested(turn_id=self.turn_id, step=park.step, request=request)
+        agent, turn_id = child
+        return InputRequested(
+            turn_id=self.turn_id,
+            step=park.step,
+            request=request,
+            child_agent=agent,
+            child_session=child_session_id(self.ref.session, turn_id, park.call.id),
+            child_turn_id=turn_id,
+        )
 
     def _close_batch(self, result_for: Callable[[ToolCall], tuple[JsonValue, str | None]]) -> list[tuple[int, Message]]:
         """Tool messages for every call still owed one, so the transcript stays valid for the next turn."""

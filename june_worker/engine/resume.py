@@ -13,13 +13,16 @@ from dataclasses import dataclass
 
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
 from .agent import Agent, AnswerRequest
-from .events import Cancelled, InputAnswered, TurnCancelled, TurnStarted
+from .events import Cancelled, InputAnswered, Suspended, TurnCancelled, TurnStarted
+from .failures import backoff_s
 from .store import Commit, OpenInput, StepRecord, SuspendedCheckpoint, input_step_id
 from .types import JsonValue, PolicyAnswerer, Principal, ResumeTrigger, UserAnswerer
 
 __all__ = [
     "RESUME_RACES",
     "Grant",
+    "race_tries",
+    "race_wait_s",
     "check_parked",
     "grant_answer",
     "reset_park_commit",
@@ -130,12 +133,25 @@ def _validate_answer(parked: SuspendedCheckpoint, value: JsonValue) -> None:
 
 
 def resume_commit(
-    parked: SuspendedCheckpoint, value: JsonValue, *, by: str | None, granted: Grant | None = None
+    parked: SuspendedCheckpoint,
+    value: JsonValue,
+    *,
+    by: str | None,
+    granted: Grant | None = None,
+    cancel: str | None = None,
 ) -> Commit:
-    """Authorize and validate the answer, then build the commit that applies it and re-queues the turn."""
+    """Authorize and validate the answer, then build the commit that applies it and re-queues the turn.
+
+    ``cancel``: the turn's cancel (stored with its park, or carried by a child turn cancelled with it): the commit
+    stores it and re-queues the turn whatever requests are still open, so that it runs and ends ``cancelled``
+    at once (its calls do not run again), instead of waiting on a park nobody needs any more.
+    """
     _authorize(parked, by, granted)
     _validate_answer(parked, value)
-    return _answer_commit(parked, [(parked.inputs()[0], {"answer": value, "by": by})])
+    commit = _answer_commit(parked, [(parked.inputs()[0], {"answer": value, "by": by})], close=cancel is not None)
+    if cancel is not None:
+        commit.cancel_reason = cancel
+    return commit
 
 
 def timeout_commit(parked: SuspendedCheckpoint) -> Commit | None:
@@ -153,9 +169,11 @@ def timeout_commit(parked: SuspendedCheckpoint) -> Commit | None:
     return commit
 
 
-def _answer_commit(parked: SuspendedCheckpoint, answers: list[tuple[OpenInput, dict[str, JsonValue]]]) -> Commit:
-    """Answer some of the park's open requests: the turn re-queues when none is left open, else the park stays
-    with the others (a new ``version`` of the checkpoint, its expiry still counted from the park)."""
+def _answer_commit(
+    parked: SuspendedCheckpoint, answers: list[tuple[OpenInput, dict[str, JsonValue]]], *, close: bool = False
+) -> Commit:
+    """Answer some of the park's open requests: the turn re-queues when none is left open (or ``close``), else the
+    park stays with the others (a new ``version`` of the checkpoint, its expiry still counted from the park)."""
     answered = {i.request.id for i, _ in answers}
     steps = []
     for open_input, data in answers:
@@ -167,7 +185,7 @@ def _answer_commit(parked: SuspendedCheckpoint, answers: list[tuple[OpenInput, d
     first = answers[0][0]
     expect = (parked.turn_id, first.request.id)
     left = [i for i in parked.inputs() if i.request.id not in answered]
-    if left:
+    if left and not close:
         rest = parked.model_copy(
             update={
                 "request": left[0].request,
@@ -181,6 +199,10 @@ def _answer_commit(parked: SuspendedCheckpoint, answers: list[tuple[OpenInput, d
             events=[InputAnswered(turn_id=parked.turn_id, input_id=i.request.id, open=len(left)) for i, _ in answers],
             suspended=rest,
             repark_from=parked.park_timeout(),
+            # the turn's stored result lists what it still waits for (read where its events were lost)
+            turn_id=parked.turn_id,
+            turn_status="suspended",
+            turn_result=Suspended(turn_id=parked.turn_id, request=left[0].request, more=[i.request for i in left[1:]]),
             expect_suspended=expect,
             expect_version=parked.version,
         )
@@ -211,7 +233,21 @@ def reset_park_commit(parked: SuspendedCheckpoint) -> Commit:
 
 
 RESUME_RACES = 5
-"""Tries of one answer against a park whose other requests keep being answered at the same moment."""
+"""Tries of one answer beyond one per other request of its park (:func:`race_tries`)."""
+
+
+def race_tries(parked: SuspendedCheckpoint) -> int:
+    """How many times an answer to ``parked`` is tried while its request stays open. It loses a race only to an
+    answer (or an expiry) of *another* request of the park, which closes that request: so it can lose at most once
+    per other request, and :data:`RESUME_RACES` more for whatever else moved the checkpoint on. Before each try it
+    reads the park again, so once its own request was answered or expired it gets that conflict instead."""
+    return len(parked.inputs()) + RESUME_RACES
+
+
+def race_wait_s(attempt: int) -> float:
+    """The pause after try ``attempt`` lost a race: full jitter, up to 20 ms, so that answers landing together
+    (a parent's children ending at once) spread out instead of colliding again."""
+    return backoff_s(attempt - 1, base_s=0.001, cap_s=0.02)
 
 
 def still_open(

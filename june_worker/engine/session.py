@@ -36,12 +36,15 @@ from ..errors import (
 )
 from .agent import Agent, deliver_result
 from .children import (
+    ENDS_CHILDREN,
     announce_child_park,
     cancel_children,
+    cancel_parked,
     child_answer,
     child_grant,
     child_input_id,
     children_of_park,
+    parent_cancel,
     park_chain,
     refuse_reserved,
 )
@@ -55,6 +58,8 @@ from .resume import (
     Grant,
     check_parked,
     grant_answer,
+    race_tries,
+    race_wait_s,
     reset_park_commit,
     resume_commit,
     still_open,
@@ -152,20 +157,29 @@ class Runtime:
     def cancel_children(self, ref: SessionRef, turn_ids: list[str]) -> list[str]:
         """Cancel the unfinished child turns of these turns (durably, all the way down) and signal them; the
         child turn ids marked (a child parked on a person is not: no parked turn is cancelled)."""
-        marked: list[str] = []
-        for child_ref, ids in cancel_children(self.store, ref, turn_ids, self.agents):
-            marked.extend(ids)
+        return self._signal_children(cancel_children(self.store, ref, turn_ids, self.agents))
+
+    def cancel_parked(self, ref: SessionRef, turn_id: str, reason: str) -> list[str]:
+        """Cancel a parked turn through its running child turns (its own cancel stored first); the child turn ids
+        marked, none when it waits on people only."""
+        return self._signal_children(cancel_parked(self.store, ref, turn_id, reason, self.agents))
+
+    def _signal_children(self, marked: list[tuple[SessionRef, list[str]]]) -> list[str]:
+        out: list[str] = []
+        for child_ref, ids in marked:
+            out.extend(ids)
             child = self._sessions.get(child_ref)
             if child is not None:
                 for t in ids:
                     child._signal_cancel(t, "parent")
-        return marked
+        return out
 
     async def child_ended(self, rec: TurnRecord, result: TurnResult) -> None:
         """Answer the parent of a child turn that ended, through the parent session's resume.
 
         Refused quietly when the parent is not parked on it: not yet (the parent finds the child ended when it
-        parks) or no longer (answered before, reset, expired).
+        parks) or no longer (answered before, reset, expired). A child cancelled with its parent wakes the parent
+        with its cancel, in the same commit (:func:`~.children.parent_cancel`).
         """
         link = rec.payload.parent
         if link is None:
@@ -179,12 +193,13 @@ class Runtime:
                 child_input_id(SessionRef(rec.agent, rec.session), rec.turn_id),
                 child_answer(rec, result),
                 child_turn=rec.turn_id,
+                cancel=parent_cancel(result),
             )
         except JuneError as exc:
             log.debug("child turn %s did not answer its parent %s: %s", rec.turn_id, link.turn_id, exc)
             return
-        if isinstance(result, Cancelled) and result.reason == "parent":
-            parent.cancel_all("requested", turn_ids=[link.turn_id])  # its cancel came while it was parked
+        if self.crash is not None:
+            self.crash("after-parent-answer", rec.turn_id)
 
     async def aclose(self) -> None:
         """Wait for every running turn of this runtime to reach a checkpoint-free state."""
@@ -262,7 +277,9 @@ class AgentSession:
         if self.store.get_turn(self.ref, turn_id) is None:
             parked = self.store.pending(self.ref)
             if parked is not None and self._expire_due(parked):
-                parked = None  # it expired unanswered: it goes on without an answer, this turn queues behind it
+                # it expired unanswered: it goes on without an answer and this turn queues behind it, unless the
+                # park has requests that expire later (then it is still parked on those)
+                parked = self.store.pending(self.ref)
             if parked is not None and not self._reset_pending:  # a pending reset ends the park: S90, queue behind it
                 reason = parked_reason(self.ref, parked)
                 reject_turn(self.store, self.runtime.fanout, self.ref, turn_id, reason, payload=payload, new_only=True)
@@ -346,11 +363,12 @@ class AgentSession:
         marked = self.store.request_cancel(self.ref, reason, turn_ids=turn_ids)
         for t in marked:
             self._signal_cancel(t, reason)
-        parents = list(marked)
+        children = self.runtime.cancel_children(self.ref, marked) if marked else []
         parked = self.store.pending(self.ref)
         if parked is not None and (turn_ids is None or parked.turn_id in turn_ids):
-            parents.append(parked.turn_id)  # parked on a child: the child is cancelled, and its answer cancels it
-        children = self.runtime.cancel_children(self.ref, parents) if parents else []
+            # parked on a running child: its cancel is stored, the child is cancelled, and the child's answer
+            # wakes it to end cancelled
+            children += self.runtime.cancel_parked(self.ref, parked.turn_id, reason)
         return marked, children
 
     async def resume(
@@ -363,11 +381,14 @@ class AgentSession:
         principal: Principal | None = None,
         granted: Grant | None = None,
         child_turn: str | None = None,
+        cancel: str | None = None,
     ) -> None:
         """Answer the parked turn and let it continue. ``by`` must be an identity you verified.
 
         ``child_turn`` is for the runtime only: the child turn whose end answers its reserved request
         (``child:...``, :mod:`~june_worker.engine.children`); such a request refuses every other answer.
+        ``cancel``, also the runtime's: the parked turn's cancel that answer carries. A cancel stored with the park
+        is carried by any answer: the turn then goes on, whatever else it waits for, and ends ``cancelled``.
 
         Raises :class:`~june_worker.errors.ResumeAuthorizationError` when ``by`` may not answer,
         :class:`~june_worker.errors.ResumeConflictError` when the session is not parked on
@@ -375,24 +396,32 @@ class AgentSession:
         :class:`~june_worker.errors.InvalidAnswerError` when the answer fails the request's schema.
         """
         refuse_reserved(input_id, child_turn)
-        for attempt in range(1, RESUME_RACES + 1):
+        stored = self.store.get_turn(self.ref, turn_id)
+        cancel = (stored.cancel_reason if stored is not None else None) or cancel
+        attempt, tries = 0, RESUME_RACES
+        while True:
+            attempt += 1
             pending = self.store.pending(self.ref)
             if pending is not None and self._expire_due(pending):
                 pending = still_open(self.store.pending(self.ref), pending, turn_id, input_id)
             parked = check_parked(pending, turn_id, input_id, reset_pending=self._reset_pending)
+            tries = max(tries, race_tries(parked))
             grant = granted
             if child_turn is not None:
                 grant = child_grant(child_turn)
             elif grant is None:
                 grant = await grant_answer(self.agent, parked, session=self.ref.session, by=by, principal=principal)
+            commit = resume_commit(parked, value, by=by, granted=grant, cancel=cancel)
             try:
-                self._apply(resume_commit(parked, value, by=by, granted=grant))
+                self._apply(commit)
                 break
             except ResumeConflictError:
-                if attempt == RESUME_RACES:
-                    raise  # else another request of the park was answered meanwhile: read it again
+                if attempt >= tries:
+                    raise
+            # another request of the park was answered meanwhile: read it again (ours may still be open)
+            await asyncio.sleep(race_wait_s(attempt))
         self._disarm(turn_id)
-        if parked.more:
+        if commit.suspended is not None:
             self._arm(turn_id)  # the park goes on with its other requests
         self._kick()
 
@@ -518,7 +547,7 @@ class AgentSession:
                 if rec.payload.parent is not None and parked is not None and parked.turn_id == rec.turn_id:
                     for ref, events in announce_child_park(self.store, rec, parked):
                         self.runtime.fanout.publish(ref, events)
-            if isinstance(result, Cancelled):
+            if result.status in ENDS_CHILDREN:
                 self.runtime.cancel_children(self.ref, [rec.turn_id])
             if rec.payload.parent is not None and result.status in ENDED_TURN_STATUSES:
                 try:

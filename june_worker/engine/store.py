@@ -297,6 +297,10 @@ class Commit:
     expect_expired: bool = False
     """With ``expect_suspended``: apply only if the park's stored expiry has passed by the store's clock,
     else :class:`~june_worker.errors.ResumeConflictError` (not expired yet)."""
+    cancel_reason: str | None = None
+    """With ``turn_id``: mark the turn cancel-requested in this commit (a reason already stored stays), whatever
+    its status but ended: unlike :meth:`SessionStore.request_cancel`, also a parked turn. The parked parent of
+    child turns is cancelled this way (docs/subagents.md): it ends ``cancelled`` when it next runs."""
 
     # A commit that sets ``suspended`` makes the store stamp the park's expiry (``park_timeout()`` from now,
     # by the store's clock; with ``repark_from``, moved by the difference from the old park's); ``pending``
@@ -400,7 +404,7 @@ class SessionStore(Protocol):
     def child_turns(self, parent: SessionRef, parent_turn_id: str, agents: Collection[str]) -> list[TurnRecord]:
         """The child turns (``TurnPayload.parent``) that turn ``parent_turn_id`` started, on any of ``agents``.
 
-        They live in the sessions ``"<parent session>:sub:<call id>"``: a range of session ids, read along
+        They live in the sessions ``"<parent session>:sub:..."``: a range of session ids, read along
         the turns' primary key (agent, session, ...), never a scan of every turn.
         """
         ...

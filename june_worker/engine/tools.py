@@ -192,9 +192,9 @@ class ToolContext:
         return self._broker.ask(self, id=id, prompt=prompt, schema=schema, answerers=answerers, timeout_s=timeout_s)
 
     def delegate(self, *, agent: str, text: str, wait: bool = True) -> Awaitable[dict[str, JsonValue]]:
-        """Run a turn of ``agent`` in the child session ``"<this session>:sub:<call id>"`` and return its result.
+        """Run a turn of ``agent`` in a child session and return its result.
 
-        The turn parks until the child turn ends (it holds no worker meanwhile), then this returns
+        The child session is ``"<this session>:sub:<call id>.<12 hex digits of the child turn id>"``. The turn parks until the child turn ends (it holds no worker meanwhile), then this returns
         ``{"status": "completed", "text": ...}`` (or ``failed`` with ``error``, ``cancelled``/``rejected`` with
         ``reason``), plus the child's ``agent``, ``session`` and ``turn_id``. One child per call, however often
         the tool runs. ``wait=False`` starts the child and returns ``{"status": "started", ...}`` at once.

@@ -9,6 +9,9 @@ for one of six actions: ``start`` (a turn), ``follow`` (its events or a turn's s
    decides when it answers True or False (None: no opinion, go on);
 3. a principal confined to **session-id prefixes** (``"sessions": [...]``) may use no id outside them;
 4. a session with an **owner** (the principal that opened it through a gateway) is its owner's;
+   a **child session** (``ctx.delegate``: ``<parent session>:sub:...``, whose turn links to its parent)
+   without one is its top parent's owner's, for every action but ``start`` (its turns come from its
+   parent), so a person can follow and answer what their turn's subagents ask;
 5. a session without one is usable by a principal with prefixes (it lies in its namespace);
    otherwise only ``start`` may use it, and only while it **does not exist**: that turn opens it,
    and the caller becomes its owner.
@@ -49,10 +52,14 @@ class HookFailed(JuneError):
 
 @dataclass(frozen=True)
 class SessionState:
-    """What the gateway knows of a session: who opened it here (if a gateway did), and whether it exists."""
+    """What the gateway knows of a session: who opened it here (if a gateway did), and whether it exists.
+
+    ``parent_owner``: for a child session (a subagent's), the owner of the nearest ancestor session that has one.
+    """
 
     owner: str | None
     exists: bool
+    parent_owner: str | None = None
 
 
 def default_rule(principal: Principal, session: str, action: Action, state: SessionState) -> bool:
@@ -61,6 +68,8 @@ def default_rule(principal: Principal, session: str, action: Action, state: Sess
         return False
     if state.owner is not None:
         return state.owner == principal.id
+    if state.parent_owner is not None:  # a child session: its parent's owner's, but only its parent starts turns
+        return action != "start" and state.parent_owner == principal.id
     if principal.session_prefixes is not None:
         return True
     return action == "start" and not state.exists

@@ -29,6 +29,7 @@ from psycopg_pool import ConnectionPool
 
 from producers import JuneProducer, ResetOutcome, ResumeOutcome
 
+from ..engine.children import child_session_id, child_turn_id
 from ..engine.secrets import scrubbed_logger
 from ..engine.store import SessionRef, SuspendedCheckpoint, TurnRecord
 from ..events._redis_url import AsyncRedisClient, aconnect, is_cluster_url
@@ -45,6 +46,18 @@ log = scrubbed_logger("june_worker.gateway")
 
 T = TypeVar("T")
 SENT_TTL_S = 86_400
+_MAX_ANCESTORS = 8
+"""How far up a child session's parents :meth:`GatewayBackend._parent_owner` looks for an owner."""
+
+_CHILD_LINK = """
+select turn_id, payload->'parent'->>'agent', payload->'parent'->>'session', payload->'parent'->>'turn_id',
+       payload->'parent'->>'call_id'
+  from june_turns
+ where agent = %(agent)s and session = %(session)s and payload->>'parent' is not null
+ order by position
+ limit 1
+"""
+"""A child session's link to its parent: on its first turn (every turn of a child session has the same one)."""
 
 
 class GatewayBackend:
@@ -141,20 +154,47 @@ class GatewayBackend:
 
     async def session_state(self, ref: SessionRef) -> SessionState:
         """Who opened the session here, and whether it exists: in Postgres, or sent a turn no worker took yet.
+        For a child session, also who owns its parent (:meth:`_parent_owner`).
 
         Every lookup runs whatever the first one found, so a refusal costs what a missing session does.
         """
 
-        def query() -> tuple[str | None, bool]:
+        def query() -> tuple[str | None, bool, str | None]:
             owner = self.owners.owner(ref)
             try:
-                return owner, self.store.session_exists(ref)
+                return owner, self.store.session_exists(ref), self._parent_owner(ref)
             except psycopg.errors.UndefinedTable:
-                return owner, False  # no worker has created the schema yet: no session exists
+                return owner, False, None  # no worker has created the schema yet: no session exists
 
-        owner, stored = await self.blocking(query)
+        owner, stored, parent_owner = await self.blocking(query)
         sent = bool(await self.redis.exists(self.sent_key(ref)))
-        return SessionState(owner=owner, exists=owner is not None or stored or sent)
+        return SessionState(owner=owner, exists=owner is not None or stored or sent, parent_owner=parent_owner)
+
+    def _parent_owner(self, ref: SessionRef) -> str | None:
+        """The owner of a child session's nearest ancestor that has one (blocking), None for any other session.
+
+        A child session is one whose first turn links to a parent (``TurnPayload.parent``, which only the engine's
+        ``ctx.delegate`` writes) under the ids the engine derives from that link: its turn id and its session id
+        (:func:`~june_worker.engine.children.child_turn_id`, :func:`~june_worker.engine.children.child_session_id`).
+        """
+        at = ref
+        for _ in range(_MAX_ANCESTORS):
+            if ":sub:" not in at.session:
+                return None
+            with self.store.pool.connection() as conn:
+                row = conn.execute(_CHILD_LINK, {"agent": at.agent, "session": at.session}).fetchone()
+            if row is None:
+                return None
+            turn_id, agent, session, parent_turn, call_id = row
+            parent = SessionRef(agent, session)
+            derived = child_turn_id(parent, parent_turn, call_id)
+            if turn_id != derived or at.session != child_session_id(session, derived, call_id):
+                return None  # a look-alike: not a session the engine derived from its parent
+            owner = self.owners.owner(parent)
+            if owner is not None:
+                return owner
+            at = parent
+        return None
 
     async def claim(self, ref: SessionRef, principal: str) -> str:
         """Record ``principal`` as the opener of a new session; the owner that stands (another, if it raced us)."""

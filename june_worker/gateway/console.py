@@ -22,6 +22,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ..engine.children import parse_child_input
 from ..engine.types import InputRequest, PolicyAnswerer, UserAnswerer
 from .auth import Principal
 
@@ -226,21 +227,28 @@ def inbox_page(
         parked = SuspendedCheckpoint.model_validate_json(suspended).with_expiry(expires_at)
         for open_input in parked.inputs():  # a turn whose calls ran in parallel may wait on several requests
             request = open_input.request
-            items.append(
-                {
-                    "agent": agent,
-                    "session": session,
-                    "turn_id": parked.turn_id,
-                    "input_id": request.id,
-                    "prompt": request.prompt,
-                    "schema": request.json_schema,
-                    "who_may_answer": answerers_text(request),
-                    "may_answer": False if reset_pending else may_answer(request, principal),
-                    "parked_at": parked_at,
-                    "age_s": max(now - parked_at, 0.0),
-                    "expires_at": request.expires_at,
-                }
-            )
+            item = {
+                "agent": agent,
+                "session": session,
+                "turn_id": parked.turn_id,
+                "input_id": request.id,
+                "prompt": request.prompt,
+                "schema": request.json_schema,
+                "who_may_answer": answerers_text(request),
+                "may_answer": False if reset_pending else may_answer(request, principal),
+                "parked_at": parked_at,
+                "age_s": max(now - parked_at, 0.0),
+                "expires_at": request.expires_at,
+            }
+            child = parse_child_input(request.id)
+            if child is not None:  # a subagent's request: its child turn answers it when it ends, nobody else
+                item.update(
+                    prompt=f"waiting on child agent {child[0]} (turn {child[1]})",
+                    who_may_answer=f"child agent {child[0]}, when its turn ends",
+                    may_answer=False,
+                    child={"agent": child[0], "turn_id": child[1]},
+                )
+            items.append(item)
     return items, nxt
 
 

@@ -64,6 +64,7 @@ class _Shape(NamedTuple):
     turn: bool
     not_cancelled: bool
     turn_error: bool
+    cancel: bool
     release: bool
     deliver: bool
 
@@ -98,6 +99,7 @@ def commit_statement(
         turn=turn,
         not_cancelled=commit.expect_not_cancelled and commit.turn_id is not None,
         turn_error=commit.turn_error is not None and commit.turn_id is not None,
+        cancel=commit.cancel_reason is not None and commit.turn_id is not None,
         release=release,
         deliver=deliver_due,
     )
@@ -136,6 +138,8 @@ def commit_statement(
         p["t_result"] = commit.turn_result.model_dump_json(by_alias=True) if commit.turn_result is not None else None
     if shape.turn_error:
         p["t_error"] = commit.turn_error
+    if shape.cancel:
+        p["t_cancel"] = commit.cancel_reason
     return _sql(shape), p
 
 
@@ -260,7 +264,7 @@ def _sql(shape: _Shape) -> str:
             f"        ('{{\"seq\":' || {seq} || ',' || v.rest)::json\n"
             f"    from upd, {source}\n)"
         )
-    if shape.turn or shape.turn_error:
+    if shape.turn or shape.turn_error or shape.cancel:
         sets_t = []
         if shape.turn:
             sets_t += [
@@ -274,6 +278,11 @@ def _sql(shape: _Shape) -> str:
             ]
         if shape.turn_error:
             sets_t.append("last_error = %(t_error)s::text")
+        if shape.cancel:  # a mark already there stays; an ended turn keeps none (t.status: before this statement)
+            sets_t.append(
+                "cancel_reason = case when t.status in ('completed', 'failed', 'cancelled', 'rejected')"
+                " then t.cancel_reason else coalesce(t.cancel_reason, %(t_cancel)s::text) end"
+            )
         if shape.deliver:
             sets_t.append("deliver_due = true, delivery_attempts = 0")
         parts.append(

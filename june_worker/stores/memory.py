@@ -113,6 +113,9 @@ class MemoryStore:
                 s.park_expires_at = park_expiry(commit, time.time(), s.park_expires_at)
                 s.suspended = commit.suspended.with_expiry(s.park_expires_at)
             rec = s.turns.get(commit.turn_id) if commit.turn_id is not None else None
+            if rec is not None and commit.cancel_reason is not None and rec.status not in ENDED_TURN_STATUSES:
+                if rec.cancel_reason is None:
+                    rec = s.turns[rec.turn_id] = rec.model_copy(update={"cancel_reason": commit.cancel_reason})
             if rec is not None and commit.turn_status is not None:
                 finished = commit.turn_status not in UNFINISHED_TURN_STATUSES
                 rec = s.turns[rec.turn_id] = rec.model_copy(

@@ -407,6 +407,12 @@ class SQLiteStore:
                     "update june_turns set last_error = ? where agent = ? and session = ? and turn_id = ?",
                     (commit.turn_error, *key, commit.turn_id),
                 )
+            if commit.turn_id is not None and commit.cancel_reason is not None:
+                conn.execute(
+                    "update june_turns set cancel_reason = coalesce(cancel_reason, ?) where agent = ? and session = ? "
+                    "and turn_id = ? and status not in ('completed', 'failed', 'cancelled', 'rejected')",
+                    (commit.cancel_reason, *key, commit.turn_id),
+                )
             return stamped
 
     def reject_turn(

@@ -12,8 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..engine.children import announce_child_park, child_answer, child_input_id, children_of_park
-from ..engine.events import Cancelled, TurnResult
+from ..engine.children import (
+    ENDS_CHILDREN,
+    announce_child_park,
+    child_answer,
+    child_input_id,
+    children_of_park,
+    parent_cancel,
+)
+from ..engine.events import TurnResult
 from ..engine.secrets import scrubbed_logger
 from ..engine.store import ENDED_TURN_STATUSES, SessionRef, TurnRecord
 from . import control
@@ -47,16 +54,13 @@ def answer_parent(host: WorkerHost, rec: TurnRecord, result: TurnResult, dispatc
         input_id=child_input_id(SessionRef(rec.agent, rec.session), rec.turn_id),
         value=child_answer(rec, result),
     )
-    out = control.resume(host, msg, send, child_turn=rec.turn_id)
+    # A child cancelled with its parent wakes the parent with that cancel, stored in the answer's own commit: the
+    # parent is queued already cancelled, whatever else its park waited for, so no worker can run it on.
+    out = control.resume(host, msg, send, child_turn=rec.turn_id, cancel=parent_cancel(result))
     if out["status"] != "accepted":
         # not parked on it: not yet (the parent answers itself when it parks), or no longer (reset, answered)
         log.debug("child turn %s did not answer parent %s: %s", rec.turn_id, link.turn_id, out.get("reason"))
         return False
-    if isinstance(result, Cancelled) and result.reason == "parent":
-        parent_ref = SessionRef(link.agent, link.session)
-        ids = host.store.request_cancel(parent_ref, "requested", turn_ids=[link.turn_id])
-        if ids:  # the parent was cancelled while it waited for this child: it stops too
-            host.signal_cancel(parent_ref, ids, "requested")
     return True
 
 
@@ -80,7 +84,7 @@ def turn_ended(host: WorkerHost, ref: SessionRef, rec: TurnRecord, result: TurnR
             for parent_ref, events in announce_child_park(host.store, rec, parked):
                 host.sink.publish(parent_ref, events)
         return
-    if isinstance(result, Cancelled):
+    if result.status in ENDS_CHILDREN:
         control.cancel_children_of(host, ref, [rec.turn_id])
     if rec.payload.parent is not None and result.status in ENDED_TURN_STATUSES:
         answer_parent(host, rec, result, dispatch)

@@ -7,14 +7,23 @@ input: a refusal is a result, recorded where the turn id is known, never a retry
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ..engine.agent import Agent
-from ..engine.children import cancel_children, child_grant, refuse_reserved
+from ..engine.children import cancel_children, cancel_parked, child_grant, refuse_reserved
 from ..engine.events import TurnResult
 from ..engine.loop import reject_turn
-from ..engine.resume import RESUME_RACES, check_parked, grant_answer, resume_commit, still_open
+from ..engine.resume import (
+    RESUME_RACES,
+    check_parked,
+    grant_answer,
+    race_tries,
+    race_wait_s,
+    resume_commit,
+    still_open,
+)
 from ..engine.secrets import scrub, scrubbed_logger
 from ..engine.session import parked_reason
 from ..engine.store import UNFINISHED_TURN_STATUSES, SessionRef, TurnPayload, TurnRecord
@@ -177,12 +186,19 @@ def proactive(
 
 
 def resume(
-    host: WorkerHost, msg: ResumeMessage, dispatch: Dispatch, *, child_turn: str | None = None
+    host: WorkerHost,
+    msg: ResumeMessage,
+    dispatch: Dispatch,
+    *,
+    child_turn: str | None = None,
+    cancel: str | None = None,
 ) -> dict[str, Any]:
     """Apply an answer to a parked turn and re-send the turn; the outcome says accepted or why not.
 
     ``child_turn``: for the system only (:mod:`~june_worker.worker.children`), never from a message: the child
     turn whose end answers its parent's reserved ``child:...`` request, which refuses every other answer.
+    ``cancel``, also the system's: the parked turn's cancel the answer carries. Any answer carries a cancel stored
+    with the park (:func:`cancel`): the turn is queued, whatever else it waits for, and ends ``cancelled``.
     """
     ref = SessionRef(msg.agent, msg.session)
     out: dict[str, Any] = {"turn_id": msg.turn_id, "input_id": msg.input_id}
@@ -191,7 +207,11 @@ def resume(
         return {**out, "status": "rejected", "reason": f"unknown agent {ref.agent!r}"}
     try:
         refuse_reserved(msg.input_id, child_turn)
-        for attempt in range(1, RESUME_RACES + 1):
+        stored = host.store.get_turn(ref, msg.turn_id)
+        cancel = (stored.cancel_reason if stored is not None else None) or cancel
+        attempt, tries = 0, RESUME_RACES
+        while True:
+            attempt += 1
             pending = host.store.pending(ref)
             if pending is not None and host.expire_park(ref, pending):
                 rec = host.store.get_turn(ref, pending.turn_id)
@@ -199,18 +219,22 @@ def resume(
                     dispatch(rec)
                 pending = still_open(host.store.pending(ref), pending, msg.turn_id, msg.input_id)
             parked = check_parked(pending, msg.turn_id, msg.input_id, reset_pending=host.queue.reset_pending(ref))
+            tries = max(tries, race_tries(parked))
             if child_turn is not None:
                 granted = child_grant(child_turn)
             else:
                 granted = host.run_async(
                     grant_answer(agent, parked, session=ref.session, by=msg.by, principal=msg.principal)
                 )
+            commit = resume_commit(parked, msg.value, by=msg.by, granted=granted, cancel=cancel)
             try:
-                events = host.store.commit(ref, resume_commit(parked, msg.value, by=msg.by, granted=granted))
+                events = host.store.commit(ref, commit)
                 break
             except ResumeConflictError:
-                if attempt == RESUME_RACES:
-                    raise  # else another request of the park was answered meanwhile: read it again
+                if attempt >= tries:
+                    raise
+            # another request of the park was answered meanwhile: read it again (ours may still be open)
+            time.sleep(race_wait_s(attempt))
     # A reason is published (the result backend, the gateway, the answerer's channel): scrubbed, as an error report.
     except ResumeAuthorizationError as exc:
         return _refused(agent, msg, {**out, "status": "forbidden", "reason": scrub(str(exc))})
@@ -222,7 +246,7 @@ def resume(
         log.exception("resume of %s %s failed before the answer was applied", ref, msg.turn_id)
         return {**out, "status": "error", "reason": scrub(f"{type(exc).__name__}: {exc}")}
     host.sink.publish(ref, events)
-    left = [i.request.id for i in parked.more]
+    left = [i.request.id for i in commit.suspended.inputs()] if commit.suspended is not None else []
     if left:  # other requests of the park are still open: the turn waits for them
         return {**out, "status": "accepted", "open": left}
     transition("turn.resumed", turn_id=msg.turn_id, agent=ref.agent, session=ref.session, step=None, attempt=None)
@@ -254,11 +278,14 @@ def cancel(host: WorkerHost, msg: CancelMessage) -> dict[str, Any]:
     ids = host.store.request_cancel(ref, "requested", turn_ids=[msg.turn_id] if msg.turn_id else None)
     if ids:
         host.signal_cancel(ref, ids, "requested")
-    parents = list(ids)
+    children = cancel_children_of(host, ref, ids) if ids else []
     parked = host.store.pending(ref)
     if parked is not None and (msg.turn_id is None or parked.turn_id == msg.turn_id):
-        parents.append(parked.turn_id)  # parked on a child: the child is cancelled, and its answer cancels it
-    children = cancel_children_of(host, ref, parents) if parents else []
+        # parked on a running child: its cancel is stored with the park, the child is cancelled, and the child's
+        # answer wakes it to end cancelled
+        for child_ref, marked in cancel_parked(host.store, ref, parked.turn_id, "requested", host.agents):
+            host.signal_cancel(child_ref, marked, "parent")
+            children.extend(marked)
     out: dict[str, Any] = {
         "status": "cancel-requested" if ids or children else "nothing-to-cancel",
         "turn_ids": ids,

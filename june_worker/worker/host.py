@@ -434,7 +434,7 @@ class WorkerHost:
                 self.deliver(ref, rec, agent, result)
             else:  # its ending commit was not one _Ending could mark (not a plain Commit): once, best effort
                 self._deliver_once(ref, rec, agent, result)
-        if rec.payload.parent is not None or result.status in ("suspended", "cancelled"):
+        if rec.payload.parent is not None or result.status in ("suspended", "cancelled", "failed", "rejected"):
             from .children import turn_ended
 
             turn_ended(self, ref, rec, result, self.send_turn)  # answer a parent, wake on a child, cancel children

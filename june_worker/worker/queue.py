@@ -39,7 +39,7 @@ select distinct s.agent, s.session from june_sessions s
       ) o
   join june_turns c
     on c.agent = split_part(o.input_id, ':', 2)
-   and c.session = s.session || ':sub:' || o.call_id
+   and c.session = s.session || ':sub:' || o.call_id || '.' || substr(split_part(o.input_id, ':', 3), 4, 12)
    and c.turn_id = split_part(o.input_id, ':', 3)
  where s.suspended is not null
    and o.input_id like 'child:%%'
@@ -47,7 +47,7 @@ select distinct s.agent, s.session from june_sessions s
  limit %(limit)s
 """
 """Parents with an open child request (``child:<agent>:<turn>``, the first or one of ``more``) naming a turn of
-``<session>:sub:<call id>`` that ended."""
+``<session>:sub:<call id>.<12 digits of the child turn id>`` (engine.children.child_session_id) that ended."""
 _INTAKE_ATTEMPTS = 3
 
 # A lease may be taken when nobody holds it, when it expired, or when its holder's process is

@@ -603,6 +603,38 @@ def test_cancel_marks_only_queued_and_running_turns_never_a_parked_one(kit: Kit,
     assert kit.store.pending(ref) == checkpoint("t3", "approve")
 
 
+def test_a_commit_marks_its_turn_cancel_requested_even_parked_keeping_the_first_reason(
+    kit: Kit, ref: SessionRef
+) -> None:
+    for t in ("t1", "t2", "t3"):
+        kit.store.enqueue_turn(ref, t, TurnPayload(text=t))
+    kit.store.commit(ref, Commit(turn_id="t1", turn_status="completed", turn_result=Completed(turn_id="t1", text="")))
+    park(kit.store, ref, "t2", "approve")
+    # a parked turn is marked (request_cancel never marks one), the first reason stays, an ended turn gets none
+    kit.store.commit(ref, Commit(turn_id="t2", cancel_reason="requested"))
+    kit.store.commit(ref, Commit(turn_id="t2", cancel_reason="parent"))
+    kit.store.commit(ref, Commit(turn_id="t1", cancel_reason="requested"))
+    reasons = {t: (r.cancel_reason if (r := kit.store.get_turn(ref, t)) else "gone") for t in ("t1", "t2", "t3")}
+    assert reasons == {"t1": None, "t2": "requested", "t3": None}
+    assert kit.store.pending(ref) == checkpoint("t2", "approve")  # the mark alone leaves the park as it is
+    # and in the commit that answers the park and queues the turn again
+    kit.store.commit(
+        ref,
+        Commit(
+            clear_suspended=True,
+            turn_id="t2",
+            turn_status="queued",
+            cancel_reason="parent",
+            expect_suspended=("t2", "approve"),
+        ),
+    )
+    kit.store.commit(ref, Commit(turn_id="t3", cancel_reason="replaced"))
+    assert [(t.turn_id, t.status, t.cancel_reason) for t in kit.store.unfinished_turns(ref)] == [
+        ("t2", "queued", "requested"),
+        ("t3", "queued", "replaced"),
+    ]
+
+
 def test_child_turns_are_the_turns_one_turn_started_in_its_sub_sessions_on_the_agents_named(
     kit: Kit, ref: SessionRef
 ) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
 from june_worker.gateway import Principal, TokenTable, create_app
@@ -183,3 +184,80 @@ def test_a_turn_started_over_http_is_an_inbound_message_of_the_attested_principa
     event = started["trigger"]["event"]
     assert started["trigger"]["kind"] == "inbound"
     assert (event["source"], event["kind"], event["user"]) == ("http", "message", {"id": "op-alice", "attested": True})
+
+
+@pytest.fixture
+def delegating(gateway: Gateway) -> Iterator[tuple[str, dict[str, str]]]:
+    """A gateway over the agents that delegate (``boss`` starts child turns on ``scout``), for alice and bob."""
+    tag = uuid.uuid4().hex
+    tokens = {"alice": f"alice-{tag}", "bob": f"bob-{tag}"}
+    table = TokenTable.of(
+        {
+            tokens["alice"]: Principal("alice", frozenset({"boss", "scout"})),
+            tokens["bob"]: Principal("bob", frozenset({"boss", "scout"})),
+        }
+    )
+    served = ServedApp(create_app(settings_for(gateway.stack, table, agents=("boss", "scout"))))
+    try:
+        yield served.url, {who: f"Bearer {token}" for who, token in tokens.items()}
+    finally:
+        served.stop()
+
+
+def test_the_owner_of_a_session_follows_and_answers_its_child_sessions_and_nobody_else_does(
+    gateway: Gateway, delegating: tuple[str, dict[str, str]]
+) -> None:
+    from june_worker.engine.children import child_session_id, child_turn_id
+    from june_worker.engine.store import SessionRef
+
+    from ..integration.conftest import wait_for
+
+    url, auth = delegating
+    alice, bob = (httpx.Client(base_url=url, headers={"Authorization": auth[w]}, timeout=60) for w in ("alice", "bob"))
+    try:
+        # Given alice's turn whose tool delegated to a child agent that asks a person ("go")
+        session, turn_id = new_session("boss-"), f"t_{uuid.uuid4().hex}"
+        r = alice.post(gateway.path("boss", session, "/turns"), json={"text": "delegate 1 k ask", "turn_id": turn_id})
+        assert r.status_code == 202, r.text
+        child_turn = child_turn_id(SessionRef("boss", session), turn_id, "c1")
+        child = gateway.path("scout", child_session_id(session, child_turn, "c1"))
+
+        def child_parked() -> bool:
+            try:
+                rows = gateway.stack.sql("select status from june_turns where turn_id = %s", child_turn)
+            except psycopg.errors.UndefinedTable:
+                return False  # no worker made the schema yet
+            return rows == [("suspended",)]
+
+        wait_for(child_parked, timeout_s=60, what="the child turn to ask")
+        got = alice.get(child + "/pending")
+        assert got.status_code == 200, got.text  # the child session is hers, as her session is
+        pending = got.json()["pending"]
+        assert (pending["turn_id"], pending["input"]["id"]) == (child_turn, "go")
+
+        # Then bob, who sees the same agents, learns nothing of it and cannot answer it
+        unknown = bob.get(gateway.path("scout", new_session(), "/pending"))
+        for method, suffix, body in PROBES:
+            if suffix == "/turns/{turn}/resume":
+                body = {"input_id": "go", "value": True}
+            with bob.stream(method, child + suffix.format(turn=child_turn), json=body) as got:
+                assert got.status_code == 404, (method, suffix)
+        assert unknown.status_code == 404
+        # and alice may not start a turn of her own in it (only its parent does)
+        assert alice.post(child + "/turns", json={"text": "hi"}).status_code == 404
+
+        # When alice answers the child's request
+        answer = alice.post(child + f"/turns/{child_turn}/resume", json={"input_id": "go", "value": True})
+        assert answer.status_code == 202, answer.text
+
+        # Then the child goes on, and her turn completes with its result
+        def parent_status() -> str | None:
+            rows = gateway.stack.sql(
+                "select status from june_turns where agent = 'boss' and session = %s and turn_id = %s", session, turn_id
+            )
+            return rows[0][0] if rows and rows[0][0] in ("completed", "failed", "cancelled") else None
+
+        assert wait_for(parent_status, timeout_s=60, what="the parent turn to end") == "completed"
+    finally:
+        alice.close()
+        bob.close()

@@ -201,3 +201,43 @@ def test_the_page_shows_every_open_request_of_a_turn_and_answers_each_on_its_own
     expect(page.locator("#status")).to_have_text("completed")
     expect(page.locator("#transcript")).to_contain_text("Answers: [{'finance': True}, {'legal': False}]")
     expect(page.locator("#pending")).to_be_hidden()
+
+
+def test_the_page_shows_a_subagents_request_as_waiting_on_its_child_with_no_buttons(
+    browser: Browser, gateway: Gateway
+) -> None:
+    from june_worker.gateway import Principal, TokenTable, create_app
+
+    from .conftest import settings_for
+    from .kit import ServedApp
+
+    token = f"boss-token-{uuid.uuid4().hex}"
+    table = TokenTable.of({token: Principal("op-alice", frozenset({"boss", "scout"}))})
+    served = ServedApp(create_app(settings_for(gateway.stack, table, agents=("boss", "scout"))))
+    context = browser.new_context(viewport={"width": 1100, "height": 820})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.set_default_timeout(30_000)
+    key = uuid.uuid4().hex[:8]
+    try:
+        page.goto(served.url)
+        page.fill("#token", token)
+        page.click("#use-token")
+        expect(page.locator("#who")).to_have_text("signed in as op-alice")
+        # Given a turn whose tool delegated to a child agent that is still working
+        start(page, "boss", f"delegate 1 {key} hold")
+        # Then the page says what the turn waits on, and offers nobody a button to answer it
+        block = page.locator("#pending .request")
+        expect(block).to_have_count(1)
+        expect(block.locator(".prompt")).to_have_text("waiting on child agent scout")
+        expect(page.locator("#pending button")).to_have_count(0)
+        # and when the child ends, the turn completes
+        gateway.stack.redis.set(f"it:scout:{key}:release", "1")
+        expect(page.locator("#status")).to_have_text("completed")
+        expect(page.locator("#pending")).to_be_hidden()
+    finally:
+        gateway.stack.redis.set(f"it:scout:{key}:release", "1")
+        context.close()
+        served.stop()
+    assert errors == [], errors

@@ -77,6 +77,39 @@ def test_the_inbox_lists_a_parked_approval_and_only_a_permitted_operators_answer
     assert [i for i in items if i["session"] == session] == []
 
 
+def test_the_inbox_shows_a_subagents_request_as_waiting_on_its_child_with_nothing_to_answer(
+    console_gateway: Gateway,
+) -> None:
+    from june_worker.engine.children import child_turn_id
+    from june_worker.engine.store import SessionRef
+    from june_worker.gateway import create_app
+
+    from .conftest import AGENTS, settings_for
+    from .kit import ServedApp
+
+    gw, session, key = console_gateway, _session(), uuid.uuid4().hex[:8]
+    served = ServedApp(create_app(settings_for(gw.stack, gw.app.state.settings.tokens, agents=(*AGENTS, "boss"))))
+    admin = httpx.Client(base_url=served.url, headers=gw.auth("admin"), timeout=60)
+    try:
+        # Given a turn parked on its child turn (the child is still working)
+        turn_id = gw.stack.turn("boss", session, f"delegate 1 {key} hold")
+
+        assert gw.stack.wait_terminal("boss", session, turn_id, timeout_s=60)["type"] == "input.requested"
+        got = admin.get("/v1/console/approvals", params={"limit": 200})
+        assert got.status_code == 200, got.text
+        (item,) = [i for i in got.json()["items"] if i["session"] == session]
+
+        # Then its item says what it waits on, and offers no answer: the child's end answers it
+        child_turn = child_turn_id(SessionRef("boss", session), turn_id, "c1")
+        assert item["input_id"] == f"child:scout:{child_turn}" and item["turn_id"] == turn_id
+        assert item["child"] == {"agent": "scout", "turn_id": child_turn}
+        assert item["may_answer"] is False and item["prompt"] == f"waiting on child agent scout (turn {child_turn})"
+    finally:
+        gw.stack.redis.set(f"it:scout:{key}:release", "1")
+        admin.close()
+        served.stop()
+
+
 def test_failed_turns_show_their_phase_step_and_error(console_gateway: Gateway) -> None:
     gw, session = console_gateway, _session()
     failed = _wait(gw, "admin", "boom", session, "go")

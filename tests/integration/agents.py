@@ -16,7 +16,8 @@ worker gets the same replies.
   first attempt the even-numbered ones block until the test kills the worker (or releases them), the odd
   ones return at once. Each logs when it starts and ends, so a test sees how many ran together.
 * ``desks`` (``parallel_tools=8``): "desks <n>" asks n desks to sign off at once (async ``sign_off``
-  calls, request ``desk<i>``, answered by user ``owner-<i>``): the turn parks on all n requests.
+  calls, request ``desk<i>``, answered by user ``owner-<i>``): the turn parks on all n requests;
+  "desks <n> expire" gives desk 1 a second (``timeout_s``), after which its call reads "timed out".
 * ``echo``: answers with :func:`transcript_digest` of the transcript it was sent, so a test can check
   that every model call saw the stored transcript, whichever worker made it; "tick" first calls the
   sync ``tick`` tool.
@@ -140,20 +141,31 @@ def _fan_script(request: ModelRequest) -> Reply:
 
 
 @tool
-async def sign_off(ctx: ToolContext, desk: int) -> dict[str, Any]:
-    """Ask one desk to sign off."""
-    ok = await ctx.request_input(
-        id=f"desk{desk}", prompt=f"Desk {desk}: sign off?", answerers={"user": f"owner-{desk}"}
-    )
+async def sign_off(ctx: ToolContext, desk: int, timeout_s: float | None = None) -> dict[str, Any]:
+    """Ask one desk to sign off (within ``timeout_s``, if given: then the answer is ``"timed out"``)."""
+    from june_worker.errors import InputTimeoutError
+
+    try:
+        ok = await ctx.request_input(
+            id=f"desk{desk}", prompt=f"Desk {desk}: sign off?", answerers={"user": f"owner-{desk}"}, timeout_s=timeout_s
+        )
+    except InputTimeoutError:
+        ok = "timed out"
     return {"desk": desk, "answer": ok}
 
 
 def _desks_script(request: ModelRequest) -> Reply:
+    """``desks <n> [expire]``: n desks at once; with ``expire``, desk 1 has a second to answer."""
     last = request.messages[-1]
     if isinstance(last, ToolMessage):
         return Reply(f"signed: {[m.result for m in request.messages if isinstance(m, ToolMessage)]}")
-    n = int((last.text if isinstance(last, UserMessage) else "desks 2").split()[1])
-    return Reply("Asking.", calls=[{"id": f"c{i}", "name": "sign_off", "input": {"desk": i}} for i in range(1, n + 1)])
+    words = (last.text if isinstance(last, UserMessage) else "desks 2").split()
+    n, expire = int(words[1]), words[2:3] == ["expire"]
+    calls = [
+        {"id": f"c{i}", "name": "sign_off", "input": {"desk": i, **({"timeout_s": 1.0} if expire and i == 1 else {})}}
+        for i in range(1, n + 1)
+    ]
+    return Reply("Asking.", calls=calls)
 
 
 def _authorize(req: AnswerRequest) -> bool:
@@ -199,10 +211,23 @@ async def delegate_to(ctx: ToolContext, agent: str, text: str, wait: bool = True
     return await ctx.delegate(agent=agent, text=text, wait=wait)
 
 
+@tool
+async def give_up(ctx: ToolContext, key: str) -> dict[str, Any]:
+    """Fail the turn (a fatal error) once a scout child of ``key`` has started working."""
+    from june_worker.errors import FatalToolError
+
+    r, deadline = _redis(), time.monotonic() + 30
+    while time.monotonic() < deadline and not r.llen(f"it:scout:{key}:log"):
+        await asyncio.sleep(0.05)
+    raise FatalToolError("the boss gives up")
+
+
 def _boss_script(request: ModelRequest) -> Reply:
-    """``delegate <n> <key> [start|hold|ask|mixed]``: n calls at once, each delegating ``scout <key> <i> <n>`` to the scout
-    agent (``start``: without waiting for it; ``hold``: the children wait for a release key; ``ask``: each child
-    asks a person, ``go``; ``mixed``: the first child holds, the others end at once)."""
+    """``delegate <n> <key> [start|hold|ask|mixed|holdask|holdfail]``: n calls at once, each delegating
+    ``scout <key> <i> <n>`` to the scout agent (``start``: without waiting for it; ``hold``: the children wait for a
+    release key; ``ask``: each child asks a person, ``go``; ``mixed``: the first child holds, the others end at once;
+    ``holdask``: as ``hold``, and one more call asks user ``owner-1`` (request ``desk1``); ``holdfail``: as ``hold``,
+    and one more call fails the turn once a child works)."""
     last = request.messages[-1]
     if isinstance(last, ToolMessage):
         results = [m.result for m in request.messages if isinstance(m, ToolMessage)]
@@ -212,7 +237,7 @@ def _boss_script(request: ModelRequest) -> Reply:
         return Reply(f"ok: {' '.join(words)}")
     n, key, mode = int(words[1]), words[2], words[3:4]
     # hold: each child waits for it:scout:<key>:release; mixed: the first does, the others end at once
-    barrier = 0 if mode == ["hold"] else n
+    barrier = 0 if mode in (["hold"], ["holdask"], ["holdfail"]) else n
     calls = [
         {
             "id": f"c{i}",
@@ -227,6 +252,10 @@ def _boss_script(request: ModelRequest) -> Reply:
         }
         for i in range(1, n + 1)
     ]
+    if mode == ["holdask"]:
+        calls.append({"id": f"c{n + 1}", "name": "sign_off", "input": {"desk": 1}})
+    if mode == ["holdfail"]:
+        calls.append({"id": f"c{n + 1}", "name": "give_up", "input": {"key": key}})
     return Reply("Delegating.", calls=calls)
 
 
@@ -284,7 +313,7 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
         Agent(name="window", model=WindowModel(2000, extra_tokens=1500)),
         Agent(name="fan", model=ScriptedModel(_fan_script), tools=[fan_call], parallel_tools=8),
         Agent(name="desks", model=ScriptedModel(_desks_script), tools=[sign_off], parallel_tools=8),
-        Agent(name="boss", model=ScriptedModel(_boss_script), tools=[delegate_to], parallel_tools=4),
+        Agent(name="boss", model=ScriptedModel(_boss_script), tools=[delegate_to, sign_off, give_up], parallel_tools=4),
         Agent(name="scout", model=ScriptedModel(_scout_script), tools=[scout_work, scout_ask]),
     ]
 

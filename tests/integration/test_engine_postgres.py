@@ -49,9 +49,11 @@ from tests.unit.test_replay import (  # noqa: F401 - collected here, on Postgres
 )
 from tests.unit.test_several_inputs import (  # noqa: F401 - collected here, on Postgres
     test_a_crash_at_the_park_replays_to_one_park_on_both_requests,
+    test_a_partial_answer_rewrites_the_turns_stored_result_to_the_requests_still_open,
     test_a_request_that_expires_is_answered_with_a_timeout_and_the_turn_waits_for_the_other,
     test_an_answer_made_from_an_older_checkpoint_is_refused_by_the_store,
     test_each_request_is_answered_on_its_own_and_the_turn_goes_on_after_the_last,
+    test_many_answers_landing_at_once_all_apply_however_often_each_loses_a_race,
     test_two_parallel_calls_park_the_turn_on_both_requests,
 )
 

@@ -117,3 +117,32 @@ def test_a_worker_killed_after_the_park_committed_leaves_both_requests_to_the_re
     assert ended["text"] == f"signed: {[{'desk': 1, 'answer': 1}, {'desk': 2, 'answer': 2}]}"
     types = [e["type"] for e in stack.structural("desks", session)]
     assert types.count("input.requested") == 2 and types.count("turn.completed") == 1
+
+
+def test_one_request_of_a_park_expires_through_the_sweeper_and_the_turn_waits_for_the_other(stack: Stack) -> None:
+    # Given a turn parked on two requests, the first with a timeout of a second
+    session = f"desks-{uuid.uuid4().hex[:8]}"
+    turn_id = stack.turn("desks", session, "desks 2 expire")
+    assert stack.wait_terminal("desks", session, turn_id)["type"] == "input.requested"
+
+    # When its time passes with nobody answering (nothing touches the session: the sweeper answers it with a
+    # timeout), and only it
+    def answered() -> dict[str, Any] | None:
+        found = [e for e in stack.structural("desks", session) if e["type"] == "input.answered"]
+        return found[0] if found else None
+
+    expired = wait_for(answered, timeout_s=30, what="the sweeper to expire desk1")
+    assert (expired["input_id"], expired["open"]) == ("desk1", 1)
+    row = stack.turn_row("desks", session, turn_id)
+    assert row is not None and row["status"] == "suspended"  # still parked, on the other request
+    assert (row["result"]["request"]["id"], row["result"].get("more", [])) == ("desk2", [])
+    late = _resume(stack, session, turn_id, "desk1", "too late", "owner-1").get(timeout=30)
+    assert late["status"] == "conflict" and "not 'desk1'" in late["reason"]  # it was closed by its timeout
+
+    # Then the other is answered, and the turn goes on once, with the timeout as the first call's answer
+    assert _resume(stack, session, turn_id, "desk2", "yes-2", "owner-2").get(timeout=30)["status"] == "accepted"
+    done = _ended(stack, session, turn_id)
+    assert done["type"] == "turn.completed"
+    assert done["text"] == "signed: [{'desk': 1, 'answer': 'timed out'}, {'desk': 2, 'answer': 'yes-2'}]"
+    resumed = [e for e in stack.structural("desks", session) if e["type"] == "turn.started"]
+    assert [e["trigger"]["kind"] for e in resumed] == ["proactive", "resume"]

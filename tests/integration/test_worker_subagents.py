@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from june_worker.engine.children import child_turn_id
+from june_worker.engine.children import child_session_id, child_turn_id
 from june_worker.engine.store import SessionRef
 from june_worker.stores.postgres import PostgresStore
 
@@ -29,6 +29,10 @@ def workers(stack: Stack) -> None:
     stack.worker("kids-a", pool="prefork", concurrency=1)
     stack.worker("kids-b", pool="prefork", concurrency=1)
     stack.beat()
+
+
+def child_session(session: str, turn_id: str, call_id: str) -> str:
+    return child_session_id(session, child_turn_id(SessionRef("boss", session), turn_id, call_id), call_id)
 
 
 def _status(stack: Stack, agent: str, session: str, turn_id: str) -> str | None:
@@ -83,7 +87,9 @@ def test_four_children_run_in_parallel_on_two_workers_and_the_parent_completes_w
         assert f"'text': \"scouted {{'i': {i}}}\"" in result["text"] or f"scouted {{'i': {i}}}" in result["text"]
     # one child turn per call, each completed, each child's work done once
     children = _children(stack, session, turn_id)
-    assert [(s, st) for s, _, st in children] == [(f"{session}:sub:c{i}", "completed") for i in range(1, 5)]
+    assert [(s, st) for s, _, st in children] == [
+        (child_session(session, turn_id, f"c{i}"), "completed") for i in range(1, 5)
+    ]
     assert {t for _, t, _ in children} == {
         child_turn_id(SessionRef("boss", session), turn_id, f"c{i}") for i in range(1, 5)
     }
@@ -99,9 +105,21 @@ def test_four_children_run_in_parallel_on_two_workers_and_the_parent_completes_w
     parked = [e["request"]["id"] for e in events if e["type"] == "input.requested"]
     assert sorted(parked) == sorted(f"child:scout:{t}" for _, t, _ in children)
     assert [e["trigger"]["kind"] for e in events if e["type"] == "turn.started"] == ["proactive", "resume"]
+    # the parent's events name each call's child turn (its agent, session and turn id)
+    named = sorted(
+        (e["child_agent"], e["child_session"], e["child_turn_id"])
+        for e in events
+        if e["type"] in ("input.requested", "action.completed")
+    )
+    assert named == sorted(2 * [("scout", s, t) for s, t, _ in children])
+    assert all(e["batch_limit"] == 4 for e in events if e["type"] == "action.requested")
     # each child's opening names its parent and call
     for i in range(1, 5):
-        started = [e for e in stack.structural("scout", f"{session}:sub:c{i}") if e["type"] == "turn.started"]
+        started = [
+            e
+            for e in stack.structural("scout", child_session(session, turn_id, f"c{i}"))
+            if e["type"] == "turn.started"
+        ]
         assert started[0]["parent"]["turn_id"] == turn_id and started[0]["parent"]["call_id"] == f"c{i}"
 
 
@@ -127,7 +145,7 @@ def test_a_worker_killed_after_its_child_ended_before_answering_leaves_the_paren
     )
     wait_for(lambda: doomed.popen.poll() is not None, timeout_s=60, what="the worker to die at the crash point")
     doomed.kill()
-    assert _status(stack, "scout", f"{session}:sub:c1", child) == "completed"
+    assert _status(stack, "scout", child_session(session, turn_id, "c1"), child) == "completed"
     assert _status(stack, "boss", session, turn_id) == "suspended"  # nobody answered it
 
     # When the sweeper runs, Then the parent wakes with the child's result and completes on another worker
@@ -213,7 +231,7 @@ def test_cancelling_a_parent_parked_on_its_child_cancels_both_and_the_session_se
     stack.redis.set(f"it:scout:{key}:release", "1")
 
     # Then the child ends cancelled (its parent's cancel), and so does the parent
-    child_result = _ended(stack, "scout", f"{session}:sub:c1", child)
+    child_result = _ended(stack, "scout", child_session(session, turn_id, "c1"), child)
     assert child_result["status"] == "cancelled" and child_result["reason"] == "parent"
     assert _ended(stack, "boss", session, turn_id)["status"] == "cancelled"
     # and neither session is wedged: the parent's serves its next turn
@@ -239,7 +257,7 @@ def test_a_childs_request_for_a_person_is_told_on_the_parents_stream_and_answeri
     assert (event["turn_id"], event["child_agent"], event["child_session"], event["child_turn_id"]) == (
         turn_id,
         "scout",
-        f"{session}:sub:c1",
+        child_session(session, turn_id, "c1"),
         child,
     )
     assert event["request"]["id"] == "go"
@@ -248,7 +266,13 @@ def test_a_childs_request_for_a_person_is_told_on_the_parents_stream_and_answeri
     # When the person answers on the child's session
     out = stack.send(
         "june.resume",
-        {"agent": "scout", "session": f"{session}:sub:c1", "turn_id": child, "input_id": "go", "value": True},
+        {
+            "agent": "scout",
+            "session": child_session(session, turn_id, "c1"),
+            "turn_id": child,
+            "input_id": "go",
+            "value": True,
+        },
     ).get(timeout=30)
     assert out["status"] == "accepted"
 
@@ -271,7 +295,7 @@ def test_resetting_a_parent_parked_on_its_child_cancels_the_child_and_archives_t
     stack.redis.set(f"it:scout:{key}:release", "1")
 
     # Then the child ends cancelled, the parent's park was ended by the reset, and the session goes on
-    child_result = _ended(stack, "scout", f"{session}:sub:c1", child)
+    child_result = _ended(stack, "scout", child_session(session, turn_id, "c1"), child)
     assert child_result["status"] == "cancelled" and child_result["reason"] == "parent"
     assert _ended(stack, "boss", session, turn_id)["status"] == "cancelled"
     nxt = stack.turn("boss", session, "fresh start")
@@ -301,7 +325,7 @@ def test_a_child_that_ended_behind_another_open_request_is_answered_by_the_sweep
         queue=doomed_queue,
     )
     wait_for(
-        lambda: _status(stack, "scout", f"{session}:sub:c2", second) == "completed",
+        lambda: _status(stack, "scout", child_session(session, turn_id, "c2"), second) == "completed",
         timeout_s=60,
         what="the second child to end",
     )
@@ -326,3 +350,85 @@ def test_a_child_that_ended_behind_another_open_request_is_answered_by_the_sweep
     assert len(_children(stack, session, turn_id)) == 2
     assert [int(stack.redis.get(f"it:scout:{key}:{i}") or 0) for i in (1, 2)] == [1, 1]
     doomed.kill()
+
+
+def _open_requests(stack: Stack, agent: str, session: str) -> list[str]:
+    (parked,) = stack.sql("select suspended from june_sessions where agent = %s and session = %s", agent, session)[0]
+    parked = parked if isinstance(parked, dict) or parked is None else json.loads(parked)
+    if parked is None:
+        return []
+    return [parked["request"]["id"], *(m["request"]["id"] for m in parked.get("more", []))]
+
+
+def test_a_cancelled_parent_parked_on_a_child_and_a_person_ends_cancelled_when_the_child_ends(stack: Stack) -> None:
+    key, session = uuid.uuid4().hex[:8], f"boss-cask-{uuid.uuid4().hex[:8]}"
+    # Given a parent parked on a child that is still working and on a person's request
+    turn_id = stack.turn("boss", session, f"delegate 1 {key} holdask")
+    child = child_turn_id(SessionRef("boss", session), turn_id, "c1")
+    wait_for(lambda: stack.redis.llen(f"it:scout:{key}:log") == 1, timeout_s=30, what="the child to start working")
+    wait_for(lambda: len(_open_requests(stack, "boss", session)) == 2, timeout_s=30, what="the parent to park on both")
+
+    # When the parent is cancelled (and the child's work then returns)
+    out = stack.send("june.cancel", {"agent": "boss", "session": session, "turn_id": turn_id}).get(timeout=30)
+    assert out["status"] == "cancel-requested" and out["child_turn_ids"] == [child]
+    stack.redis.set(f"it:scout:{key}:release", "1")
+
+    # Then the child ends cancelled, and the parent too, though nobody answered the person's request
+    assert _ended(stack, "scout", child_session(session, turn_id, "c1"), child)["reason"] == "parent"
+    assert _ended(stack, "boss", session, turn_id) == {"turn_id": turn_id, "status": "cancelled", "reason": "requested"}
+    assert _open_requests(stack, "boss", session) == []
+    nxt = stack.turn("boss", session, "hello again")
+    assert _ended(stack, "boss", session, nxt)["text"] == "ok: hello again"
+
+
+def test_a_worker_killed_right_after_a_cancelled_child_answered_its_parent_leaves_the_parent_cancelled(
+    stack: Stack,
+) -> None:
+    key, session = uuid.uuid4().hex[:8], f"boss-cdie-{uuid.uuid4().hex[:8]}"
+    turn_id = f"t_{uuid.uuid4().hex}"
+    child = child_turn_id(SessionRef("boss", session), turn_id, "c1")
+    # Given a parent parked on a working child, both on a worker that dies right after the child's answer commits
+    # (the parent queued again, not yet sent on)
+    doomed_queue = f"{stack.queue}.{session}"
+    doomed = stack.worker(
+        f"doomed-{session[-6:]}",
+        pool="solo",
+        queues=doomed_queue,
+        env={"JUNE_CRASH_AT": f"after-parent-answer@{child}", "JUNE_QUEUE": doomed_queue},
+    )
+    stack.send(
+        "june.turn",
+        {"turn_id": turn_id, "agent": "boss", "session": session, "text": f"delegate 1 {key} hold"},
+        queue=doomed_queue,
+    )
+    wait_for(lambda: stack.redis.llen(f"it:scout:{key}:log") == 1, timeout_s=60, what="the child to start working")
+    assert _status(stack, "boss", session, turn_id) == "suspended"
+
+    # When the parent is cancelled, the child's work returns, and the worker dies after the child's answer
+    out = stack.send("june.cancel", {"agent": "boss", "session": session, "turn_id": turn_id}).get(timeout=30)
+    assert out["status"] == "cancel-requested"
+    stack.redis.set(f"it:scout:{key}:release", "1")
+    wait_for(lambda: doomed.popen.poll() is not None, timeout_s=60, what="the worker to die at the crash point")
+    doomed.kill()
+
+    # Then the parent's cancel was stored with that answer: the sweeper sends it on, and it ends cancelled
+    assert _status(stack, "scout", child_session(session, turn_id, "c1"), child) == "cancelled"
+    assert _ended(stack, "boss", session, turn_id)["status"] == "cancelled"
+
+
+def test_a_parent_that_fails_cancels_its_child_turns_on_the_workers(stack: Stack) -> None:
+    key, session = uuid.uuid4().hex[:8], f"boss-fail-{uuid.uuid4().hex[:8]}"
+    # Given a parent whose second call fails the turn while its first call's child works on another worker
+    turn_id = stack.turn("boss", session, f"delegate 1 {key} holdfail")
+    child = child_turn_id(SessionRef("boss", session), turn_id, "c1")
+
+    # When the parent fails
+    result = _ended(stack, "boss", session, turn_id)
+    assert result["status"] == "failed" and "gives up" in result["error"]["message"]
+
+    # Then the child is asked to stop, and ends cancelled once its work returns
+    rows = stack.sql("select cancel_reason from june_turns where agent = 'scout' and turn_id = %s", child)
+    assert rows == [("parent",)]
+    stack.redis.set(f"it:scout:{key}:release", "1")
+    child_result = _ended(stack, "scout", child_session(session, turn_id, "c1"), child)
+    assert child_result == {"turn_id": child, "status": "cancelled", "reason": "parent"}

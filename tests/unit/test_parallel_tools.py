@@ -128,12 +128,27 @@ async def test_each_call_commits_its_result_as_it_finishes_and_the_events_say_wh
     assert [e.call.id for e in stored if isinstance(e, ActionCompleted)] == ["c4", "c3", "c2", "c1"]
 
 
+async def test_the_events_of_a_batch_larger_than_the_limit_say_how_many_of_it_run_at_once(store_kind: str) -> None:
+    store = make_store(store_kind)
+    probe = Probe()
+    seen = Recorder()
+    rt = runtime_with(store, ScriptedModel(_script(_lookups())), [lookup_tool(probe)], parallel_tools=2)
+    rt.session("ops", "s1").observe(seen)
+    await rt.session("ops", "s1").turn("look up four keys", turn_id="t1")
+    requested: list[ActionRequested] = seen.of("action.requested")
+    # the batch is every async call of the reply; batch_limit of them run at once (and did: no more)
+    assert [(e.batch, e.batch_limit) for e in requested] == [(CALLS, 2)] * 4
+    assert probe.most == 2
+    assert requested[0].model_dump(mode="json")["batch_limit"] == 2
+
+
 async def test_a_serial_agent_says_each_call_runs_alone(store_kind: str) -> None:
     seen = Recorder()
     rt = runtime_with(make_store(store_kind), ScriptedModel(_script(_lookups(2))), [lookup_tool(Probe())])
     rt.session("ops", "s1").observe(seen)
     await rt.session("ops", "s1").turn("look up", turn_id="t1")
-    assert [e.batch for e in seen.of("action.requested")] == [None, None]
+    assert [(e.batch, e.batch_limit) for e in seen.of("action.requested")] == [(None, None), (None, None)]
+    assert "batch_limit" not in seen.of("action.requested")[0].model_dump(mode="json")
 
 
 # --- crashes at every commit of a parallel batch ---------------------------------------------------------
@@ -295,3 +310,115 @@ def test_parallel_tools_must_be_a_positive_whole_number() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(AgentDefinitionError, match="parallel_tools"):
             runtime_with(make_store("memory"), ScriptedModel(["hi"]), parallel_tools=bad)
+
+
+def _two_calls() -> list[dict[str, Any]]:
+    return [{"id": "c1", "name": "first", "input": {}}, {"id": "c2", "name": "second", "input": {}}]
+
+
+def _first_and_second(second_started: asyncio.Event, first: Any, release: asyncio.Event | None = None) -> list[Tool]:
+    """Tools ``first`` (call c1) and ``second`` (c2): ``second`` says it started, then waits for ``release`` (or
+    until it is cancelled); ``first`` is given, and waits for ``second_started`` itself."""
+
+    @tool
+    async def second(ctx: ToolContext) -> str:
+        """Start, then wait."""
+        second_started.set()
+        await (release or asyncio.Event()).wait()
+        return "second done"
+
+    return [tool(first), second]
+
+
+async def test_a_call_whose_result_the_store_refuses_fails_the_turn_at_its_own_step_not_a_sibling_s() -> None:
+    from june_worker.engine.store import Commit
+    from june_worker.errors import StoreError
+    from june_worker.stores import MemoryStore
+
+    class RefusesC1(MemoryStore):
+        def commit(self, ref: Any, commit: Any, *, fence: int | None = None) -> Any:
+            if isinstance(commit, Commit) and any(s.step_id == "tool:1:c1" for s in commit.steps):
+                raise StoreError("the store refused the row")
+            return super().commit(ref, commit, fence=fence)
+
+    started = asyncio.Event()
+
+    async def first(ctx: ToolContext) -> str:
+        """Return once the other call runs."""
+        await started.wait()
+        return "first done"
+
+    store = RefusesC1()
+    rt = runtime_with(store, ScriptedModel(_script(_two_calls())), _first_and_second(started, first), parallel_tools=2)
+    session = rt.session("ops", "s1")
+    # Given two calls running together, the second started after the first
+    await session.start("go", turn_id="t1")
+
+    # When the first call's result cannot be committed (a fault outside any tool)
+    result = await session.result("t1")
+
+    # Then the turn fails at the first call's step, not at the step of the call that started last
+    assert result.status == "failed" and "refused the row" in result.error.message
+    assert (result.phase, result.step) == ("tool", "tool:1:c1")
+
+
+async def test_a_transient_fault_in_a_parallel_call_is_logged_at_that_calls_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from june_worker.errors import StoreUnavailableError
+
+    started, raised = asyncio.Event(), Counter()
+
+    async def first(ctx: ToolContext) -> str:
+        """Meet a lost connection once the other call runs, then succeed."""
+        await started.wait()
+        raised.runs += 1
+        if raised.runs == 1:
+            raise StoreUnavailableError("the connection was lost")
+        return "first done"
+
+    release = asyncio.Event()
+    store = make_store("memory")
+    tools = _first_and_second(started, first, release)
+    session = runtime_with(store, ScriptedModel(_script(_two_calls())), tools, parallel_tools=2).session("ops", "s1")
+    # Given two calls running together, the second started after the first
+    with caplog.at_level("WARNING", logger="june_worker.turn"):
+        await session.start("go", turn_id="t1")
+        # When the first meets a transient fault, and its step runs again
+        while raised.runs < 2:
+            await asyncio.sleep(0.01)
+        release.set()
+        assert (await session.result("t1")).status == "completed"
+    # Then the log names the first call's step, not the step of the call that started last
+    faults = [r.getMessage() for r in caplog.records if "transient fault" in r.getMessage()]
+    assert faults and all("transient fault at tool:1:c1 " in m for m in faults), faults
+
+
+async def test_the_async_calls_of_a_batch_start_before_its_sync_calls_run(store_kind: str) -> None:
+    order: list[str] = []
+
+    @tool
+    async def fetch(ctx: ToolContext) -> str:
+        """An async call: note when it starts and ends."""
+        order.append("fetch started")
+        await asyncio.sleep(0.05)
+        order.append("fetch ended")
+        return "fetched"
+
+    @tool
+    def record(ctx: ToolContext) -> str:
+        """A sync call: note when it runs."""
+        order.append("record ran")
+        return "recorded"
+
+    store = make_store(store_kind)
+    calls = [
+        {"id": "c1", "name": "record", "input": {}},
+        *({"id": f"c{i}", "name": "fetch", "input": {}} for i in (2, 3)),
+    ]
+    rt = runtime_with(store, ScriptedModel(_script(calls)), [record, fetch], parallel_tools=2)
+    # Given a sync call before two async ones in a batch, When the batch runs
+    assert await rt.session("ops", "s1").turn("go", turn_id="t1") == "all looked up"
+    # Then the async calls were already waiting while the sync one ran; results keep call order
+    assert order == ["fetch started", "fetch started", "record ran", "fetch ended", "fetch ended"]
+    assert _tool_messages(store) == ["c1", "c2", "c3"]

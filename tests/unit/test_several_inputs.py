@@ -70,6 +70,17 @@ async def _parked(store: SessionStore, runs: Counter | None = None, **kw: Any) -
     return session, seen
 
 
+async def _parked_by_a_process_that_ended(store: SessionStore, **kw: Any) -> None:
+    """Park the turn on a runtime of its own event loop, then close that loop: no timer of it survives (as when
+    the process that parked the turn ended)."""
+    import asyncio
+
+    def park() -> None:
+        asyncio.run(_parked(store, **kw))
+
+    await asyncio.to_thread(park)
+
+
 def _signed(store: SessionStore) -> list[Any]:
     return [m.result for m in transcript(store) if isinstance(m, ToolMessage)]
 
@@ -105,6 +116,26 @@ async def test_each_request_is_answered_on_its_own_and_the_turn_goes_on_after_th
     resumed = [e for e in seen.of("turn.started") if isinstance(e, TurnStarted) and e.trigger.kind == "resume"]
     assert len(resumed) == 1
     assert runs.runs == 4  # each call ran again once, after the park
+
+
+async def test_a_partial_answer_rewrites_the_turns_stored_result_to_the_requests_still_open(store_kind: str) -> None:
+    from june_worker.gateway.routes import recorded_outcome
+
+    store = make_store(store_kind)
+    session, _ = await _parked(store)
+    rec = store.get_turn(REF, "t1")
+    assert rec is not None and isinstance(rec.result, Suspended) and [q.id for q in rec.result.more] == ["legal-ok"]
+
+    # When one of the two requests is answered
+    await session.resume("t1", "finance-ok", True, by="cfo")
+
+    # Then the turn's row (what a reader falls back on when the stream lost the events) waits on the other only
+    rec = store.get_turn(REF, "t1")
+    assert rec is not None and rec.status == "suspended" and isinstance(rec.result, Suspended)
+    assert (rec.result.request.id, rec.result.more) == ("legal-ok", [])
+    outcome = recorded_outcome(rec, "1-0")
+    assert outcome is not None and outcome.status == "suspended" and outcome.inputs is None
+    assert outcome.input is not None and outcome.input["id"] == "legal-ok"
 
 
 async def test_each_request_keeps_its_own_answerers(store_kind: str) -> None:
@@ -167,7 +198,7 @@ async def test_a_park_left_by_a_process_that_ended_expires_request_by_request_in
     import asyncio
 
     store = make_store("sqlite", tmp_path)
-    await _parked(store, timeouts={"finance": 0.05, "legal": 0.3})
+    await _parked_by_a_process_that_ended(store, timeouts={"finance": 0.05, "legal": 0.3})
     await asyncio.sleep(0.1)  # the first request's time passes while no runtime runs
     rt = runtime_with(store, ScriptedModel(SCRIPT), [sign_off_tool(Counter())], parallel_tools=4)
     session = rt.session("ops", "s1")
@@ -181,6 +212,72 @@ async def test_a_park_left_by_a_process_that_ended_expires_request_by_request_in
         await asyncio.sleep(0.01)
     assert (await session.result("t1")).status == "completed"
     assert _signed(store) == [{"desk": "finance", "signed": None}, {"desk": "legal", "signed": None}]
+
+
+async def test_a_turn_sent_after_one_request_of_the_park_expired_is_rejected_at_once_while_another_is_open(
+    tmp_path: Path,
+) -> None:
+    import asyncio
+
+    from june_worker.errors import TurnRejectedError
+
+    store = make_store("sqlite", tmp_path)
+    await _parked_by_a_process_that_ended(store, timeouts={"finance": 0.05})
+    await asyncio.sleep(0.1)  # the finance request's time passes while no runtime runs
+    rt = runtime_with(store, ScriptedModel(SCRIPT), [sign_off_tool(Counter())], parallel_tools=4)
+    session = rt.session("ops", "s1")
+
+    # When a new turn is sent: the start answers the expired request with a timeout, and the park goes on
+    with pytest.raises(TurnRejectedError, match="legal-ok"):
+        await session.start("another thing", turn_id="t2")
+
+    # Then it was refused at once, never queued behind a park that is still there
+    parked = session.pending()
+    assert parked is not None and [i.request.id for i in parked.inputs()] == ["legal-ok"]
+    rec = store.get_turn(REF, "t2")
+    assert rec is not None and rec.status == "rejected"
+    assert store.unfinished_turns(REF) == []
+
+
+async def test_many_answers_landing_at_once_all_apply_however_often_each_loses_a_race(store_kind: str) -> None:
+    import asyncio
+
+    from june_worker import Agent, Runtime
+    from june_worker.engine.agent import AnswerRequest
+
+    n = 16
+
+    @tool
+    async def desk(ctx: ToolContext, i: int) -> dict[str, Any]:
+        """Ask desk i."""
+        return {"i": i, "ok": await ctx.request_input(id=f"r{i}", prompt="Sign?", answerers={"policy": "desk"})}
+
+    async def authorize(req: AnswerRequest) -> bool:
+        await asyncio.sleep(0)  # every answer reads the park, then they all commit: one wins each round
+        return True
+
+    store = make_store(store_kind)
+    calls = [{"id": f"c{i}", "name": "desk", "input": {"i": i}} for i in range(n)]
+    agent = Agent(
+        name="ops",
+        model=ScriptedModel([Reply("", calls=calls), "all signed"]),
+        tools=[desk],
+        parallel_tools=n,
+        authorize_answer=authorize,
+    )
+    session = Runtime([agent], store).session("ops", "s1")
+    # Given a turn parked on 16 requests (a parent's 16 children, say)
+    await session.start("go", turn_id="t1")
+    assert isinstance(await session.result("t1"), Suspended)
+
+    # When all 16 answers land at the same moment: each round, one applies and every other loses the race
+    await asyncio.gather(*(session.resume("t1", f"r{i}", True, by="op") for i in range(n)))
+
+    # Then every one of them applied (none got a conflict), and the turn went on once, with all its answers
+    assert (await session.result("t1")).status == "completed"
+    assert _signed(store) == [{"i": i, "ok": True} for i in range(n)]
+    answered = [e for e in store.events(REF) if isinstance(e, InputAnswered)]
+    assert len(answered) == n - 1 and sorted(e.open for e in answered) == list(range(1, n))
 
 
 PARK_CRASHES = [("before-publish", "turn:end")]

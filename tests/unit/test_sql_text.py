@@ -42,6 +42,7 @@ def test_every_commit_shape_of_an_ordinary_step_is_short_enough_for_psycopgs_que
             turn=True,
             not_cancelled=opening,
             turn_error=False,
+            cancel=False,
             release=release,
             deliver=deliver,
         )
