@@ -28,7 +28,6 @@ from ..errors import (
     PayloadError,
     ResetNotSupportedError,
     ResumeConflictError,
-    TransientError,
     TurnCancelledError,
     TurnError,
     TurnFailedError,
@@ -47,7 +46,7 @@ from .children import (
     refuse_reserved,
 )
 from .events import Cancelled, Completed, Failed, Rejected, Suspended, TurnResult
-from .failures import DEFAULT_MAX_ATTEMPTS, backoff_s
+from .failures import DEFAULT_MAX_ATTEMPTS, Failure, backoff_s, classify
 from .fanout import FanoutSink, Observer
 from .ids import new_turn_id, validate_session_id
 from .loop import CrashHook, TurnRunner, reject_turn
@@ -474,10 +473,14 @@ class AgentSession:
             )
             try:
                 result = await runner.run()
-            except TransientError as exc:
-                # The store (or the model) failed for longer than one attempt's retries: start another attempt
-                # later (it is counted, so a fault that never passes ends the turn as poison), unless even
-                # counting fails as long.
+            except Exception as exc:
+                if classify(exc, phase="store") is not Failure.TRANSIENT:  # a bug: this host stops, the store keeps it
+                    self._fail_waiters(rec.turn_id, exc)
+                    log.exception("turn %s of %s stopped without a result", rec.turn_id, self.ref)
+                    return
+                # The store (or the model: a retryable provider error) failed for longer than one attempt's
+                # retries: start another attempt later (it is counted, so a fault that never passes ends the
+                # turn as poison), unless even counting fails as long.
                 transient += 1
                 if transient <= self.runtime.max_attempts:
                     log.warning(
@@ -489,14 +492,12 @@ class AgentSession:
                     await asyncio.sleep(backoff_s(transient, base_s=0.2, cap_s=5.0))
                     continue
                 self._fail_waiters(rec.turn_id, exc)
-                log.error("turn %s of %s: the store stayed unavailable; drain stopped", rec.turn_id, self.ref)
+                log.error("turn %s of %s: the transient fault did not pass; drain stopped", rec.turn_id, self.ref)
                 return
-            except BaseException as exc:  # an injected crash, a bug: this host stops here, the store keeps the turn
+            except BaseException as exc:  # an injected crash: this host stops here, the store keeps the turn
                 self._fail_waiters(rec.turn_id, exc)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
-                if isinstance(exc, Exception):
-                    log.exception("turn %s of %s stopped without a result", rec.turn_id, self.ref)
                 return
             finally:
                 self._cancels.pop(rec.turn_id, None)

@@ -30,7 +30,7 @@ import redis
 from ..engine.agent import Agent
 from ..engine.crash import CrashAt
 from ..engine.events import TurnEvent, TurnResult
-from ..engine.failures import backoff_s
+from ..engine.failures import Failure, backoff_s, classify
 from ..engine.loop import TurnRunner, reject_turn
 from ..engine.resume import reset_park_commit, timeout_commit
 from ..engine.store import (
@@ -44,7 +44,7 @@ from ..engine.store import (
     TurnPayload,
     TurnRecord,
 )
-from ..errors import ConfigError, LeaseLostError, ResumeConflictError, TransientError
+from ..errors import ConfigError, LeaseLostError, ResumeConflictError
 from ..events._redis_url import connect
 from ..events.keys import EventKeys
 from ..events.redis_stream import RedisStreamSink, Trim
@@ -225,19 +225,22 @@ class WorkerHost:
         (the task retries later; the sweeper re-sends what stayed unfinished).
         """
         ran: dict[str, TurnResult] = {}
-        tries = self.settings.max_attempts + 1
-        for attempt in range(tries):
+        failed = 0  # attempts in a row that ended on a transient fault, since the last turn that ended
+        while True:
+            done = len(ran)
             try:
-                self._drain(ref, ran, lease, retry=attempt > 0)
+                self._drain(ref, ran, lease, retry=failed > 0)
                 return ran
-            except TransientError as exc:
-                if attempt == tries - 1:
+            except Exception as exc:
+                if classify(exc, phase="store") is not Failure.TRANSIENT:
+                    raise
+                failed = 1 if len(ran) > done else failed + 1
+                if failed > self.settings.max_attempts:
                     raise
                 # Whatever committed stays committed; replay from a fresh read under a fresh lease.
                 log.warning("draining %s hit a transient fault (%s); trying again", ref, exc)
-                time.sleep(backoff_s(attempt, base_s=0.1, cap_s=2.0))
+                time.sleep(backoff_s(failed - 1, base_s=0.1, cap_s=2.0))
                 lease = None
-        return ran
 
     def intake(self, ref: SessionRef, turn_id: str, payload: TurnPayload) -> tuple[Intake, dict[str, TurnResult]]:
         """Record a turn and take the session's lease in one statement (:meth:`SessionQueue.intake`); if the

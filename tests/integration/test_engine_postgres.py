@@ -24,7 +24,10 @@ from tests.unit.test_context_policy import (  # noqa: F401 - collected here, on 
     test_reported_usage_past_the_threshold_makes_the_next_turn_compact_before_its_request,
 )
 from tests.unit.test_failure_policy import (  # noqa: F401 - collected here, on Postgres
+    no_backoff,
     test_a_rejected_turn_is_recorded_rejected_in_one_write_with_its_event,
+    test_a_retryable_provider_error_that_never_passes_ends_the_turn_as_poison_and_the_session_goes_on,
+    test_a_retryable_provider_error_that_passes_on_a_later_attempt_completes_the_turn,
     test_a_sync_tool_that_catches_a_failed_statement_keeps_the_steps_transaction_usable,
     test_a_turn_that_ended_keeps_its_status_whatever_commits_later,
     test_a_turn_whose_process_dies_every_time_ends_failed_after_max_attempts,

@@ -55,6 +55,56 @@ def test_a_tool_that_kills_its_process_every_time_ends_its_turn_failed_after_max
     assert stack.wait_terminal("ops", session_id, after)["type"] == "turn.completed"
 
 
+# --- a retryable provider error that outlasts a step's retries -------------------------------------
+
+
+def _dispatched_at(stack: Stack, agent: str, session: str, turn_id: str) -> Any:
+    rows = stack.sql(
+        "select dispatched_at from june_turns where agent = %s and session = %s and turn_id = %s",
+        agent,
+        session,
+        turn_id,
+    )
+    return rows[0][0]
+
+
+def test_a_retryable_provider_error_that_never_passes_ends_the_turn_as_poison_and_the_next_turn_runs(
+    stack: Stack, session_id: str
+) -> None:
+    from june_worker.engine.failures import STEP_RETRIES
+
+    key = uuid.uuid4().hex
+    turn_id = stack.turn("overloaded", session_id, f"overloaded never {key}")
+    after = stack.turn("overloaded", session_id, "hello")
+    failed = stack.wait_terminal("overloaded", session_id, turn_id, timeout_s=60)
+    assert failed["type"] == "turn.failed"
+    assert (failed["error"]["type"], failed["phase"], failed["step"]) == ("PoisonTurnError", "model", "model:1")
+    assert f"given up after {MAX_ATTEMPTS} attempts" in failed["error"]["message"]
+    assert "overloaded" in failed["error"]["message"]  # the last error, for whoever reads the failure
+    row = stack.turn_row("overloaded", session_id, turn_id)
+    assert row is not None and row["status"] == "failed" and row["attempts"] == MAX_ATTEMPTS
+    assert int(stack.redis.get(f"it:overloaded:{key}") or 0) == MAX_ATTEMPTS * (1 + STEP_RETRIES)
+    # The worker retried the attempts itself, with backoff: nothing waited for the lease to lapse and a sweep.
+    assert _dispatched_at(stack, "overloaded", session_id, turn_id) is None
+    assert stack.wait_terminal("overloaded", session_id, after)["type"] == "turn.completed"
+
+
+def test_a_retryable_provider_error_that_passes_on_a_later_attempt_completes_the_turn(
+    stack: Stack, session_id: str
+) -> None:
+    from june_worker.engine.failures import STEP_RETRIES
+
+    key = uuid.uuid4().hex
+    fails = (MAX_ATTEMPTS - 1) * (1 + STEP_RETRIES)  # every attempt but the last fails, the last passes
+    turn_id = stack.turn("overloaded", session_id, f"overloaded {fails} {key}")
+    done = stack.wait_terminal("overloaded", session_id, turn_id, timeout_s=60)
+    assert done["type"] == "turn.completed"
+    row = stack.turn_row("overloaded", session_id, turn_id)
+    assert row is not None and row["status"] == "completed" and row["attempts"] == MAX_ATTEMPTS
+    assert int(stack.redis.get(f"it:overloaded:{key}") or 0) == fails + 1
+    assert _dispatched_at(stack, "overloaded", session_id, turn_id) is None
+
+
 # --- item 6: a rejected turn is never queued, so nothing can run it --------------------------------
 
 
