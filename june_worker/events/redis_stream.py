@@ -294,6 +294,21 @@ class RedisStreamSink:
             log.info("relayed %d event(s) of %s after seq %d", appended, ref, after)
         return appended
 
+    def catch_up(self, store: EventLog, ref: SessionRef, committed: int) -> None:
+        """:meth:`relay` if the stream is behind ``committed`` (the session's event count); never raises for Redis.
+
+        For a holder that just took a session: a Redis error is logged, the sink goes quiet like
+        after a failed publish, and the events wait in the store for the next publish or the sweeper.
+        The store's own errors propagate (they are the caller's failure policy's).
+        """
+        if self._quiet():
+            return
+        try:
+            if self.relayed_seq(ref) < committed:
+                self.relay(store, ref)
+        except redis.RedisError as exc:
+            self._failed(exc, f"relay of {ref}")
+
     def relayed_seq(self, ref: SessionRef) -> int:
         """The highest seq appended everywhere this sink writes (session stream and firehose)."""
         return self.relayed_seqs([ref])[0]

@@ -279,8 +279,9 @@ class WorkerHost:
                 self._running.fence = fence
             # Events a previous holder committed but did not publish. A new session has none, and
             # a stream whose markers already reach the committed count needs no read of the outbox.
-            if lease.event_seq > 0 and self.sink.relayed_seq(ref) < lease.event_seq:
-                self.sink.relay(self.store, ref)
+            # Redis unreachable is no reason not to run the turn: those events wait in the outbox for the sweeper.
+            if lease.event_seq > 0:
+                self.sink.catch_up(self.store, ref, lease.event_seq)
             rec, reset_pending, snapshot = lease.turn, lease.reset_pending, lease.snapshot
             if rec is not None and rec.status == "running" and not retry:
                 self.observer.took_over(ref, rec)  # observe: a turn another process left running

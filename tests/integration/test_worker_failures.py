@@ -225,6 +225,32 @@ def test_events_committed_while_redis_was_down_are_relayed_however_old_the_sessi
     assert stack.sql("select relayed_seq = event_seq from june_sessions where session = %s", session) == [(True,)]
 
 
+def test_a_turn_on_a_session_with_history_completes_while_the_events_redis_is_down_and_is_relayed_after(
+    split: tuple[Stack, RedisServer],
+) -> None:
+    stack, events_redis = split
+    session = f"dark-{uuid.uuid4().hex[:6]}"
+    stack.worker("split", pool="solo")
+    first = stack.turn("ops", session, "order 1 nut")
+    assert stack.wait_terminal("ops", session, first)["type"] == "turn.completed"  # the session has events
+    events_redis.stop()
+    second = stack.turn("ops", session, "order 2 bolt")  # its holder cannot read the stream's marker
+
+    def completed() -> bool:
+        return (stack.turn_row("ops", session, second) or {}).get("status") == "completed"
+
+    wait_for(completed, timeout_s=30, what="the turn to complete in Postgres while Redis is down")
+    assert stack.sql("select count(*) from it_orders where turn_id = %s", second) == [(1,)]
+    events_redis.start()  # empty: the sweeper rebuilds the stream from the outbox
+    stack.beat()
+    wait_for(
+        lambda: [e["seq"] for e in stack.structural("ops", session)] == list(range(1, 13)),
+        timeout_s=30,
+        what="the sweeper to relay both turns' events",
+    )
+    assert [e["type"] for e in stack.structural("ops", session) if e["turn_id"] == second][-1] == "turn.completed"
+
+
 # --- item 7: a cancel signal that arrives while the next turn is being picked -------------------------
 
 
