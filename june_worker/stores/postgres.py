@@ -611,14 +611,38 @@ class _Handle:
         return self.begin()
 
 
+_UNAVAILABLE_SQLSTATES = frozenset(
+    {
+        "57P01",  # admin_shutdown: pg_terminate_backend, a fast shutdown
+        "57P02",  # crash_shutdown
+        "57P03",  # cannot_connect_now: the server is starting or in recovery
+        "53300",  # too_many_connections
+        "40001",  # serialization_failure: the transaction runs again
+        "40P01",  # deadlock_detected: the transaction runs again
+    }
+)
+
+
 def _is_unavailable(exc: BaseException) -> bool:
-    """A fault of the connection or the server (lost, shut down, a deadlock or serialization failure to retry),
-    not of the statement: psycopg's ``OperationalError`` family, and ``InterfaceError``; also a statement that
-    met a concurrent schema change mid-way (``cache lookup failed``: it resolved a type or function the change
-    then dropped, as ``june migrate --partitions`` does), which runs again on the new schema."""
+    """A fault of the connection or the server, not of the statement: the connection lost (psycopg's own
+    ``OperationalError`` without a SQLSTATE, ``InterfaceError``, class 08), the server shutting down or not
+    taking connections, a serialization failure or deadlock to run again (:data:`_UNAVAILABLE_SQLSTATES`); also a
+    statement that met a concurrent schema change mid-way (``cache lookup failed``: it resolved a type or function
+    the change then dropped, as ``june migrate --partitions`` does), which runs again on the new schema.
+
+    Anything else the server answers is the statement's own, even in the ``OperationalError`` family: a
+    ``statement_timeout`` (57014), a ``NOWAIT`` lock not available (55P03), a program limit (54xxx) would
+    fail the same way again, so a tool's statement that meets one is the tool's error, not a lost step."""
     if isinstance(exc, pg_errors.InternalError_) and "cache lookup failed" in str(exc):
         return True
-    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+    if isinstance(exc, psycopg.InterfaceError):
+        return True
+    if not isinstance(exc, psycopg.Error):
+        return False
+    state = exc.sqlstate
+    if state is None:
+        return isinstance(exc, psycopg.OperationalError)  # raised by the client: the connection failed
+    return state.startswith("08") or state in _UNAVAILABLE_SQLSTATES
 
 
 @contextlib.contextmanager
