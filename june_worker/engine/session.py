@@ -75,7 +75,10 @@ from .store import (
 )
 from .types import InboundEvent, JsonValue, Principal, ProactiveTrigger
 
-__all__ = ["AgentSession", "Runtime", "parked_reason"]
+__all__ = ["PARK_REARM_FLOOR_S", "AgentSession", "Runtime", "parked_reason"]
+
+PARK_REARM_FLOOR_S = 1.0
+"""How soon a park's timeout is tried again after the store refused it as not due yet (the clocks differ)."""
 
 log = logging.getLogger("june_worker.session")
 
@@ -541,12 +544,16 @@ class AgentSession:
             if not fut.done():
                 fut.set_result(result)
 
-    def _arm(self, turn_id: str) -> None:
-        """Answer the park with a timeout when it expires (``request_input(timeout_s=...)``), by the store's stamp."""
+    def _arm(self, turn_id: str, *, refused: bool = False) -> None:
+        """Answer the park with a timeout when it expires (``request_input(timeout_s=...)``), by the store's stamp.
+
+        ``refused``: the store just refused the timeout as not due by its own clock (this process's clock is
+        ahead of it): try again no sooner than :data:`PARK_REARM_FLOOR_S`, not at once over and over.
+        """
         parked = self.store.pending(self.ref)
         if parked is None or parked.turn_id != turn_id or parked.expires_at is None:
             return
-        delay = max(0.01, parked.expires_at - time.time())
+        delay = max(PARK_REARM_FLOOR_S if refused else 0.01, parked.expires_at - time.time())
         loop = asyncio.get_running_loop()
         self._timers[turn_id] = loop.call_later(delay, lambda: loop.create_task(self._expire()))
 
@@ -610,7 +617,7 @@ class AgentSession:
         try:
             self._apply(commit)
         except ResumeConflictError:  # answered just before the timer fired, or not expired by the store's stamp
-            self._arm(parked.turn_id)
+            self._arm(parked.turn_id, refused=True)
             return
         self._arm(parked.turn_id)  # requests that expire later keep the park
         self._kick()
