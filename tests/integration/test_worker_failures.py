@@ -257,9 +257,11 @@ def test_a_turn_on_a_session_with_history_completes_while_the_events_redis_is_do
 def test_a_cancel_signalled_while_the_worker_picks_the_turn_is_not_missed(
     own_db: str, redis_url: str, session_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import psycopg
+
     from june_worker.engine.events import TurnStarted
     from june_worker.engine.store import Commit, SessionRef, TurnPayload
-    from june_worker.engine.types import ProactiveTrigger, UserMessage
+    from june_worker.engine.types import AssistantMessage, ProactiveTrigger, ToolCall, UserMessage
     from june_worker.worker.host import WorkerHost
     from june_worker.worker.settings import WorkerSettings
 
@@ -268,16 +270,21 @@ def test_a_cancel_signalled_while_the_worker_picks_the_turn_is_not_missed(
     prefix = f"june-it-{uuid.uuid4().hex[:8]}"
     # A long lease: its heartbeat, which also re-reads the cancel, stays out of the picture.
     settings = WorkerSettings(database_url=own_db, redis_url=redis_url, key_prefix=prefix, lease_s=60, alive_s=2)
-    monkeypatch.setenv("JUNE_IT_DELTAS", "1")  # the model answers at once: only the signal can stop the turn
     host = WorkerHost(settings, {a.name: a for a in ALL()})
     try:
-        ref = SessionRef("dribble", session_id)
-        # A turn opened by an earlier attempt (its worker died): the next holder replays it.
-        host.store.enqueue_turn(ref, "t1", TurnPayload(text="talk"))
+        ref = SessionRef("ops", session_id)
+        # A turn opened by an earlier attempt (its worker died) whose next step is a tool: the next holder
+        # replays it. A tool's result is not guarded by the stored cancel (what ran keeps its result), so only
+        # the signal, kept while the turn was being picked, can stop the replay before the tool runs.
+        call = ToolCall(id="c1", name="create_order", input={"item": "bolt", "qty": 1})
+        host.store.enqueue_turn(ref, "t1", TurnPayload(text="order 1 bolt"))
         host.store.commit(
             ref,
             Commit(
-                messages=[(0, UserMessage(turn_id="t1", text="talk"))],
+                messages=[
+                    (0, UserMessage(turn_id="t1", text="order 1 bolt")),
+                    (1, AssistantMessage(turn_id="t1", text="Placing it.", tool_calls=[call])),
+                ],
                 events=[TurnStarted(turn_id="t1", trigger=ProactiveTrigger())],
                 status="running",
                 turn_id="t1",
@@ -299,6 +306,11 @@ def test_a_cancel_signalled_while_the_worker_picks_the_turn_is_not_missed(
         ran = host.drain(ref)
         assert ran["t1"].status == "cancelled"
         types = [e.type for e in host.store.events(ref, turn_id="t1")]
-        assert types == ["turn.started", "turn.cancelled"]  # no model reply, no deltas' message
+        assert types == ["turn.started", "turn.cancelled"]  # no tool's action, no model reply
+        with psycopg.connect(own_db, autocommit=True) as conn:
+            orders = conn.execute("select to_regclass('it_orders') is not null").fetchone()
+        assert orders == (False,)  # the tool never ran (it makes its table on its first run)
+        stream = host.redis.xrange(host.keys.session_stream(ref))
+        assert [f[b"type"] for _, f in stream if f[b"type"] == b"message.delta"] == []  # the model was never asked
     finally:
         host.close()
