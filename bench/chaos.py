@@ -16,7 +16,8 @@ What it does:
 * goes on killing until every accepted turn has ended, then lets the relay catch up.
 
 It prints, and exits 1 if any is not zero: lost turns (accepted, never completed), failed turns,
-duplicate and missing sync writes, duplicate and missing structural events in the session
+duplicate and missing sync writes, duplicate (the same seq twice, or the same event under two seqs:
+a second turn.started of a turn, an action twice) and missing structural events in the session
 streams, stuck sessions (a turn still queued or running); and, for the turns a killed process
 held, how long after the kill each completed (p50 / p99).
 
@@ -39,10 +40,21 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._harness import BenchStack, Proc, children, machine, median, pct, sigterm_as_exit, wait_for  # noqa: E402
+from bench._harness import (  # noqa: E402
+    BenchStack,
+    Proc,
+    children,
+    machine,
+    median,
+    pct,
+    repeated_events,
+    sigterm_as_exit,
+    wait_for,
+)
 
 TERMINAL = ("completed", "failed", "cancelled", "rejected")
 
@@ -191,12 +203,16 @@ def ended(stack: BenchStack, accepted: list[tuple[str, str]]) -> int:
     return int(rows[0][0])
 
 
-def structural_seqs(stack: BenchStack, session: str) -> list[int]:
+def structural_events(stack: BenchStack, session: str) -> list[dict[str, Any]]:
     out = []
     for _, fields in stack.redis.xrange(stack.stream_key("chaos", session)):
         if not fields["type"].endswith(".delta"):
-            out.append(int(json.loads(fields["data"])["seq"]))
+            out.append(json.loads(fields["data"]))
     return out
+
+
+def structural_seqs(stack: BenchStack, session: str) -> list[int]:
+    return [int(e["seq"]) for e in structural_events(stack, session)]
 
 
 def main() -> None:
@@ -268,8 +284,10 @@ def report(
         print(f"# {exc}", file=sys.stderr)
     duplicate_events = missing_events = out_of_order = 0
     for s in sessions:
-        seqs = structural_seqs(stack, s)
-        duplicate_events += len(seqs) - len(set(seqs))
+        events = structural_events(stack, s)
+        seqs = [int(e["seq"]) for e in events]
+        # the same entry appended twice (a seq seen twice), or the same event committed twice (two seqs, one meaning)
+        duplicate_events += len(seqs) - len(set(seqs)) + len(repeated_events({e["seq"]: e for e in events}.values()))
         missing_events += len(set(range(1, committed.get(s, 0) + 1)) - set(seqs))
         out_of_order += sum(1 for a, b in zip(seqs, seqs[1:], strict=False) if b <= a)
     recovery = [finished[t] - k.at for k in chaos.kills for t in k.turns if t in finished and finished[t] >= k.at]
