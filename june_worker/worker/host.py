@@ -486,8 +486,9 @@ class WorkerHost:
         next_lease = time.monotonic() + lease_every
         while not self._stop.wait(tick):
             try:
-                self.queue.beat(self.owner, self.settings.alive_s)
-            except Exception:
+                # with it, the relay marks of what our publishes put in the streams: the sweeper skips those sessions
+                self.queue.beat(self.owner, self.settings.alive_s, relayed=self._relayed())
+            except Exception:  # the marks are lost with it: the sweeper reads those streams' markers instead
                 log.warning("liveness heartbeat of %s failed; will retry", self.owner, exc_info=True)
             if time.monotonic() < next_lease:
                 continue
@@ -506,6 +507,13 @@ class WorkerHost:
                         running.cancel.set(reason)
             except Exception:
                 log.warning("lease heartbeat for %s failed; will retry", running.ref, exc_info=True)
+
+    def _relayed(self) -> dict[SessionRef, int]:
+        """What this process's sinks saw the streams hold, by session, since the last call."""
+        marks = self.sink.take_relayed()
+        for ref, seq in self._turn_sink.take_relayed().items():
+            marks[ref] = max(seq, marks.get(ref, 0))
+        return marks
 
     def _listen(self) -> None:
         """Cancel signals published on the session control channels (the fast path; Postgres is the record).

@@ -234,14 +234,19 @@ class SessionQueue:
         )  # fmt: skip
         return snapshot, len(kept)
 
-    def beat(self, owner: str, alive_s: float) -> None:
-        """This worker process is alive for ``alive_s`` more seconds; after that its leases may be taken over."""
+    def beat(self, owner: str, alive_s: float, *, relayed: dict[SessionRef, int] | None = None) -> None:
+        """This worker process is alive for ``alive_s`` more seconds; after that its leases may be taken over.
+
+        ``relayed``: sessions whose streams this process saw hold their events up to a seq (its publishes'
+        replies), written to their relay marks in the same statement (:meth:`mark_relayed`), so that the
+        sweeper finds only the sessions that are really behind, without a statement of their own.
+        """
         with pooled(self.pool) as conn:
-            conn.execute(
-                f"insert into june_workers (owner, alive_until) values (%s, {_NOW} + %s) "
-                "on conflict (owner) do update set alive_until = excluded.alive_until",
-                (owner, alive_s),
-            )
+            if not relayed:
+                conn.execute(_BEAT, {"o": owner, "l": alive_s})
+                return
+            marks = sorted(relayed.items(), key=lambda m: (m[0].agent, m[0].session))
+            conn.execute(_BEAT_AND_MARK, {"o": owner, "l": alive_s, **_marks_params(marks)})
 
     def forget_dead_workers(self, *, older_than_s: float) -> int:
         with pooled(self.pool) as conn:
@@ -512,17 +517,20 @@ class SessionQueue:
 
     # --- the relay -----------------------------------------------------------------------------------
 
-    def unrelayed(self, *, limit: int) -> list[tuple[SessionRef, int]]:
+    def unrelayed(self, *, limit: int, after: SessionRef | None = None) -> list[tuple[SessionRef, int]]:
         """Sessions nobody holds whose outbox may be ahead of their stream (``event_seq > relayed_seq``, an
-        index), however long ago they were active; with their committed event count."""
+        index), however long ago they were active; with their committed event count. In key order, from
+        past ``after``: a caller that pages on from the last one it got reaches every such session."""
         with pooled(self.pool) as conn:
             rows = conn.execute(
                 f"""
                 select s.agent, s.session, s.event_seq from june_sessions s
                  where s.event_seq > s.relayed_seq and {_LEASE_IS_FREE.format(s="s")}
+                   and (s.agent, s.session) > (%(agent)s, %(session)s)
+                 order by s.agent, s.session
                  limit %(limit)s
                 """,
-                {"limit": limit},
+                {"limit": limit, "agent": after.agent if after else "", "session": after.session if after else ""},
             ).fetchall()
         return [(SessionRef(a, s), int(seq)) for a, s, seq in rows]
 
@@ -531,16 +539,30 @@ class SessionQueue:
         if not marks:
             return
         with pooled(self.pool) as conn:
-            conn.execute(
-                """
-                update june_sessions s set relayed_seq = greatest(s.relayed_seq, m.seq)
-                  from (select * from unnest(%(agents)s::text[], %(sessions)s::text[], %(seqs)s::bigint[])
-                        as m(agent, session, seq)) m
-                 where s.agent = m.agent and s.session = m.session
-                """,
-                {
-                    "agents": [r.agent for r, _ in marks],
-                    "sessions": [r.session for r, _ in marks],
-                    "seqs": [seq for _, seq in marks],
-                },
-            )
+            conn.execute(_MARK_RELAYED, _marks_params(sorted(marks, key=lambda m: (m[0].agent, m[0].session))))
+
+
+_BEAT = f"""
+    insert into june_workers (owner, alive_until) values (%(o)s, {_NOW} + %(l)s)
+    on conflict (owner) do update set alive_until = excluded.alive_until
+"""
+
+# Marks only move forward: two writers (the holder's heartbeat, a sweeper) may mark one session in either order.
+_MARK_RELAYED = """
+    update june_sessions s set relayed_seq = greatest(s.relayed_seq, m.seq)
+      from (select * from unnest(%(agents)s::text[], %(sessions)s::text[], %(seqs)s::bigint[])
+            as m(agent, session, seq)) m
+     where s.agent = m.agent and s.session = m.session and s.relayed_seq < m.seq
+"""
+
+
+_BEAT_AND_MARK = f"with alive as ({_BEAT}), marked as ({_MARK_RELAYED}) select 1"
+"""A heartbeat that also writes the relay marks a holder's publishes confirmed: one statement, one round trip."""
+
+
+def _marks_params(marks: list[tuple[SessionRef, int]]) -> dict[str, Any]:
+    return {
+        "agents": [r.agent for r, _ in marks],
+        "sessions": [r.session for r, _ in marks],
+        "seqs": [seq for _, seq in marks],
+    }

@@ -6,6 +6,7 @@ policy (5ac2ffb).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -249,6 +250,64 @@ def test_a_turn_on_a_session_with_history_completes_while_the_events_redis_is_do
         what="the sweeper to relay both turns' events",
     )
     assert [e["type"] for e in stack.structural("ops", session) if e["turn_id"] == second][-1] == "turn.completed"
+
+
+@pytest.fixture
+def host(own_db: str, redis_url: str) -> Iterator[Any]:
+    """A worker host in this process (no Celery), on a database and key prefix of its own."""
+    from june_worker.worker.host import WorkerHost
+    from june_worker.worker.settings import WorkerSettings
+
+    from .agents import ALL
+
+    prefix = f"june-it-{uuid.uuid4().hex[:8]}"
+    settings = WorkerSettings(database_url=own_db, redis_url=redis_url, key_prefix=prefix, lease_s=60, alive_s=1)
+    h = WorkerHost(settings, {a.name: a for a in ALL()})
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def _relay_marks(h: Any) -> list[tuple[str, int, int]]:
+    with h.store.pool.connection() as conn:
+        rows = conn.execute("select session, relayed_seq, event_seq from june_sessions order by session").fetchall()
+    return [(str(s), int(r), int(e)) for s, r, e in rows]
+
+
+def test_one_sweep_relays_every_session_behind_its_outbox_however_many_pages_they_fill(host: Any) -> None:
+    from june_worker.engine.events import TurnStarted
+    from june_worker.engine.store import Commit, SessionRef, TurnPayload
+    from june_worker.engine.types import ProactiveTrigger
+    from june_worker.worker.sweeper import sweep
+
+    page = 3
+    refs = [SessionRef("ops", f"behind-{i:02d}") for i in range(3 * page + 1)]  # past three full pages
+    for ref in refs:  # committed, never published: a worker died between the commit and the publish
+        host.store.enqueue_turn(ref, "t1", TurnPayload(text="hi"))
+        host.store.commit(ref, Commit(events=[TurnStarted(turn_id="t1", trigger=ProactiveTrigger())]))
+    assert all(relayed == 0 and committed == 1 for _, relayed, committed in _relay_marks(host))
+    summary = sweep(host, lambda rec: None, limit=page)
+    assert summary["relayed"] == len(refs)
+    for ref in refs:
+        entries = host.redis.xrange(host.keys.session_stream(ref))
+        assert [json.loads(f[b"data"])["seq"] for _, f in entries] == [1], ref
+    assert [(relayed, committed) for _, relayed, committed in _relay_marks(host)] == [(1, 1)] * len(refs)
+
+
+def test_a_holder_marks_what_its_publishes_relayed_so_the_sweeper_need_not_look(host: Any) -> None:
+    from june_worker.engine.store import SessionRef, TurnPayload
+
+    ref = SessionRef("ops", f"marked-{uuid.uuid4().hex[:6]}")
+    host.store.enqueue_turn(ref, "t1", TurnPayload(text="order 2 nut"))
+    assert host.drain(ref)["t1"].status == "completed"
+    # No sweeper runs here: the holder's heartbeat writes the mark its publishes' replies confirmed.
+    wait_for(
+        lambda: _relay_marks(host) == [(ref.session, 6, 6)],
+        timeout_s=10,
+        what="the holder to mark its session relayed",
+    )
+    assert len([f for _, f in host.redis.xrange(host.keys.session_stream(ref)) if b"delta" not in f[b"type"]]) == 6
 
 
 # --- item 7: a cancel signal that arrives while the next turn is being picked -------------------------
