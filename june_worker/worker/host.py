@@ -163,7 +163,7 @@ class WorkerHost:
         self.settings = settings
         self.agents = agents if agents is not None else load_agents(settings.agents)
         self.store = PostgresStore(settings.database_url)
-        self.queue = SessionQueue(self.store.pool, lease_s=settings.lease_s)
+        self.queue = SessionQueue(self.store.pool, lease_s=settings.lease_s, max_attempts=settings.max_attempts)
         # Transcripts of sessions this process ran lately: a turn then reads only what it does not hold.
         self.transcripts = TranscriptCache(
             max_sessions=settings.transcript_cache, max_messages=settings.transcript_cache_messages
@@ -282,7 +282,7 @@ class WorkerHost:
             # Redis unreachable is no reason not to run the turn: those events wait in the outbox for the sweeper.
             if lease.event_seq > 0:
                 self.sink.catch_up(self.store, ref, lease.event_seq)
-            rec, reset_pending, snapshot = lease.turn, lease.reset_pending, lease.snapshot
+            rec, reset_pending, snapshot, counted = lease.turn, lease.reset_pending, lease.snapshot, lease.counted
             if rec is not None and rec.status == "running" and not retry:
                 self.observer.took_over(ref, rec)  # observe: a turn another process left running
             while True:
@@ -292,11 +292,13 @@ class WorkerHost:
                     reset_pending, rec, snapshot = False, None, None
                 if rec is None:
                     # Release only if the queue is empty (and no reset waits), else take the next turn: one statement.
-                    outcome, rec, reset_pending = self.queue.release_or_next(ref, fence)
+                    outcome, rec, reset_pending, counted = self.queue.release_or_next(ref, fence)
                     if outcome != "next":
                         return
                     continue
-                ran[rec.turn_id], released = self._run_turn(ref, rec, fence, snapshot=snapshot, release=True)
+                ran[rec.turn_id], released = self._run_turn(
+                    ref, rec, fence, snapshot=snapshot, release=True, counted=counted
+                )
                 if released:
                     return  # the turn's last commit gave the lease up: nothing else was queued
                 rec, snapshot = None, None  # the next turn reads the session as that one left it
@@ -352,10 +354,10 @@ class WorkerHost:
             with self._lock:
                 if self._running is not None:
                     self._running.fence = fence
-            rec, pending, result = lease.turn, lease.reset_pending, None
+            rec, pending, result, counted = lease.turn, lease.reset_pending, None, lease.counted
             while rec is not None and rec.cancel_reason is not None:
-                self._run_turn(ref, rec, fence)
-                rec, pending = self.queue.next_turn(ref)
+                self._run_turn(ref, rec, fence, counted=counted)
+                (rec, pending), counted = self.queue.next_turn(ref), False
             if pending:
                 result = self.reset_session(ref, fence)
             if not self.queue.release(ref, fence):  # turns queued behind the reset: a turn worker runs them
@@ -381,10 +383,12 @@ class WorkerHost:
         *,
         snapshot: SessionSnapshot | None = None,
         release: bool = False,
+        counted: bool = False,
     ) -> tuple[TurnResult, bool]:
         """:meth:`run_turn`, on ``snapshot`` if the session was read with the lease; with ``release``, the turn's
         last commit also gives the lease up if nothing else is queued (not for a turn with a delivery target: it
-        is delivered under the lease). Returns whether it did."""
+        is delivered under the lease). Returns whether it did. ``counted``: the statement that picked ``rec``
+        counted this start of it (:class:`~june_worker.engine.loop.TurnRunner`'s ``counted``)."""
         agent = self.agent(ref.agent)
         if agent is None:
             rejected = reject_turn(self.store, self.sink, ref, rec.turn_id, f"unknown agent {ref.agent!r}", fence=fence)
@@ -418,6 +422,7 @@ class WorkerHost:
                     max_attempts=self.settings.max_attempts,
                     hooks=watch,
                     children=self,
+                    counted=counted,
                 )
                 result = self.loop.run_until_complete(runner.run())
                 watch.finished(result)

@@ -46,6 +46,7 @@ def _intake_params(ref: SessionRef, turn_id: str, owner: str) -> dict[str, objec
         "payload": payload,
         "o": owner,
         "l": 30.0,
+        "max": 5,
         **held_params(None),
     }
 
@@ -156,7 +157,7 @@ def test_intake_under_a_live_holder_records_the_turn_and_leaves_it_to_the_holder
     assert lease is not None and lease.turn is None
     got = q.intake(ref, "t1", TurnPayload(text="hi"), "other")
     assert got.recorded and got.lease is None
-    outcome, rec, _ = q.release_or_next(ref, lease.fence)  # the holder cannot let go: the turn is its to run
+    outcome, rec, *_ = q.release_or_next(ref, lease.fence)  # the holder cannot let go: the turn is its to run
     assert outcome == "next" and rec is not None and rec.turn_id == "t1"
 
 
@@ -369,7 +370,7 @@ def test_the_last_commit_keeps_the_lease_while_another_turn_is_queued(
     assert q.intake(ref, "t2", TurnPayload(text="next"), "w2").lease is None  # w2 is not alive: no matter, held
     _, released = store.commit_releasing(ref, _ending("t1"), fence=lease.fence)
     assert not released
-    outcome, rec, _ = q.release_or_next(ref, lease.fence)
+    outcome, rec, *_ = q.release_or_next(ref, lease.fence)
     assert outcome == "next" and rec is not None and rec.turn_id == "t2"
 
 

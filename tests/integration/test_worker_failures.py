@@ -106,6 +106,30 @@ def test_a_retryable_provider_error_that_passes_on_a_later_attempt_completes_the
     assert _dispatched_at(stack, "overloaded", session_id, turn_id) is None
 
 
+def test_a_turn_whose_process_dies_at_every_start_before_the_runner_counts_it_ends_failed_after_max_attempts(
+    own_db: str, redis_url: str, tmp_path: Path
+) -> None:
+    PostgresStore(own_db).close()
+    dying = Stack(own_db, redis_url, tmp_path)
+    try:
+        # Every start of every turn is killed after the turn was picked and before the runner writes anything (as
+        # an out-of-memory while loading the session would be): only the pick's own count can give the turn up.
+        env = {"JUNE_MAX_ATTEMPTS": str(MAX_ATTEMPTS), "JUNE_CRASH_AT": "before-start"}
+        dying.worker("dying", pool="prefork", env=env)
+        dying.beat()
+        session = f"dying-{uuid.uuid4().hex[:6]}"
+        turn_id = dying.turn("ops", session, "hello")
+        failed = dying.wait_terminal("ops", session, turn_id, timeout_s=90)
+        assert failed["type"] == "turn.failed"
+        assert (failed["error"]["type"], failed["phase"], failed["step"]) == ("PoisonTurnError", None, "turn:open")
+        assert f"given up after {MAX_ATTEMPTS} attempts" in failed["error"]["message"]
+        row = dying.turn_row("ops", session, turn_id)
+        assert row is not None and row["status"] == "failed" and row["attempts"] == MAX_ATTEMPTS
+        assert _structural_types(dying, "ops", session, turn_id) == ["turn.failed"]  # it never opened
+    finally:
+        dying.close()
+
+
 # --- item 6: a rejected turn is never queued, so nothing can run it --------------------------------
 
 
