@@ -414,3 +414,35 @@ def test_a_turn_recorded_while_the_last_commit_releases_is_never_stranded(
     assert outcome and outcome[0][1] is False and [e.type for e in outcome[0][0]] == ["turn.completed"]
     again = q.release_or_next(ref, lease.fence)
     assert again[0] == "next" and again[1] is not None and again[1].turn_id == "t_late"
+
+
+def test_each_pick_of_a_turn_counts_a_start_until_max_attempts_and_says_whether_it_did(
+    queue: tuple[PostgresStore, SessionQueue],
+) -> None:
+    store, q = queue
+    q.max_attempts = 2
+    ref = _ref()
+    q.beat("w1", 60)
+    store.enqueue_turn(ref, "t1", TurnPayload(text="hi"))
+    picks = []
+    for _ in range(3):  # each holder dies before the runner writes anything; the next one takes over
+        lease = q.take(ref, "w1")
+        assert lease is not None and lease.turn is not None
+        picks.append((lease.turn.attempts, lease.counted))
+    assert picks == [(0, True), (1, True), (2, False)]  # the count before each pick; the third is the runner's poison
+    rec = store.get_turn(ref, "t1")
+    assert rec is not None and (rec.status, rec.attempts) == ("queued", 2)
+    # release_or_next counts the turn it hands on the same way
+    outcome, turn, _, counted = q.release_or_next(ref, q.take(ref, "w1").fence)  # type: ignore[union-attr]
+    assert (outcome, turn is not None and turn.turn_id, counted) == ("next", "t1", False)
+    other = _ref()
+    store.enqueue_turn(other, "t1", TurnPayload(text="hi"))
+    store.enqueue_turn(other, "t2", TurnPayload(text="next"))
+    lease = q.take(other, "w1")
+    assert lease is not None and lease.counted
+    done = Completed(turn_id="t1", text="ok")
+    store.commit(other, Commit(turn_id="t1", turn_status="completed", turn_result=done), fence=lease.fence)
+    outcome, turn, _, counted = q.release_or_next(other, lease.fence)
+    assert (outcome, turn is not None and turn.turn_id, counted) == ("next", "t2", True)
+    rec = store.get_turn(other, "t2")
+    assert rec is not None and rec.attempts == 1
