@@ -82,6 +82,36 @@ def throwaway_database(prefix: str = "june_bench") -> Iterator[str]:
             conn.execute(f'drop database if exists "{name}" with (force)')
 
 
+def repeated_events(events: Iterable[dict[str, Any]]) -> list[str]:
+    """What a session stream's structural events (decoded entries, in order) tell more than once, by meaning, not seq:
+    per turn one ``turn.started`` (and one per resume, by its request), one terminal event (``turn.completed``,
+    ``turn.failed``, ``turn.cancelled``), each message by its step, each action requested and completed by its
+    step and call, each input requested and answered by its id. Two commits of the same event carry two seqs, so a
+    check of seqs alone would not see them. Returns a line per repeat (empty: none)."""
+    seen: dict[tuple[Any, ...], int] = {}
+    for e in events:
+        kind, turn = e["type"], e["turn_id"]
+        if kind == "turn.started":
+            trigger = e.get("trigger") or {}
+            key: tuple[Any, ...] = (
+                (kind, trigger.get("call_id"), trigger.get("input_id")) if trigger.get("kind") == "resume" else (kind,)
+            )
+        elif kind in ("turn.completed", "turn.failed", "turn.cancelled"):
+            key = ("terminal",)
+        elif kind == "message.completed":
+            key = (kind, e.get("step"))
+        elif kind in ("action.requested", "action.completed"):
+            key = (kind, e.get("step"), (e.get("call") or {}).get("id"))
+        elif kind == "input.requested":
+            key = (kind, (e.get("request") or {}).get("id"))
+        elif kind == "input.answered":
+            key = (kind, e.get("input_id"))
+        else:
+            continue
+        seen[(turn, *key)] = seen.get((turn, *key), 0) + 1
+    return [f"{' '.join(str(k) for k in key if k is not None)}: {n} times" for key, n in seen.items() if n > 1]
+
+
 def machine() -> str:
     return f"{time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} CPUs  python {platform.python_version()}"
 

@@ -13,10 +13,14 @@ What it does:
   processes; a main process that dies takes its pool with it (its process group) and a new
   worker takes its place; Celery replaces a pool process by itself;
 * restarts Redis once (SIGTERM, then the same server again on its AOF), halfway through sending;
-* goes on killing until every accepted turn has ended, then lets the relay catch up.
+* goes on killing until every accepted turn has ended (at most ``--settle-s``), then lets the relay
+  catch up (at most as long again, 60 s at most);
+* replaces a worker whose main process exited on its own, as a supervisor would (Celery's consumer may
+  exit on a broker connection lost while Redis restarts), and says so.
 
 It prints, and exits 1 if any is not zero: lost turns (accepted, never completed), failed turns,
-duplicate and missing sync writes, duplicate and missing structural events in the session
+duplicate and missing sync writes, duplicate (the same seq twice, or the same event under two seqs:
+a second turn.started of a turn, an action twice) and missing structural events in the session
 streams, stuck sessions (a turn still queued or running); and, for the turns a killed process
 held, how long after the kill each completed (p50 / p99).
 
@@ -39,10 +43,21 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._harness import BenchStack, Proc, children, machine, median, pct, sigterm_as_exit, wait_for  # noqa: E402
+from bench._harness import (  # noqa: E402
+    BenchStack,
+    Proc,
+    children,
+    machine,
+    median,
+    pct,
+    repeated_events,
+    sigterm_as_exit,
+    wait_for,
+)
 
 TERMINAL = ("completed", "failed", "cancelled", "rejected")
 
@@ -111,6 +126,8 @@ class Chaos:
         self.rng = rng
         self.every = every
         self.kills: list[Kill] = []
+        self.exited: list[str] = []
+        """Workers whose main process exited on its own (replaced, as a supervisor would): why, from their logs."""
         self.stop = threading.Event()
         self.workers = 0
         self.lock = threading.Lock()
@@ -138,7 +155,21 @@ class Chaos:
     def run(self) -> None:
         while not self.stop.wait(self.rng.uniform(*self.every)):
             with self.lock:
-                self._kill_one()
+                try:
+                    self._replace_exited()
+                    self._kill_one()
+                except Exception as exc:  # (a worker slow to start on a busy machine): the next round goes on
+                    print(f"# killer: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    def _replace_exited(self) -> None:
+        """Start a new worker for each one whose main process exited without being killed here, as a deployment's
+        supervisor does (docker-compose.yml: ``restart: unless-stopped``): Celery's own exit on a lost broker
+        connection (an ``Unrecoverable error`` of the consumer) would otherwise leave turns with no worker."""
+        for proc in [p for p in self.stack.procs if p.name.startswith("w") and not p.alive()]:
+            why = next((line for line in proc.text().splitlines() if "Unrecoverable error" in line), "")
+            self.exited.append(why.strip() or f"{proc.name} exited")
+            self.stack.stop(proc)
+            self.start_worker()
 
     def _kill_one(self) -> None:
         workers = [p for p in self.stack.procs if p.name.startswith("w") and p.alive()]
@@ -191,12 +222,16 @@ def ended(stack: BenchStack, accepted: list[tuple[str, str]]) -> int:
     return int(rows[0][0])
 
 
-def structural_seqs(stack: BenchStack, session: str) -> list[int]:
+def structural_events(stack: BenchStack, session: str) -> list[dict[str, Any]]:
     out = []
     for _, fields in stack.redis.xrange(stack.stream_key("chaos", session)):
         if not fields["type"].endswith(".delta"):
-            out.append(int(json.loads(fields["data"])["seq"]))
+            out.append(json.loads(fields["data"]))
     return out
+
+
+def structural_seqs(stack: BenchStack, session: str) -> list[int]:
+    return [int(e["seq"]) for e in structural_events(stack, session)]
 
 
 def main() -> None:
@@ -263,13 +298,15 @@ def report(
         return all(sorted(set(structural_seqs(stack, s))) == list(range(1, committed.get(s, 0) + 1)) for s in sessions)
 
     try:
-        wait_for(streams_complete, timeout_s=60, every_s=0.5, what="the relay to catch up")
+        wait_for(streams_complete, timeout_s=min(60.0, args.settle_s), every_s=0.5, what="the relay to catch up")
     except TimeoutError as exc:
         print(f"# {exc}", file=sys.stderr)
     duplicate_events = missing_events = out_of_order = 0
     for s in sessions:
-        seqs = structural_seqs(stack, s)
-        duplicate_events += len(seqs) - len(set(seqs))
+        events = structural_events(stack, s)
+        seqs = [int(e["seq"]) for e in events]
+        # the same entry appended twice (a seq seen twice), or the same event committed twice (two seqs, one meaning)
+        duplicate_events += len(seqs) - len(set(seqs)) + len(repeated_events({e["seq"]: e for e in events}.values()))
         missing_events += len(set(range(1, committed.get(s, 0) + 1)) - set(seqs))
         out_of_order += sum(1 for a, b in zip(seqs, seqs[1:], strict=False) if b <= a)
     recovery = [finished[t] - k.at for k in chaos.kills for t in k.turns if t in finished and finished[t] >= k.at]
@@ -293,6 +330,8 @@ def report(
     ]
     for name, count in rows:
         print(f"{name:32s} {count}")
+    if chaos.exited:  # not a violation: the turns they held are recovered like a killed worker's
+        print(f"{'workers exited, replaced':32s} {len(chaos.exited)}  ({chaos.exited[0][:120]})")
     if recovery:
         print(
             f"{'recovery after a kill':32s} p50 {median(recovery):.2f} s  p99 {pct(recovery, 99):.2f} s  "

@@ -3,7 +3,9 @@
 Points: ``before-model-commit``, ``after-model-commit``, ``before-tool-commit``,
 ``after-tool-commit``, ``before-compact-commit``, ``after-compact-commit`` (a context policy's
 compaction step, ``compact:<n>``) and ``before-publish`` (committed, events not yet published; its
-step is ``turn:open`` for the opening commit and ``turn:end`` for a park, cancel or failure). Nothing
+step is ``turn:open`` for the opening commit and ``turn:end`` for a park, cancel or failure) and
+``before-start`` (a start of the turn not yet written by the runner: its opening, or a replay's count; step
+``turn:open``; after the check that gives up a poisoned turn, so that it can still end). Nothing
 here runs unless a host is handed a hook explicitly; production code paths pass ``None``.
 """
 
@@ -30,6 +32,7 @@ CRASH_POINTS = frozenset(
         "before-compact-commit",
         "after-compact-commit",
         "before-publish",
+        "before-start",  # a start of the turn picked, not yet written by the runner (its opening, or a replay's count)
         "before-deliver",  # the worker host, after a turn with a target ended, with its turn id as the step
         "after-child-start",  # a tool's child turn recorded (ctx.delegate), its parent not parked yet; the call's step
         "before-parent-answer",  # a child turn ended, its parent not answered yet; the child's turn id

@@ -180,6 +180,10 @@ class TurnRunner:
 
     ``hooks``: how the host watches the run (:mod:`.hooks`): each step is wrapped in
     ``hooks.step``, each accepted commit goes to ``hooks.committed``. Nothing else.
+
+    ``counted``: the host counted this start in the statement that picked the turn (a worker does, so that
+    a process that dies before the runner's first commit, however often, still uses up the turn's
+    attempts); ``record.attempts`` is the count before it. The runner then writes no count of its own.
     """
 
     def __init__(
@@ -200,6 +204,7 @@ class TurnRunner:
         attempt: int | None = None,
         hooks: TurnHooks = NO_HOOKS,
         children: ChildLauncher | None = None,
+        counted: bool = False,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -245,6 +250,7 @@ class TurnRunner:
             else None
         )
         self._counted = False
+        self._counted_by_host = counted
         self._settled: dict[str, tuple[JsonValue, str | None]] = {}
         """Outcomes of async tool calls this run got but may not have committed (a transient fault)."""
         self._at: tuple[str | None, str] = (None, "turn:open")
@@ -316,6 +322,9 @@ class TurnRunner:
                 rejected = self._rejection(snap.suspended)
                 if rejected is not None:
                     return self._reject(rejected)
+                if self.record.attempts >= self.max_attempts:  # each start died before it could open the turn
+                    return self._poisoned(self.record.attempts, at=(None, "turn:open"))
+                self._hit("before-start", "turn:open")
                 self._open()
             else:
                 self._restore_turn_state()
@@ -342,11 +351,13 @@ class TurnRunner:
         attempts = self.record.attempts
         if attempts >= self.max_attempts:
             return self._poisoned(attempts)
-        self._commit(Commit(turn_id=self.turn_id, turn_status="running"))
+        self._hit("before-start", "turn:open")
+        # (counted where it was picked, the commit still says the turn runs again: a resumed one was queued)
+        self._commit(Commit(turn_id=self.turn_id, turn_status="running", count_attempt=not self._counted_by_host))
         return None
 
-    def _poisoned(self, attempts: int) -> Failed:
-        phase, step = self._next_step()
+    def _poisoned(self, attempts: int, *, at: tuple[str | None, str] | None = None) -> Failed:
+        phase, step = at if at is not None else self._next_step()
         last = self.record.last_error
         why = (
             f"the last one ended with: {last}"
@@ -421,6 +432,7 @@ class TurnRunner:
             status="running",
             turn_id=self.turn_id,
             turn_status="running",
+            count_attempt=not self._counted_by_host,
         )
         self._commit(commit, "turn:open", cancellable=True)  # a turn cancelled before it opened never opens
         self._counted = True

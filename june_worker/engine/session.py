@@ -27,7 +27,6 @@ from ..errors import (
     PayloadError,
     ResetNotSupportedError,
     ResumeConflictError,
-    TransientError,
     TurnCancelledError,
     TurnError,
     TurnFailedError,
@@ -49,7 +48,7 @@ from .children import (
     refuse_reserved,
 )
 from .events import Cancelled, Completed, Failed, Rejected, Suspended, TurnResult
-from .failures import DEFAULT_MAX_ATTEMPTS, backoff_s
+from .failures import DEFAULT_MAX_ATTEMPTS, Failure, backoff_s, classify
 from .fanout import FanoutSink, Observer
 from .ids import new_turn_id, validate_session_id
 from .loop import CrashHook, TurnRunner, reject_turn
@@ -81,7 +80,10 @@ from .store import (
 )
 from .types import InboundEvent, JsonValue, Principal, ProactiveTrigger
 
-__all__ = ["AgentSession", "Runtime", "parked_reason"]
+__all__ = ["PARK_REARM_FLOOR_S", "AgentSession", "Runtime", "parked_reason"]
+
+PARK_REARM_FLOOR_S = 1.0
+"""How soon a park's timeout is tried again after the store refused it as not due yet (the clocks differ)."""
 
 log = scrubbed_logger("june_worker.session")
 
@@ -503,10 +505,14 @@ class AgentSession:
             )
             try:
                 result = await runner.run()
-            except TransientError as exc:
-                # The store (or the model) failed for longer than one attempt's retries: start another attempt
-                # later (it is counted, so a fault that never passes ends the turn as poison), unless even
-                # counting fails as long.
+            except Exception as exc:
+                if classify(exc, phase="store") is not Failure.TRANSIENT:  # a bug: this host stops, the store keeps it
+                    self._fail_waiters(rec.turn_id, exc)
+                    log.exception("turn %s of %s stopped without a result", rec.turn_id, self.ref)
+                    return
+                # The store (or the model: a retryable provider error) failed for longer than one attempt's
+                # retries: start another attempt later (it is counted, so a fault that never passes ends the
+                # turn as poison), unless even counting fails as long.
                 transient += 1
                 if transient <= self.runtime.max_attempts:
                     log.warning(
@@ -518,14 +524,12 @@ class AgentSession:
                     await asyncio.sleep(backoff_s(transient, base_s=0.2, cap_s=5.0))
                     continue
                 self._fail_waiters(rec.turn_id, exc)
-                log.error("turn %s of %s: the store stayed unavailable; drain stopped", rec.turn_id, self.ref)
+                log.error("turn %s of %s: the transient fault did not pass; drain stopped", rec.turn_id, self.ref)
                 return
-            except BaseException as exc:  # an injected crash, a bug: this host stops here, the store keeps the turn
+            except BaseException as exc:  # an injected crash: this host stops here, the store keeps the turn
                 self._fail_waiters(rec.turn_id, exc)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
-                if isinstance(exc, Exception):
-                    log.exception("turn %s of %s stopped without a result", rec.turn_id, self.ref)
                 return
             finally:
                 self._cancels.pop(rec.turn_id, None)
@@ -569,12 +573,16 @@ class AgentSession:
             if not fut.done():
                 fut.set_result(result)
 
-    def _arm(self, turn_id: str) -> None:
-        """Answer the park with a timeout when it expires (``request_input(timeout_s=...)``), by the store's stamp."""
+    def _arm(self, turn_id: str, *, refused: bool = False) -> None:
+        """Answer the park with a timeout when it expires (``request_input(timeout_s=...)``), by the store's stamp.
+
+        ``refused``: the store just refused the timeout as not due by its own clock (this process's clock is
+        ahead of it): try again no sooner than :data:`PARK_REARM_FLOOR_S`, not at once over and over.
+        """
         parked = self.store.pending(self.ref)
         if parked is None or parked.turn_id != turn_id or parked.expires_at is None:
             return
-        delay = max(0.01, parked.expires_at - time.time())
+        delay = max(PARK_REARM_FLOOR_S if refused else 0.01, parked.expires_at - time.time())
         loop = asyncio.get_running_loop()
         self._timers[turn_id] = loop.call_later(delay, lambda: loop.create_task(self._expire()))
 
@@ -638,7 +646,7 @@ class AgentSession:
         try:
             self._apply(commit)
         except ResumeConflictError:  # answered just before the timer fired, or not expired by the store's stamp
-            self._arm(parked.turn_id)
+            self._arm(parked.turn_id, refused=True)
             return
         self._arm(parked.turn_id)  # requests that expire later keep the park
         self._kick()

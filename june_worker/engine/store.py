@@ -294,6 +294,9 @@ class Commit:
     cancelled one, however late the cancel's signal arrives."""
     turn_error: str | None = None
     """Recorded as the turn's ``last_error`` (why an attempt ended without a result)."""
+    count_attempt: bool = True
+    """With ``turn_status="running"``: the commit counts a start of the turn (``attempts + 1``). False when the
+    host counted this start already, in the statement that picked the turn (a worker)."""
     expect_expired: bool = False
     """With ``expect_suspended``: apply only if the park's stored expiry has passed by the store's clock,
     else :class:`~june_worker.errors.ResumeConflictError` (not expired yet)."""

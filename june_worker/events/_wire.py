@@ -39,19 +39,19 @@ class Wire:
     def __len__(self) -> int:
         return len(self._owed)
 
-    def send(self, commands: Sequence[tuple[str, Command]], tag: Any) -> int:
-        """Send each ``(key, command)`` to the connection its key lives on; return how many replies are owed for
-        them. Raises on a connection error (nothing of this call is then owed; earlier replies may be lost too:
-        call :meth:`drop`)."""
-        batches: dict[str, list[Command]] = {}
-        for key, command in commands:
-            batches.setdefault(self._node(key), []).append(command)
+    def send(self, commands: Sequence[tuple[str, Command]], tags: Sequence[Any]) -> int:
+        """Send each ``(key, command)`` to the connection its key lives on, its reply to be read with the tag at the
+        same index of ``tags``; return how many replies are owed for them. Raises on a connection error (nothing of
+        this call is then owed; earlier replies may be lost too: call :meth:`drop`)."""
+        batches: dict[str, list[tuple[Command, Any]]] = {}
+        for (key, command), tag in zip(commands, tags, strict=True):
+            batches.setdefault(self._node(key), []).append((command, tag))
         for node, batch in batches.items():
             conn = self._connection(node)
             if not any(c is conn for c, _ in self._owed):  # (else a PING's PONG would be read in an owed reply's place)
                 _check_idle(conn)
-            conn.send_packed_command(conn.pack_commands(batch), check_health=False)
-            self._owed.extend((conn, tag) for _ in batch)
+            conn.send_packed_command(conn.pack_commands([command for command, _ in batch]), check_health=False)
+            self._owed.extend((conn, tag) for _, tag in batch)
         return len(commands)
 
     def read(self, keep: int = 0) -> list[tuple[Any, Any]]:

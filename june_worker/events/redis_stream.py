@@ -152,6 +152,14 @@ def redact(text: str) -> str:
     return _USERINFO.sub(r"\g<scheme>***@", text)
 
 
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """Whose a pipelined append reply is: which session, and which of its two appends (0 stream, 1 firehose)."""
+
+    ref: SessionRef
+    index: int
+
+
 class RedisStreamSink:
     """Publishes a session's events to ``june:events:{<agent>:<session>}`` and the firehose.
 
@@ -198,6 +206,9 @@ class RedisStreamSink:
         self._cluster = is_cluster(client)
         self._wire = Wire(client)  # the pipelined sink's own connections (one per cluster node), made on first use
         self._lock = threading.Lock()
+        # Per session, the markers the latest append replies reported: [session stream, firehose] (None: no reply yet).
+        self._reached: dict[SessionRef, list[int | None]] = {}
+        self._reached_lock = threading.Lock()
 
     @classmethod
     def from_url(
@@ -240,7 +251,8 @@ class RedisStreamSink:
                 self._failed(exc, f"publish of {len(structural)} event(s) of {ref}")
                 return
             calls = self._calls(ref, structural, lenient=False)
-            sent = self._send([(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls], ref)
+            commands = [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls]
+            sent = self._send(commands, [_Part(ref, i) for i in range(len(calls))])
             self.flush(keep=sent)  # what earlier publishes owe: read after sending, their replies have arrived
             return
         try:
@@ -266,7 +278,7 @@ class RedisStreamSink:
         stream = self.keys.session_stream(ref)
         commands = _xadd(stream, fields, self.session_trim)
         if self.pipelined:
-            self.flush(keep=self._send([(stream, c) for c in commands], None))
+            self.flush(keep=self._send([(stream, c) for c in commands], [None] * len(commands)))
             return
         try:
             pipe: Any = self.client.pipeline(transaction=False)
@@ -295,6 +307,21 @@ class RedisStreamSink:
             log.info("relayed %d event(s) of %s after seq %d", appended, ref, after)
         return appended
 
+    def catch_up(self, store: EventLog, ref: SessionRef, committed: int) -> None:
+        """:meth:`relay` if the stream is behind ``committed`` (the session's event count); never raises for Redis.
+
+        For a holder that just took a session: a Redis error is logged, the sink goes quiet like
+        after a failed publish, and the events wait in the store for the next publish or the sweeper.
+        The store's own errors propagate (they are the caller's failure policy's).
+        """
+        if self._quiet():
+            return
+        try:
+            if self.relayed_seq(ref) < committed:
+                self.relay(store, ref)
+        except redis.RedisError as exc:
+            self._failed(exc, f"relay of {ref}")
+
     def relayed_seq(self, ref: SessionRef) -> int:
         """The highest seq appended everywhere this sink writes (session stream and firehose)."""
         return self.relayed_seqs([ref])[0]
@@ -310,6 +337,24 @@ class RedisStreamSink:
         values = [int(v or 0) for v in pipe.execute()]
         width = 2 if self.firehose else 1
         return [min(values[i : i + width]) for i in range(0, len(values), width)]
+
+    def take_relayed(self) -> dict[SessionRef, int]:
+        """The seq up to which each session's stream and firehose partition hold its events, as this sink's appends
+        last saw them (the append script's replies, no round trip of its own); each session once, until its next
+        append. A holder writes them to the store's relay mark, so that the sweeper need not look at its sessions."""
+        out: dict[SessionRef, int] = {}
+        with self._reached_lock:
+            for ref, markers in list(self._reached.items()):
+                if None not in markers:  # else the reply of its other part is still owed: at the next call
+                    out[ref] = min(m for m in markers if m is not None)
+                    del self._reached[ref]
+        return out
+
+    def _note(self, ref: SessionRef, part: int, marker: int) -> None:
+        """An append reply: the marker of ``ref``'s session stream (part 0) or firehose partition (1) is ``marker``."""
+        with self._reached_lock:
+            markers = self._reached.setdefault(ref, [None, None] if self.firehose else [None])
+            markers[part] = marker
 
     def forget_quiet_sessions(self, *, quiet_s: float, limit: int = 1000) -> int:
         """Drop the firehose marker fields of sessions that appended nothing for ``quiet_s``, so the marker
@@ -333,6 +378,8 @@ class RedisStreamSink:
         refused for a gap (0: none).
         """
         results = self._run(self._calls(ref, events, lenient=lenient))
+        for part, result in enumerate(results):
+            self._note(ref, part, int(result[1]))
         if count:
             return int(results[0][0])
         gaps = [int(r[2]) for r in results if int(r[2])]
@@ -417,14 +464,15 @@ class RedisStreamSink:
             except Exception as exc:
                 self._failed(exc, f"relay of {ref}")
 
-    def _send(self, commands: list[tuple[str, tuple[Any, ...]]], ref: SessionRef | None) -> int:
-        """Send each ``(key, command)`` on the sink's connection to that key's node, owing one reply each; return
-        how many are owed for them (0: not sent, the sink is quiet or a connection failed)."""
+    def _send(self, commands: list[tuple[str, tuple[Any, ...]]], parts: list[_Part | None]) -> int:
+        """Send each ``(key, command)`` on the sink's connection to that key's node, owing one reply each (whose it
+        is: ``parts``, None for a delta); return how many are owed for them (0: not sent, the sink is quiet or a
+        connection failed)."""
         if self._quiet():
             return 0
         with self._lock:
             try:
-                return self._wire.send(commands, ref)
+                return self._wire.send(commands, parts)
             except Exception as exc:
                 self._lost(exc, "pipelined publish")
                 return 0
@@ -439,22 +487,26 @@ class RedisStreamSink:
             self._lost(exc, "reading pipelined replies")
             return []  # the next publish finds the gap, if one was left
         gaps: list[SessionRef] = []
-        for ref, reply in replies:
+        for part, reply in replies:
+            gap = False
             if isinstance(reply, NoScriptError):
                 self._sha = None  # Redis lost its scripts: it lost the streams too, the relay rebuilds them
-                reply = [0, 0, 1]
+                gap = True
             elif isinstance(reply, AskError):  # MOVED (a subclass) or ASK: the command ran nowhere
                 if isinstance(reply, MovedError):
                     try:
                         self._wire.moved(reply)  # the slot's new node, for the next send
                     except Exception as exc:  # the next send may be told MOVED again; the relay below follows it
                         self._failed(exc, f"learning where slot {reply.slot_id} moved")
-                reply = [0, 0, 1]
+                gap = True
             elif isinstance(reply, ResponseError):
-                self._failed(reply, f"append to the stream of {ref}" if ref else "delta")
+                self._failed(reply, f"append to the stream of {part.ref}" if part is not None else "delta")
                 continue
-            if ref is not None and int(reply[2]) and ref not in gaps:
-                gaps.append(ref)
+            elif part is not None:  # an append's reply: {appended, marker after, first seq refused for a gap}
+                self._note(part.ref, part.index, int(reply[1]))
+                gap = bool(int(reply[2]))
+            if part is not None and gap and part.ref not in gaps:
+                gaps.append(part.ref)
         return gaps
 
     def _lost(self, exc: Exception, what: str) -> None:

@@ -135,6 +135,7 @@ def commit_statement(
         p["t_id"] = commit.turn_id
     if turn:
         p["t_status"] = commit.turn_status
+        p["t_count"] = int(commit.count_attempt)
         p["t_result"] = commit.turn_result.model_dump_json(by_alias=True) if commit.turn_result is not None else None
     if shape.turn_error:
         p["t_error"] = commit.turn_error
@@ -270,8 +271,10 @@ def _sql(shape: _Shape) -> str:
             sets_t += [
                 "status = %(t_status)s::text",
                 "result = %(t_result)s::json",
-                # a start counts an attempt; a resume (queued again) starts the count over
-                "attempts = case %(t_status)s::text when 'running' then t.attempts + 1 when 'queued' then 0"
+                # a start counts an attempt (unless its host counted it when it picked the turn: t_count 0); a
+                # resume (queued again) starts the count over
+                "attempts = case %(t_status)s::text when 'running' then t.attempts + %(t_count)s::integer"
+                " when 'queued' then 0"
                 " else t.attempts end",
                 "finished_at = case when %(t_status)s::text in ('queued', 'running') then null"
                 " else extract(epoch from now()) end",

@@ -122,7 +122,7 @@ class MemoryStore:
                     update={
                         "status": commit.turn_status,
                         "result": commit.turn_result,
-                        "attempts": _attempts(rec.attempts, commit.turn_status),
+                        "attempts": _attempts(rec.attempts, commit.turn_status, commit.count_attempt),
                         "finished_at": time.time() if finished else None,
                     }
                 )
@@ -267,10 +267,11 @@ class MemoryStore:
         return None
 
 
-def _attempts(attempts: int, status: str) -> int:
-    """A turn's attempt count after a commit sets ``status``: a start counts one, a resume (queued again) starts over."""
+def _attempts(attempts: int, status: str, count: bool = True) -> int:
+    """A turn's attempt count after a commit sets ``status``: a start counts one (unless counted already:
+    ``count``), a resume (queued again) starts over."""
     if status == "running":
-        return attempts + 1
+        return attempts + 1 if count else attempts
     return 0 if status == "queued" else attempts
 
 

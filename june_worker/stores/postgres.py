@@ -442,6 +442,109 @@ _MIGRATIONS: list[str] = [
     drop index june_sessions_parked;
     create index june_sessions_parked on june_sessions (parked_at, agent, session) where suspended is not null;
     """,
+    # 13: attempts counted where a worker picks a turn: june_intake counts the start of the turn it takes the
+    # lease for (recorded now, or before), up to p_max_attempts, and says so (`counted`), so that a process that
+    # dies before the turn's first commit, every time, still uses up its attempts (the failure policy's poison);
+    # otherwise as in 8. The worker's other picks (SessionQueue.take, release_or_next) count in their statements.
+    """
+    drop function june_intake(text, text, text, json, text, double precision, integer, integer, text);
+
+    create function june_intake(
+        p_agent text, p_session text, p_turn_id text, p_payload json, p_owner text, p_lease_s double precision,
+        p_generation integer, p_have integer, p_last_turn text, p_max_attempts integer
+    ) returns table (
+        recorded boolean, took boolean, retry boolean, fence bigint, generation integer, status text,
+        suspended text, event_seq bigint, reset_pending boolean, valid boolean, compacted_at integer,
+        messages text, steps text, existing june_turns, first_turn june_turns, counted boolean
+    ) language plpgsql volatile as $$
+    #variable_conflict use_column
+    begin
+    return query
+    with snap as (
+        select s.xmin as version, s.fence, s.generation, s.status, s.suspended::text as suspended, s.reset_pending,
+               -- the lease is ours, free, expired, or held by a worker process that is no longer alive
+               (s.lease_owner = p_owner or s.lease_owner is null
+                or s.lease_expires < extract(epoch from clock_timestamp())
+                or not exists (select 1 from june_workers w where w.owner = s.lease_owner
+                                 and w.alive_until >= extract(epoch from clock_timestamp()))) as free
+          from june_sessions s where s.agent = p_agent and s.session = p_session
+    ), existing as (
+        -- (a whole-row reference by its alias: every such alias here is unlike any column name, so that
+        -- the name cannot resolve to a column of an outer query instead)
+        select et as turn from june_turns et where et.agent = p_agent and et.session = p_session and et.turn_id = p_turn_id
+    ), plan as (
+        select not exists (select 1 from existing)
+               and not exists (select 1 from snap where snap.suspended is not null and not snap.reset_pending)
+               as record,
+               exists (select 1 from existing e where (e.turn).status in ('queued', 'running')) as rerun
+    ), sess as (
+        insert into june_sessions as s (agent, session, next_position, lease_owner, lease_expires, fence)
+        select p_agent, p_session, 2, p_owner, extract(epoch from clock_timestamp()) + p_lease_s, 1
+          from plan where plan.record or plan.rerun
+        on conflict (agent, session) do update
+           set next_position = s.next_position + (select plan.record::int from plan),
+               -- take: the row is the version snap read, and the lease was free in it
+               fence = case when s.xmin = (select snap.version from snap) and (select snap.free from snap)
+                            then s.fence + 1 else s.fence end,
+               lease_owner = case when s.xmin = (select snap.version from snap) and (select snap.free from snap)
+                                  then excluded.lease_owner else s.lease_owner end,
+               lease_expires = case when s.xmin = (select snap.version from snap) and (select snap.free from snap)
+                                    then excluded.lease_expires else s.lease_expires end
+        returning s.next_position - 1 as position, s.generation, s.fence, s.lease_owner, s.lease_expires,
+                  s.event_seq, s.reset_pending
+    ), taken as (
+        select coalesce(sess.lease_owner = p_owner and sess.fence = coalesce(snap.fence, 0) + 1, false) as yes,
+               coalesce(sess.reset_pending, false) as resetting
+          from (select 1) one left join snap on true left join sess on true
+    ), first_old as (
+        -- the turn the lease is taken for, if one was recorded before: its start is counted here, now
+        select ut as turn from june_turns ut, taken
+         where taken.yes and ut.agent = p_agent and ut.session = p_session and ut.status in ('queued', 'running')
+         order by ut.position limit 1
+    ), counted_old as (
+        -- (a turn queued behind a pending reset runs once the reset is done, and is counted then)
+        update june_turns cu set attempts = cu.attempts + 1
+          from first_old fo, taken
+         where cu.agent = p_agent and cu.session = p_session and cu.turn_id = (fo.turn).turn_id
+           and cu.attempts < p_max_attempts and (not taken.resetting or (fo.turn).cancel_reason is not null)
+        returning 1
+    ), ins as (
+        -- the turn recorded now, and the lease taken for it: its first start is counted as it is recorded
+        insert into june_turns as it (agent, session, turn_id, position, status, payload, generation, attempts)
+        select p_agent, p_session, p_turn_id, sess.position, 'queued', p_payload, sess.generation,
+               case when taken.yes and not taken.resetting and p_max_attempts > 0
+                         and not exists (select 1 from first_old) then 1 else 0 end
+          from sess, plan, taken where plan.record
+        on conflict do nothing
+        returning it as turn
+    )
+    select exists (select 1 from ins), k.took,
+           -- not taken although free or ours: the row changed under this statement; call again
+           not k.took and sess.fence is not null
+           and (sess.lease_owner = p_owner or sess.lease_owner is null
+                or sess.lease_expires < extract(epoch from clock_timestamp())
+                or not exists (select 1 from june_workers w where w.owner = sess.lease_owner
+                                 and w.alive_until >= extract(epoch from clock_timestamp()))),
+           sess.fence, snap.generation, snap.status, snap.suspended, sess.event_seq, sess.reset_pending,
+           tr.valid, tr.compacted_at, tr.messages, tr.steps, e.turn, f.turn,
+           exists (select 1 from counted_old) or exists (select 1 from ins i where (i.turn).attempts = 1)
+      from (select 1) one
+      left join snap on true
+      left join sess on true
+      cross join lateral (
+            select coalesce(sess.lease_owner = p_owner and sess.fence = coalesce(snap.fence, 0) + 1, false) as took) k
+      left join existing e on true
+      left join lateral (
+            select x.* from june_transcript(p_agent, p_session, p_generation, p_have, p_last_turn) x
+             where k.took) tr on true
+      -- the first unfinished turn as it was before this statement (its attempts not counting this start)
+      left join lateral (
+            select coalesce((select fo.turn from first_old fo),
+                            (select json_populate_record(i.turn, '{"attempts": 0}') from ins i)) as turn
+             where k.took) f on true;
+    end
+    $$;
+    """,
 ]
 
 _WHY_NOT = """
@@ -659,14 +762,38 @@ class _Handle:
         return self.begin()
 
 
+_UNAVAILABLE_SQLSTATES = frozenset(
+    {
+        "57P01",  # admin_shutdown: pg_terminate_backend, a fast shutdown
+        "57P02",  # crash_shutdown
+        "57P03",  # cannot_connect_now: the server is starting or in recovery
+        "53300",  # too_many_connections
+        "40001",  # serialization_failure: the transaction runs again
+        "40P01",  # deadlock_detected: the transaction runs again
+    }
+)
+
+
 def _is_unavailable(exc: BaseException) -> bool:
-    """A fault of the connection or the server (lost, shut down, a deadlock or serialization failure to retry),
-    not of the statement: psycopg's ``OperationalError`` family, and ``InterfaceError``; also a statement that
-    met a concurrent schema change mid-way (``cache lookup failed``: it resolved a type or function the change
-    then dropped, as ``june migrate --partitions`` does), which runs again on the new schema."""
+    """A fault of the connection or the server, not of the statement: the connection lost (psycopg's own
+    ``OperationalError`` without a SQLSTATE, ``InterfaceError``, class 08), the server shutting down or not
+    taking connections, a serialization failure or deadlock to run again (:data:`_UNAVAILABLE_SQLSTATES`); also a
+    statement that met a concurrent schema change mid-way (``cache lookup failed``: it resolved a type or function
+    the change then dropped, as ``june migrate --partitions`` does), which runs again on the new schema.
+
+    Anything else the server answers is the statement's own, even in the ``OperationalError`` family: a
+    ``statement_timeout`` (57014), a ``NOWAIT`` lock not available (55P03), a program limit (54xxx) would
+    fail the same way again, so a tool's statement that meets one is the tool's error, not a lost step."""
     if isinstance(exc, pg_errors.InternalError_) and "cache lookup failed" in str(exc):
         return True
-    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+    if isinstance(exc, psycopg.InterfaceError):
+        return True
+    if not isinstance(exc, psycopg.Error):
+        return False
+    state = exc.sqlstate
+    if state is None:
+        return isinstance(exc, psycopg.OperationalError)  # raised by the client: the connection failed
+    return state.startswith("08") or state in _UNAVAILABLE_SQLSTATES
 
 
 @contextlib.contextmanager

@@ -391,13 +391,14 @@ class SQLiteStore:
                 finished = commit.turn_status not in ("queued", "running")
                 conn.execute(
                     "update june_turns set status = ?, result = ?, finished_at = ?, attempts = case ? "
-                    "when 'running' then attempts + 1 when 'queued' then 0 else attempts end "
+                    "when 'running' then attempts + ? when 'queued' then 0 else attempts end "
                     "where agent = ? and session = ? and turn_id = ?",
                     (
                         commit.turn_status,
                         commit.turn_result.model_dump_json(by_alias=True) if commit.turn_result else None,
                         now if finished else None,
                         commit.turn_status,
+                        int(commit.count_attempt),
                         *key,
                         commit.turn_id,
                     ),

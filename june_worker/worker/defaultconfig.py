@@ -35,7 +35,9 @@ result_serializer = "json"
 accept_content = ["json"]
 result_accept_content = ["json"]
 
-# A message is acknowledged after its task ran; a killed worker's message goes back to the queue.
+# A message is acknowledged after its task ran; a killed worker's message goes back to the queue. It is not
+# redelivered forever: the statement that picks a turn counts its start (worker/queue.py), and a turn started
+# JUNE_MAX_ATTEMPTS times is given up as poison.
 task_acks_late = True
 task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1

@@ -29,7 +29,7 @@ import redis
 from ..engine.agent import Agent
 from ..engine.crash import CrashAt
 from ..engine.events import TurnEvent, TurnResult
-from ..engine.failures import backoff_s
+from ..engine.failures import Failure, backoff_s, classify
 from ..engine.loop import TurnRunner, reject_turn
 from ..engine.resume import reset_park_commit, timeout_commit
 from ..engine.secrets import scrubbed_logger
@@ -44,7 +44,7 @@ from ..engine.store import (
     TurnPayload,
     TurnRecord,
 )
-from ..errors import ConfigError, LeaseLostError, ResumeConflictError, TransientError
+from ..errors import ConfigError, LeaseLostError, ResumeConflictError
 from ..events._redis_url import connect
 from ..events.keys import EventKeys
 from ..events.redis_stream import RedisStreamSink, Trim
@@ -163,7 +163,7 @@ class WorkerHost:
         self.settings = settings
         self.agents = agents if agents is not None else load_agents(settings.agents)
         self.store = PostgresStore(settings.database_url)
-        self.queue = SessionQueue(self.store.pool, lease_s=settings.lease_s)
+        self.queue = SessionQueue(self.store.pool, lease_s=settings.lease_s, max_attempts=settings.max_attempts)
         # Transcripts of sessions this process ran lately: a turn then reads only what it does not hold.
         self.transcripts = TranscriptCache(
             max_sessions=settings.transcript_cache,
@@ -227,19 +227,22 @@ class WorkerHost:
         (the task retries later; the sweeper re-sends what stayed unfinished).
         """
         ran: dict[str, TurnResult] = {}
-        tries = self.settings.max_attempts + 1
-        for attempt in range(tries):
+        failed = 0  # attempts in a row that ended on a transient fault, since the last turn that ended
+        while True:
+            done = len(ran)
             try:
-                self._drain(ref, ran, lease, retry=attempt > 0)
+                self._drain(ref, ran, lease, retry=failed > 0)
                 return ran
-            except TransientError as exc:
-                if attempt == tries - 1:
+            except Exception as exc:
+                if classify(exc, phase="store") is not Failure.TRANSIENT:
+                    raise
+                failed = 1 if len(ran) > done else failed + 1
+                if failed > self.settings.max_attempts:
                     raise
                 # Whatever committed stays committed; replay from a fresh read under a fresh lease.
                 log.warning("draining %s hit a transient fault (%s); trying again", ref, exc)
-                time.sleep(backoff_s(attempt, base_s=0.1, cap_s=2.0))
+                time.sleep(backoff_s(failed - 1, base_s=0.1, cap_s=2.0))
                 lease = None
-        return ran
 
     def intake(self, ref: SessionRef, turn_id: str, payload: TurnPayload) -> tuple[Intake, dict[str, TurnResult]]:
         """Record a turn and take the session's lease in one statement (:meth:`SessionQueue.intake`); if the
@@ -278,9 +281,10 @@ class WorkerHost:
                 self._running.fence = fence
             # Events a previous holder committed but did not publish. A new session has none, and
             # a stream whose markers already reach the committed count needs no read of the outbox.
-            if lease.event_seq > 0 and self.sink.relayed_seq(ref) < lease.event_seq:
-                self.sink.relay(self.store, ref)
-            rec, reset_pending, snapshot = lease.turn, lease.reset_pending, lease.snapshot
+            # Redis unreachable is no reason not to run the turn: those events wait in the outbox for the sweeper.
+            if lease.event_seq > 0:
+                self.sink.catch_up(self.store, ref, lease.event_seq)
+            rec, reset_pending, snapshot, counted = lease.turn, lease.reset_pending, lease.snapshot, lease.counted
             if rec is not None and rec.status == "running" and not retry:
                 self.observer.took_over(ref, rec)  # observe: a turn another process left running
             while True:
@@ -290,11 +294,13 @@ class WorkerHost:
                     reset_pending, rec, snapshot = False, None, None
                 if rec is None:
                     # Release only if the queue is empty (and no reset waits), else take the next turn: one statement.
-                    outcome, rec, reset_pending = self.queue.release_or_next(ref, fence)
+                    outcome, rec, reset_pending, counted = self.queue.release_or_next(ref, fence)
                     if outcome != "next":
                         return
                     continue
-                ran[rec.turn_id], released = self._run_turn(ref, rec, fence, snapshot=snapshot, release=True)
+                ran[rec.turn_id], released = self._run_turn(
+                    ref, rec, fence, snapshot=snapshot, release=True, counted=counted
+                )
                 if released:
                     return  # the turn's last commit gave the lease up: nothing else was queued
                 rec, snapshot = None, None  # the next turn reads the session as that one left it
@@ -351,10 +357,10 @@ class WorkerHost:
             with self._lock:
                 if self._running is not None:
                     self._running.fence = fence
-            rec, pending, result = lease.turn, lease.reset_pending, None
+            rec, pending, result, counted = lease.turn, lease.reset_pending, None, lease.counted
             while rec is not None and rec.cancel_reason is not None:
-                self._run_turn(ref, rec, fence)
-                rec, pending = self.queue.next_turn(ref)
+                self._run_turn(ref, rec, fence, counted=counted)
+                (rec, pending), counted = self.queue.next_turn(ref), False
             if pending:
                 result = self.reset_session(ref, fence)
             if not self.queue.release(ref, fence):  # turns queued behind the reset: a turn worker runs them
@@ -380,10 +386,12 @@ class WorkerHost:
         *,
         snapshot: SessionSnapshot | None = None,
         release: bool = False,
+        counted: bool = False,
     ) -> tuple[TurnResult, bool]:
         """:meth:`run_turn`, on ``snapshot`` if the session was read with the lease; with ``release``, the turn's
         last commit also gives the lease up if nothing else is queued (not for a turn with a delivery target: it
-        is delivered under the lease). Returns whether it did."""
+        is delivered under the lease). Returns whether it did. ``counted``: the statement that picked ``rec``
+        counted this start of it (:class:`~june_worker.engine.loop.TurnRunner`'s ``counted``)."""
         agent = self.agent(ref.agent)
         if agent is None:
             rejected = reject_turn(self.store, self.sink, ref, rec.turn_id, f"unknown agent {ref.agent!r}", fence=fence)
@@ -417,6 +425,7 @@ class WorkerHost:
                     max_attempts=self.settings.max_attempts,
                     hooks=watch,
                     children=self,
+                    counted=counted,
                 )
                 result = self.loop.run_until_complete(runner.run())
                 watch.finished(result)
@@ -485,8 +494,9 @@ class WorkerHost:
         next_lease = time.monotonic() + lease_every
         while not self._stop.wait(tick):
             try:
-                self.queue.beat(self.owner, self.settings.alive_s)
-            except Exception:
+                # with it, the relay marks of what our publishes put in the streams: the sweeper skips those sessions
+                self.queue.beat(self.owner, self.settings.alive_s, relayed=self._relayed())
+            except Exception:  # the marks are lost with it: the sweeper reads those streams' markers instead
                 log.warning("liveness heartbeat of %s failed; will retry", self.owner, exc_info=True)
             if time.monotonic() < next_lease:
                 continue
@@ -505,6 +515,13 @@ class WorkerHost:
                         running.cancel.set(reason)
             except Exception:
                 log.warning("lease heartbeat for %s failed; will retry", running.ref, exc_info=True)
+
+    def _relayed(self) -> dict[SessionRef, int]:
+        """What this process's sinks saw the streams hold, by session, since the last call."""
+        marks = self.sink.take_relayed()
+        for ref, seq in self._turn_sink.take_relayed().items():
+            marks[ref] = max(seq, marks.get(ref, 0))
+        return marks
 
     def _listen(self) -> None:
         """Cancel signals published on the session control channels (the fast path; Postgres is the record).

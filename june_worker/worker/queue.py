@@ -20,6 +20,7 @@ from typing import Any
 
 from psycopg_pool import ConnectionPool
 
+from ..engine.failures import DEFAULT_MAX_ATTEMPTS
 from ..engine.store import SessionRef, SessionSnapshot, SuspendedCheckpoint, TurnPayload, TurnRecord
 from ..stores._pg_commit import NOTHING_NEW
 from ..stores._sql import one_line
@@ -58,13 +59,15 @@ _LEASE_IS_FREE = f"""(
     or not exists (select 1 from june_workers w where w.owner = {{s}}.lease_owner and w.alive_until >= {_NOW}))"""
 
 
-# Intake in one statement: june_intake (migration 8 in stores/postgres.py, where the whole statement is, with
-# why each part is there) records the turn and takes the lease, and with the lease reads the session: only the
+# Intake in one statement: june_intake (migrations 8 and 10 in stores/postgres.py, where the whole statement is,
+# with why each part is there) records the turn and takes the lease, and with the lease reads the session: only the
 # messages after those the worker holds (`held`), when what it holds is still the session's transcript.
 _INTAKE = one_line(f"""
 select r.recorded, r.took, r.retry, r.fence, r.generation, r.status, r.suspended, r.event_seq, r.reset_pending,
-       r.valid, r.compacted_at, r.messages, r.steps, {turn_columns("(r.existing).")}, {turn_columns("(r.first_turn).")}
-  from june_intake(%(agent)s, %(session)s, %(turn_id)s, %(payload)s::json, %(o)s, %(l)s, %(g)s, %(have)s, %(last)s) r
+       r.valid, r.compacted_at, r.messages, r.steps, {turn_columns("(r.existing).")}, {turn_columns("(r.first_turn).")},
+       r.counted
+  from june_intake(%(agent)s, %(session)s, %(turn_id)s, %(payload)s::json, %(o)s, %(l)s, %(g)s, %(have)s, %(last)s,
+                   %(max)s) r
 """)
 
 # The session for its next turn, under a lease already held: what the intake reads with the lease.
@@ -87,12 +90,61 @@ _ACQUIRE = f"""
      where june_sessions.lease_owner = excluded.lease_owner or {_LEASE_IS_FREE.format(s="june_sessions")}
 """
 
-_FIRST_UNFINISHED = f"""
-    left join lateral (
-        select {turn_columns("t.")}
-          from june_turns t
-         where t.agent = %(agent)s and t.session = %(session)s and t.status in ('queued', 'running')
-         order by t.position limit 1) t on true
+# A start of the turn a worker picks is counted in the statement that picks it, up to max_attempts: a process that
+# dies before the turn's first commit, every time, still uses up its attempts. A turn queued behind a pending
+# reset is not counted yet (the holder performs the reset first and picks it again).
+_COUNT_FIRST = """
+    counted as (
+        update june_turns c set attempts = c.attempts + 1
+          from first f
+         where c.agent = %(agent)s and c.session = %(session)s and c.turn_id = f.turn_id
+           and c.attempts < %(max)s and (not f.resetting or f.cancel_reason is not null)
+        returning 1
+    )"""
+
+# Take the lease and read its first unfinished turn (as it was before this statement), counting its start.
+_TAKE = f"""
+with acquired as ({_ACQUIRE} returning fence, event_seq, reset_pending),
+first as (
+    select {turn_columns("t.")}, a.reset_pending as resetting
+      from acquired a
+      join lateral (
+            select * from june_turns t
+             where t.agent = %(agent)s and t.session = %(session)s and t.status in ('queued', 'running')
+             order by t.position limit 1) t on true
+), {_COUNT_FIRST}
+select a.fence, a.event_seq, a.reset_pending, exists (select 1 from counted), {turn_columns("f.")}
+  from acquired a left join first f on true
+"""
+
+# Give the lease up if nothing is unfinished and nothing new was recorded; else read the first unfinished turn
+# (as it was before this statement) and count its start, all in one snapshot.
+_RELEASE_OR_NEXT = f"""
+with released as (
+    update june_sessions s set lease_owner = null, lease_expires = null
+     where s.agent = %(agent)s and s.session = %(session)s and s.fence = %(f)s
+       and not s.reset_pending
+       and not exists (
+            select 1 from june_turns t
+             where t.agent = s.agent and t.session = s.session
+               and t.status in ('queued', 'running'))
+       and {NOTHING_NEW}
+    returning 1
+),
+first as (
+    select {turn_columns("t.")}, s.reset_pending as resetting
+      from june_sessions s
+      join lateral (
+            select * from june_turns t
+             where t.agent = s.agent and t.session = s.session and t.status in ('queued', 'running')
+             order by t.position limit 1) t on true
+     where s.agent = %(agent)s and s.session = %(session)s and s.fence = %(f)s
+       and not exists (select 1 from released)
+), {_COUNT_FIRST}
+select exists (select 1 from released), s.fence, s.reset_pending, exists (select 1 from counted),
+       {turn_columns("f.")}
+  from june_sessions s left join first f on true
+ where s.agent = %(agent)s and s.session = %(session)s
 """
 
 
@@ -108,6 +160,9 @@ class Lease:
     """The session as it stood when the lease was taken, when it was read with it (:meth:`SessionQueue.intake`)."""
     read_from: int = 0
     """The index from which the snapshot's messages were read (those before it were held by the worker)."""
+    counted: bool = False
+    """Whether the statement that took the lease counted a start of ``turn`` (its ``attempts`` is the count
+    before it); not when the turn had its ``max_attempts`` already, or waits for a pending reset."""
 
 
 @dataclass(frozen=True)
@@ -136,9 +191,11 @@ class Stranded:
 
 
 class SessionQueue:
-    def __init__(self, pool: ConnectionPool[Any], *, lease_s: float) -> None:
+    def __init__(self, pool: ConnectionPool[Any], *, lease_s: float, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> None:
         self.pool = pool
         self.lease_s = lease_s
+        self.max_attempts = max_attempts
+        """Starts of a turn its picks count, at most (the failure policy's poison: the runner gives it up then)."""
 
     def acquire(self, ref: SessionRef, owner: str) -> int | None:
         """Take the session's lease if it is free, expired or already ours; return the new fence."""
@@ -150,20 +207,24 @@ class SessionQueue:
         return int(row[0]) if row else None
 
     def take(self, ref: SessionRef, owner: str) -> Lease | None:
-        """:meth:`acquire` and :meth:`next_turn` in one round trip; None when another worker holds the session."""
+        """:meth:`acquire` and :meth:`next_turn` in one round trip, counting a start of that turn
+        (:attr:`Lease.counted`); None when another worker holds the session."""
         with pooled(self.pool) as conn:
             row = conn.execute(
-                f"""
-                with acquired as ({_ACQUIRE} returning fence, event_seq, reset_pending)
-                select a.fence, a.event_seq, a.reset_pending, t.* from acquired a {_FIRST_UNFINISHED}
-                """,
-                {"agent": ref.agent, "session": ref.session, "o": owner, "l": self.lease_s},
+                _TAKE,
+                {"agent": ref.agent, "session": ref.session, "o": owner, "l": self.lease_s, "max": self.max_attempts},
             ).fetchone()
         if row is None:
             return None
-        fence, event_seq, reset_pending, *turn = row
+        fence, event_seq, reset_pending, counted, *turn = row
         rec = turn_from_row(ref, turn) if turn[0] is not None else None
-        return Lease(fence=int(fence), event_seq=int(event_seq), turn=rec, reset_pending=bool(reset_pending))
+        return Lease(
+            fence=int(fence),
+            event_seq=int(event_seq),
+            turn=rec,
+            reset_pending=bool(reset_pending),
+            counted=bool(counted),
+        )
 
     def intake(
         self, ref: SessionRef, turn_id: str, payload: TurnPayload, owner: str, *, held: Held | None = None
@@ -175,8 +236,9 @@ class SessionQueue:
         dead worker or already ours; otherwise its holder runs the turn: recording it made the
         holder's release fail (:data:`~june_worker.stores._pg_commit.NOTHING_NEW`). With the
         lease comes the session as it is now (:attr:`Lease.snapshot`), read in the same
-        statement (``june_intake``, migration 8): only the messages after ``held`` (what this
-        worker holds of the transcript) when the statement finds ``held`` still valid, else all.
+        statement (``june_intake``, migrations 8 and 10): only the messages after ``held`` (what this
+        worker holds of the transcript) when the statement finds ``held`` still valid, else all. The
+        statement counts a start of the turn the lease is taken for (:attr:`Lease.counted`).
         """
         params = {
             "agent": ref.agent,
@@ -185,6 +247,7 @@ class SessionQueue:
             "payload": payload.model_dump_json(),
             "o": owner,
             "l": self.lease_s,
+            "max": self.max_attempts,
             **held_params(held),
         }
         recorded = False
@@ -195,6 +258,7 @@ class SessionQueue:
             inserted, took, retry, fence, generation, status, suspended, event_seq, reset_pending = row[:9]
             valid, compacted_at, messages, steps = row[9:13]
             existing, first = row[13 : 13 + TURN_WIDTH], row[13 + TURN_WIDTH : 13 + 2 * TURN_WIDTH]
+            counted = row[13 + 2 * TURN_WIDTH]
             recorded = recorded or bool(inserted)
             if not retry:
                 break
@@ -211,6 +275,7 @@ class SessionQueue:
                     compacted_at=compacted_at, held=kept,
                 ),
                 read_from=len(kept),
+                counted=bool(counted),
             )  # fmt: skip
         elif retry:
             lease = self.take(ref, owner)  # the row kept changing under us: the lease without a snapshot
@@ -238,14 +303,19 @@ class SessionQueue:
         )  # fmt: skip
         return snapshot, len(kept)
 
-    def beat(self, owner: str, alive_s: float) -> None:
-        """This worker process is alive for ``alive_s`` more seconds; after that its leases may be taken over."""
+    def beat(self, owner: str, alive_s: float, *, relayed: dict[SessionRef, int] | None = None) -> None:
+        """This worker process is alive for ``alive_s`` more seconds; after that its leases may be taken over.
+
+        ``relayed``: sessions whose streams this process saw hold their events up to a seq (its publishes'
+        replies), written to their relay marks in the same statement (:meth:`mark_relayed`), so that the
+        sweeper finds only the sessions that are really behind, without a statement of their own.
+        """
         with pooled(self.pool) as conn:
-            conn.execute(
-                f"insert into june_workers (owner, alive_until) values (%s, {_NOW} + %s) "
-                "on conflict (owner) do update set alive_until = excluded.alive_until",
-                (owner, alive_s),
-            )
+            if not relayed:
+                conn.execute(_BEAT, {"o": owner, "l": alive_s})
+                return
+            marks = sorted(relayed.items(), key=lambda m: (m[0].agent, m[0].session))
+            conn.execute(_BEAT_AND_MARK, {"o": owner, "l": alive_s, **_marks_params(marks)})
 
     def forget_dead_workers(self, *, older_than_s: float) -> int:
         with pooled(self.pool) as conn:
@@ -301,42 +371,28 @@ class SessionQueue:
         parked = SuspendedCheckpoint.model_validate_json(suspended) if suspended else None
         return (turn_from_row(ref, turn) if turn[0] is not None else None), parked
 
-    def release_or_next(self, ref: SessionRef, fence: int) -> tuple[str, TurnRecord | None, bool]:
+    def release_or_next(self, ref: SessionRef, fence: int) -> tuple[str, TurnRecord | None, bool, bool]:
         """After a turn: :meth:`release` if the queue is empty, else :meth:`next_turn`, in one round trip.
 
-        Returns ``("released", None, _)``, ``("lost", None, _)`` when the fence is no longer ours,
-        or ``("next", turn, reset_pending)``. The release and the turn are read in one snapshot:
-        the release fails exactly when that snapshot holds an unfinished turn, which is returned.
-        ``("next", None, _)`` means the row changed under the statement: ask again.
+        Returns ``("released", None, _, _)``, ``("lost", None, _, _)`` when the fence is no longer ours,
+        or ``("next", turn, reset_pending, counted)``: the statement counted a start of ``turn`` as
+        :meth:`take` does. The release and the turn are read in one snapshot: the release fails
+        exactly when that snapshot holds an unfinished turn, which is returned. ``("next", None, _, _)``
+        means the row changed under the statement: ask again.
         """
         with pooled(self.pool) as conn:
             row = conn.execute(
-                f"""
-                with released as (
-                    update june_sessions s set lease_owner = null, lease_expires = null
-                     where s.agent = %(agent)s and s.session = %(session)s and s.fence = %(f)s
-                       and not s.reset_pending
-                       and not exists (
-                            select 1 from june_turns t
-                             where t.agent = s.agent and t.session = s.session
-                               and t.status in ('queued', 'running'))
-                       and {NOTHING_NEW}
-                    returning 1
-                )
-                select exists (select 1 from released), s.fence, s.reset_pending, t.*
-                  from june_sessions s {_FIRST_UNFINISHED}
-                 where s.agent = %(agent)s and s.session = %(session)s
-                """,
-                {"agent": ref.agent, "session": ref.session, "f": fence},
+                _RELEASE_OR_NEXT, {"agent": ref.agent, "session": ref.session, "f": fence, "max": self.max_attempts}
             ).fetchone()
         if row is None:
-            return "lost", None, False
-        released, current, reset_pending, *turn = row
+            return "lost", None, False, False
+        released, current, reset_pending, counted, *turn = row
         if released:
-            return "released", None, False
+            return "released", None, False, False
         if int(current) != fence:
-            return "lost", None, False
-        return "next", (turn_from_row(ref, turn) if turn[0] is not None else None), bool(reset_pending)
+            return "lost", None, False, False
+        rec = turn_from_row(ref, turn) if turn[0] is not None else None
+        return "next", rec, bool(reset_pending), bool(counted)
 
     def next_turn(self, ref: SessionRef) -> tuple[TurnRecord | None, bool]:
         """The oldest unfinished turn and whether a reset is waiting, in one round trip."""
@@ -530,17 +586,20 @@ class SessionQueue:
 
     # --- the relay -----------------------------------------------------------------------------------
 
-    def unrelayed(self, *, limit: int) -> list[tuple[SessionRef, int]]:
+    def unrelayed(self, *, limit: int, after: SessionRef | None = None) -> list[tuple[SessionRef, int]]:
         """Sessions nobody holds whose outbox may be ahead of their stream (``event_seq > relayed_seq``, an
-        index), however long ago they were active; with their committed event count."""
+        index), however long ago they were active; with their committed event count. In key order, from
+        past ``after``: a caller that pages on from the last one it got reaches every such session."""
         with pooled(self.pool) as conn:
             rows = conn.execute(
                 f"""
                 select s.agent, s.session, s.event_seq from june_sessions s
                  where s.event_seq > s.relayed_seq and {_LEASE_IS_FREE.format(s="s")}
+                   and (s.agent, s.session) > (%(agent)s, %(session)s)
+                 order by s.agent, s.session
                  limit %(limit)s
                 """,
-                {"limit": limit},
+                {"limit": limit, "agent": after.agent if after else "", "session": after.session if after else ""},
             ).fetchall()
         return [(SessionRef(a, s), int(seq)) for a, s, seq in rows]
 
@@ -549,16 +608,30 @@ class SessionQueue:
         if not marks:
             return
         with pooled(self.pool) as conn:
-            conn.execute(
-                """
-                update june_sessions s set relayed_seq = greatest(s.relayed_seq, m.seq)
-                  from (select * from unnest(%(agents)s::text[], %(sessions)s::text[], %(seqs)s::bigint[])
-                        as m(agent, session, seq)) m
-                 where s.agent = m.agent and s.session = m.session
-                """,
-                {
-                    "agents": [r.agent for r, _ in marks],
-                    "sessions": [r.session for r, _ in marks],
-                    "seqs": [seq for _, seq in marks],
-                },
-            )
+            conn.execute(_MARK_RELAYED, _marks_params(sorted(marks, key=lambda m: (m[0].agent, m[0].session))))
+
+
+_BEAT = f"""
+    insert into june_workers (owner, alive_until) values (%(o)s, {_NOW} + %(l)s)
+    on conflict (owner) do update set alive_until = excluded.alive_until
+"""
+
+# Marks only move forward: two writers (the holder's heartbeat, a sweeper) may mark one session in either order.
+_MARK_RELAYED = """
+    update june_sessions s set relayed_seq = greatest(s.relayed_seq, m.seq)
+      from (select * from unnest(%(agents)s::text[], %(sessions)s::text[], %(seqs)s::bigint[])
+            as m(agent, session, seq)) m
+     where s.agent = m.agent and s.session = m.session and s.relayed_seq < m.seq
+"""
+
+
+_BEAT_AND_MARK = f"with alive as ({_BEAT}), marked as ({_MARK_RELAYED}) select 1"
+"""A heartbeat that also writes the relay marks a holder's publishes confirmed: one statement, one round trip."""
+
+
+def _marks_params(marks: list[tuple[SessionRef, int]]) -> dict[str, Any]:
+    return {
+        "agents": [r.agent for r, _ in marks],
+        "sessions": [r.session for r, _ in marks],
+        "seqs": [seq for _, seq in marks],
+    }

@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import redis
+
 from ..engine.endings import reject_turn
 from ..engine.secrets import scrubbed_logger
 from ..engine.storable import storable_text
@@ -161,26 +163,35 @@ def _relay(host: WorkerHost, *, limit: int) -> int:
     """Bring every stream nobody is publishing to up to its outbox, however long ago its session was active.
 
     The candidates are the sessions whose ``relayed_seq`` mark is behind their ``event_seq`` (an
-    index); a stream found complete, or made so, moves the mark. While Redis is unreachable the
-    marks stay behind, and a later sweep finishes the work.
+    index; a holder marks what its own publishes put in the streams with its heartbeat, so these are
+    mostly sessions that really are behind); a stream found complete, or made so, moves the mark. They
+    are read a page of ``limit`` at a time, in key order, until a page comes back short: every such
+    session is reached in one sweep, however many there are. While Redis is unreachable the marks stay
+    behind, and a later sweep finishes the work.
     """
-    candidates = host.queue.unrelayed(limit=limit)
-    if not candidates:
-        return 0
-    try:
-        reached = host.sink.relayed_seqs([ref for ref, _ in candidates])
-    except Exception:
-        log.warning("cannot read the stream markers; the next sweep relays", exc_info=True)
-        return 0
-    relayed, marks = 0, []
-    for (ref, committed), seen in zip(candidates, reached, strict=True):
-        if seen < committed:
-            try:
-                relayed += host.sink.relay(host.store, ref)
-                seen = host.sink.relayed_seq(ref)
-            except Exception:
-                log.warning("relay of %s failed; the next sweep tries again", ref, exc_info=True)
-                continue
-        marks.append((ref, min(seen, committed)))
-    host.queue.mark_relayed(marks)
-    return relayed
+    relayed = 0
+    after = None
+    while True:
+        candidates = host.queue.unrelayed(limit=limit, after=after)
+        if not candidates:
+            return relayed
+        try:
+            reached = host.sink.relayed_seqs([ref for ref, _ in candidates])
+        except Exception:
+            log.warning("cannot read the stream markers; the next sweep relays", exc_info=True)
+            return relayed
+        marks, failed = [], False
+        for (ref, committed), seen in zip(candidates, reached, strict=True):
+            if seen < committed:
+                try:
+                    relayed += host.sink.relay(host.store, ref)
+                    seen = host.sink.relayed_seq(ref)
+                except Exception as exc:
+                    log.warning("relay of %s failed; the next sweep tries again", ref, exc_info=True)
+                    failed = failed or isinstance(exc, redis.ConnectionError | redis.TimeoutError)
+                    continue
+            marks.append((ref, min(seen, committed)))
+        host.queue.mark_relayed(marks)
+        if failed or len(candidates) < limit:  # (Redis unreachable: the next sweep goes on, not this one)
+            return relayed
+        after = candidates[-1][0]

@@ -18,6 +18,9 @@ worker gets the same replies.
 * ``desks`` (``parallel_tools=8``): "desks <n>" asks n desks to sign off at once (async ``sign_off``
   calls, request ``desk<i>``, answered by user ``owner-<i>``): the turn parks on all n requests;
   "desks <n> expire" gives desk 1 a second (``timeout_s``), after which its call reads "timed out".
+* ``overloaded``: "overloaded <n> <key>" makes the provider answer 529 overloaded (a retryable
+  ``ModelProviderError``) to the session's first n model calls, counted in Redis; "overloaded never <key>" to
+  all of them; anything else gets "ok".
 * ``echo``: answers with :func:`transcript_digest` of the transcript it was sent, so a test can check
   that every model call saw the stored transcript, whichever worker made it; "tick" first calls the
   sync ``tick`` tool.
@@ -185,6 +188,20 @@ class DribblingModel:
         yield Done(reply=ModelReply(text=f"streamed {n}"))
 
 
+class OverloadedModel:
+    """A provider that is overloaded (529, retryable) for a while, or for good: see the module docstring."""
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelDelta]:
+        from june_worker.errors import ModelProviderError
+
+        words = next((m.text.split() for m in reversed(request.messages) if isinstance(m, UserMessage)), [])
+        if words[:1] == ["overloaded"] and len(words) == 3:
+            calls = _redis().incr(f"it:overloaded:{words[2]}")
+            if words[1] == "never" or calls <= int(words[1]):
+                raise ModelProviderError("overloaded", status_code=529, error_type="overloaded_error", retryable=True)
+        yield Done(reply=ModelReply(text=f"ok: {' '.join(words)}"))
+
+
 def transcript_digest(messages: list[Message]) -> str:
     """How many messages, and a hash of all of them: what the echo model answers."""
     joined = "\n".join(m.model_dump_json() for m in messages)
@@ -308,6 +325,7 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
             deliver=_deliver,
         ),
         Agent(name="dribble", model=DribblingModel()),
+        Agent(name="overloaded", model=OverloadedModel()),
         faulty_agent(),
         Agent(name="echo", model=ScriptedModel(_echo_script), tools=[tick]),
         Agent(name="window", model=WindowModel(2000, extra_tokens=1500)),

@@ -24,7 +24,10 @@ from tests.unit.test_context_policy import (  # noqa: F401 - collected here, on 
     test_reported_usage_past_the_threshold_makes_the_next_turn_compact_before_its_request,
 )
 from tests.unit.test_failure_policy import (  # noqa: F401 - collected here, on Postgres
+    no_backoff,
     test_a_rejected_turn_is_recorded_rejected_in_one_write_with_its_event,
+    test_a_retryable_provider_error_that_never_passes_ends_the_turn_as_poison_and_the_session_goes_on,
+    test_a_retryable_provider_error_that_passes_on_a_later_attempt_completes_the_turn,
     test_a_sync_tool_that_catches_a_failed_statement_keeps_the_steps_transaction_usable,
     test_a_turn_that_ended_keeps_its_status_whatever_commits_later,
     test_a_turn_whose_process_dies_every_time_ends_failed_after_max_attempts,
@@ -150,6 +153,45 @@ async def test_a_connection_lost_inside_a_sync_tool_runs_the_step_again_never_as
     assert runs.runs == 2  # the step ran again...
     assert kit.count_orders(store) == 1  # ...and its write committed exactly once
     assert [e.result for e in store.events(s.ref) if e.type == "action.completed"] == [{"ordered": "w"}]
+
+
+@pytest.mark.parametrize("fault", ["statement_timeout", "lock_nowait"])
+async def test_a_statement_a_sync_tool_does_not_catch_is_the_tools_error_even_of_the_operational_family(
+    fault: str,
+) -> None:
+    runs = kit.Counter()
+
+    @tool
+    def report(ctx: ToolContext) -> dict[str, Any]:
+        """Writes, then runs a statement the server cancels (its own timeout) or refuses (a lock it will not wait
+        for); catches nothing."""
+        runs.runs += 1
+        store_write(ctx, "create table if not exists orders (item text)")
+        store_write(ctx, "insert into orders (item) values (?)", "w")
+        if fault == "statement_timeout":
+            ctx.store.execute("set local statement_timeout = '50ms'")
+            ctx.store.query("select pg_sleep(5)")
+        else:
+            ctx.store.query("select * from it_locked for update nowait")
+        return {"ok": True}
+
+    store = kit.make_store("postgres")
+    url = kit.POSTGRES_URL[-1]
+    with psycopg.connect(url, autocommit=True) as setup:
+        setup.execute("create table it_locked (id integer)")
+        setup.execute("insert into it_locked values (1)")
+    with psycopg.connect(url) as holder:  # another transaction holds the row for the whole turn
+        holder.execute("select * from it_locked for update")
+        script = [Reply("", calls=[{"id": "c1", "name": "report", "input": {}}]), Reply("read it"), Reply("next")]
+        s = kit.runtime_with(store, ScriptedModel(script), [report]).session("ops", "s1")
+        assert await asyncio.wait_for(s.turn("go"), 20) == "read it"  # the model read the error; the turn completed
+        holder.rollback()
+    assert runs.runs == 1  # never taken for a lost step and run again
+    assert kit.count_orders(store) == 0  # the tool raised: its writes rolled back with it
+    errors = [e.error for e in store.events(s.ref) if e.type == "action.completed"]
+    expected = {"statement_timeout": "QueryCanceled", "lock_nowait": "LockNotAvailable"}[fault]
+    assert len(errors) == 1 and errors[0] is not None and errors[0].startswith(expected)
+    assert await asyncio.wait_for(s.turn("again"), 20) == "next"
 
 
 def test_the_sweeper_finds_stranded_turns_and_expired_parks_by_the_databases_clock(

@@ -8,7 +8,8 @@ unreachable for a few seconds, and a value nothing can store (NUL, lone surrogat
 
 For every cell: the turn reaches its terminal status and its terminal event is in the stream,
 every sync write committed exactly once, the stream holds each structural event once and in
-order, and the session serves its next turn.
+order (by seq, and by meaning: one opening and one ending per turn, each message, action and
+input once), and the session serves its next turn.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from bench._harness import repeated_events
 from june_worker.stores.postgres import PostgresStore
 from tests._services import RedisServer
 
@@ -186,3 +188,10 @@ def test_a_fault_at_any_step_ends_the_turn_writes_once_and_the_session_goes_on(
     seqs = [e["seq"] for e in events]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs  # (a reset's archive keeps the numbering going)
     assert len({(e["turn_id"], e["seq"]) for e in events}) == len(events)
+    # ... and by meaning: the same event committed twice would carry two seqs and pass the checks above.
+    assert repeated_events(events) == []
+    for t in (turn_id, after):
+        kinds = [e for e in events if e["turn_id"] == t]
+        opened = [e for e in kinds if e["type"] == "turn.started" and e["trigger"]["kind"] != "resume"]
+        ended_events = [e for e in kinds if e["type"] in ("turn.completed", "turn.failed", "turn.cancelled")]
+        assert (len(opened), len(ended_events)) == (1, 1), (t, [e["type"] for e in kinds])

@@ -48,6 +48,7 @@ def _intake_params(ref: SessionRef, turn_id: str, owner: str) -> dict[str, objec
         "payload": payload,
         "o": owner,
         "l": 30.0,
+        "max": 5,
         **held_params(None),
     }
 
@@ -158,7 +159,7 @@ def test_intake_under_a_live_holder_records_the_turn_and_leaves_it_to_the_holder
     assert lease is not None and lease.turn is None
     got = q.intake(ref, "t1", TurnPayload(text="hi"), "other")
     assert got.recorded and got.lease is None
-    outcome, rec, _ = q.release_or_next(ref, lease.fence)  # the holder cannot let go: the turn is its to run
+    outcome, rec, *_ = q.release_or_next(ref, lease.fence)  # the holder cannot let go: the turn is its to run
     assert outcome == "next" and rec is not None and rec.turn_id == "t1"
 
 
@@ -371,7 +372,7 @@ def test_the_last_commit_keeps_the_lease_while_another_turn_is_queued(
     assert q.intake(ref, "t2", TurnPayload(text="next"), "w2").lease is None  # w2 is not alive: no matter, held
     _, released = store.commit_releasing(ref, _ending("t1"), fence=lease.fence)
     assert not released
-    outcome, rec, _ = q.release_or_next(ref, lease.fence)
+    outcome, rec, *_ = q.release_or_next(ref, lease.fence)
     assert outcome == "next" and rec is not None and rec.turn_id == "t2"
 
 
@@ -460,3 +461,35 @@ def test_the_sweeper_finds_pending_resets_along_an_index_not_by_reading_every_se
         assert any(index == "june_sessions_reset_pending" for _kind, _rel, index in scans), scans
     finally:
         pool.close()
+
+
+def test_each_pick_of_a_turn_counts_a_start_until_max_attempts_and_says_whether_it_did(
+    queue: tuple[PostgresStore, SessionQueue],
+) -> None:
+    store, q = queue
+    q.max_attempts = 2
+    ref = _ref()
+    q.beat("w1", 60)
+    store.enqueue_turn(ref, "t1", TurnPayload(text="hi"))
+    picks = []
+    for _ in range(3):  # each holder dies before the runner writes anything; the next one takes over
+        lease = q.take(ref, "w1")
+        assert lease is not None and lease.turn is not None
+        picks.append((lease.turn.attempts, lease.counted))
+    assert picks == [(0, True), (1, True), (2, False)]  # the count before each pick; the third is the runner's poison
+    rec = store.get_turn(ref, "t1")
+    assert rec is not None and (rec.status, rec.attempts) == ("queued", 2)
+    # release_or_next counts the turn it hands on the same way
+    outcome, turn, _, counted = q.release_or_next(ref, q.take(ref, "w1").fence)  # type: ignore[union-attr]
+    assert (outcome, turn is not None and turn.turn_id, counted) == ("next", "t1", False)
+    other = _ref()
+    store.enqueue_turn(other, "t1", TurnPayload(text="hi"))
+    store.enqueue_turn(other, "t2", TurnPayload(text="next"))
+    lease = q.take(other, "w1")
+    assert lease is not None and lease.counted
+    done = Completed(turn_id="t1", text="ok")
+    store.commit(other, Commit(turn_id="t1", turn_status="completed", turn_result=done), fence=lease.fence)
+    outcome, turn, _, counted = q.release_or_next(other, lease.fence)
+    assert (outcome, turn is not None and turn.turn_id, counted) == ("next", "t2", True)
+    rec = store.get_turn(other, "t2")
+    assert rec is not None and rec.attempts == 1

@@ -6,6 +6,7 @@ policy (5ac2ffb).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -53,6 +54,80 @@ def test_a_tool_that_kills_its_process_every_time_ends_its_turn_failed_after_max
     # ... and the session serves its next turn.
     after = stack.turn("ops", session_id, "order 2 nut")
     assert stack.wait_terminal("ops", session_id, after)["type"] == "turn.completed"
+
+
+# --- a retryable provider error that outlasts a step's retries -------------------------------------
+
+
+def _dispatched_at(stack: Stack, agent: str, session: str, turn_id: str) -> Any:
+    rows = stack.sql(
+        "select dispatched_at from june_turns where agent = %s and session = %s and turn_id = %s",
+        agent,
+        session,
+        turn_id,
+    )
+    return rows[0][0]
+
+
+def test_a_retryable_provider_error_that_never_passes_ends_the_turn_as_poison_and_the_next_turn_runs(
+    stack: Stack, session_id: str
+) -> None:
+    from june_worker.engine.failures import STEP_RETRIES
+
+    key = uuid.uuid4().hex
+    turn_id = stack.turn("overloaded", session_id, f"overloaded never {key}")
+    after = stack.turn("overloaded", session_id, "hello")
+    failed = stack.wait_terminal("overloaded", session_id, turn_id, timeout_s=60)
+    assert failed["type"] == "turn.failed"
+    assert (failed["error"]["type"], failed["phase"], failed["step"]) == ("PoisonTurnError", "model", "model:1")
+    assert f"given up after {MAX_ATTEMPTS} attempts" in failed["error"]["message"]
+    assert "overloaded" in failed["error"]["message"]  # the last error, for whoever reads the failure
+    row = stack.turn_row("overloaded", session_id, turn_id)
+    assert row is not None and row["status"] == "failed" and row["attempts"] == MAX_ATTEMPTS
+    assert int(stack.redis.get(f"it:overloaded:{key}") or 0) == MAX_ATTEMPTS * (1 + STEP_RETRIES)
+    # The worker retried the attempts itself, with backoff: nothing waited for the lease to lapse and a sweep.
+    assert _dispatched_at(stack, "overloaded", session_id, turn_id) is None
+    assert stack.wait_terminal("overloaded", session_id, after)["type"] == "turn.completed"
+
+
+def test_a_retryable_provider_error_that_passes_on_a_later_attempt_completes_the_turn(
+    stack: Stack, session_id: str
+) -> None:
+    from june_worker.engine.failures import STEP_RETRIES
+
+    key = uuid.uuid4().hex
+    fails = (MAX_ATTEMPTS - 1) * (1 + STEP_RETRIES)  # every attempt but the last fails, the last passes
+    turn_id = stack.turn("overloaded", session_id, f"overloaded {fails} {key}")
+    done = stack.wait_terminal("overloaded", session_id, turn_id, timeout_s=60)
+    assert done["type"] == "turn.completed"
+    row = stack.turn_row("overloaded", session_id, turn_id)
+    assert row is not None and row["status"] == "completed" and row["attempts"] == MAX_ATTEMPTS
+    assert int(stack.redis.get(f"it:overloaded:{key}") or 0) == fails + 1
+    assert _dispatched_at(stack, "overloaded", session_id, turn_id) is None
+
+
+def test_a_turn_whose_process_dies_at_every_start_before_the_runner_counts_it_ends_failed_after_max_attempts(
+    own_db: str, redis_url: str, tmp_path: Path
+) -> None:
+    PostgresStore(own_db).close()
+    dying = Stack(own_db, redis_url, tmp_path)
+    try:
+        # Every start of every turn is killed after the turn was picked and before the runner writes anything (as
+        # an out-of-memory while loading the session would be): only the pick's own count can give the turn up.
+        env = {"JUNE_MAX_ATTEMPTS": str(MAX_ATTEMPTS), "JUNE_CRASH_AT": "before-start"}
+        dying.worker("dying", pool="prefork", env=env)
+        dying.beat()
+        session = f"dying-{uuid.uuid4().hex[:6]}"
+        turn_id = dying.turn("ops", session, "hello")
+        failed = dying.wait_terminal("ops", session, turn_id, timeout_s=90)
+        assert failed["type"] == "turn.failed"
+        assert (failed["error"]["type"], failed["phase"], failed["step"]) == ("PoisonTurnError", None, "turn:open")
+        assert f"given up after {MAX_ATTEMPTS} attempts" in failed["error"]["message"]
+        row = dying.turn_row("ops", session, turn_id)
+        assert row is not None and row["status"] == "failed" and row["attempts"] == MAX_ATTEMPTS
+        assert _structural_types(dying, "ops", session, turn_id) == ["turn.failed"]  # it never opened
+    finally:
+        dying.close()
 
 
 # --- item 6: a rejected turn is never queued, so nothing can run it --------------------------------
@@ -175,15 +250,101 @@ def test_events_committed_while_redis_was_down_are_relayed_however_old_the_sessi
     assert stack.sql("select relayed_seq = event_seq from june_sessions where session = %s", session) == [(True,)]
 
 
+def test_a_turn_on_a_session_with_history_completes_while_the_events_redis_is_down_and_is_relayed_after(
+    split: tuple[Stack, RedisServer],
+) -> None:
+    stack, events_redis = split
+    session = f"dark-{uuid.uuid4().hex[:6]}"
+    stack.worker("split", pool="solo")
+    first = stack.turn("ops", session, "order 1 nut")
+    assert stack.wait_terminal("ops", session, first)["type"] == "turn.completed"  # the session has events
+    events_redis.stop()
+    second = stack.turn("ops", session, "order 2 bolt")  # its holder cannot read the stream's marker
+
+    def completed() -> bool:
+        return (stack.turn_row("ops", session, second) or {}).get("status") == "completed"
+
+    wait_for(completed, timeout_s=30, what="the turn to complete in Postgres while Redis is down")
+    assert stack.sql("select count(*) from it_orders where turn_id = %s", second) == [(1,)]
+    events_redis.start()  # empty: the sweeper rebuilds the stream from the outbox
+    stack.beat()
+    wait_for(
+        lambda: [e["seq"] for e in stack.structural("ops", session)] == list(range(1, 13)),
+        timeout_s=30,
+        what="the sweeper to relay both turns' events",
+    )
+    assert [e["type"] for e in stack.structural("ops", session) if e["turn_id"] == second][-1] == "turn.completed"
+
+
+@pytest.fixture
+def host(own_db: str, redis_url: str) -> Iterator[Any]:
+    """A worker host in this process (no Celery), on a database and key prefix of its own."""
+    from june_worker.worker.host import WorkerHost
+    from june_worker.worker.settings import WorkerSettings
+
+    from .agents import ALL
+
+    prefix = f"june-it-{uuid.uuid4().hex[:8]}"
+    settings = WorkerSettings(database_url=own_db, redis_url=redis_url, key_prefix=prefix, lease_s=60, alive_s=1)
+    h = WorkerHost(settings, {a.name: a for a in ALL()})
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def _relay_marks(h: Any) -> list[tuple[str, int, int]]:
+    with h.store.pool.connection() as conn:
+        rows = conn.execute("select session, relayed_seq, event_seq from june_sessions order by session").fetchall()
+    return [(str(s), int(r), int(e)) for s, r, e in rows]
+
+
+def test_one_sweep_relays_every_session_behind_its_outbox_however_many_pages_they_fill(host: Any) -> None:
+    from june_worker.engine.events import TurnStarted
+    from june_worker.engine.store import Commit, SessionRef, TurnPayload
+    from june_worker.engine.types import ProactiveTrigger
+    from june_worker.worker.sweeper import sweep
+
+    page = 3
+    refs = [SessionRef("ops", f"behind-{i:02d}") for i in range(3 * page + 1)]  # past three full pages
+    for ref in refs:  # committed, never published: a worker died between the commit and the publish
+        host.store.enqueue_turn(ref, "t1", TurnPayload(text="hi"))
+        host.store.commit(ref, Commit(events=[TurnStarted(turn_id="t1", trigger=ProactiveTrigger())]))
+    assert all(relayed == 0 and committed == 1 for _, relayed, committed in _relay_marks(host))
+    summary = sweep(host, lambda rec: None, limit=page)
+    assert summary["relayed"] == len(refs)
+    for ref in refs:
+        entries = host.redis.xrange(host.keys.session_stream(ref))
+        assert [json.loads(f[b"data"])["seq"] for _, f in entries] == [1], ref
+    assert [(relayed, committed) for _, relayed, committed in _relay_marks(host)] == [(1, 1)] * len(refs)
+
+
+def test_a_holder_marks_what_its_publishes_relayed_so_the_sweeper_need_not_look(host: Any) -> None:
+    from june_worker.engine.store import SessionRef, TurnPayload
+
+    ref = SessionRef("ops", f"marked-{uuid.uuid4().hex[:6]}")
+    host.store.enqueue_turn(ref, "t1", TurnPayload(text="order 2 nut"))
+    assert host.drain(ref)["t1"].status == "completed"
+    # No sweeper runs here: the holder's heartbeat writes the mark its publishes' replies confirmed.
+    wait_for(
+        lambda: _relay_marks(host) == [(ref.session, 6, 6)],
+        timeout_s=10,
+        what="the holder to mark its session relayed",
+    )
+    assert len([f for _, f in host.redis.xrange(host.keys.session_stream(ref)) if b"delta" not in f[b"type"]]) == 6
+
+
 # --- item 7: a cancel signal that arrives while the next turn is being picked -------------------------
 
 
 def test_a_cancel_signalled_while_the_worker_picks_the_turn_is_not_missed(
     own_db: str, redis_url: str, session_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import psycopg
+
     from june_worker.engine.events import TurnStarted
     from june_worker.engine.store import Commit, SessionRef, TurnPayload
-    from june_worker.engine.types import ProactiveTrigger, UserMessage
+    from june_worker.engine.types import AssistantMessage, ProactiveTrigger, ToolCall, UserMessage
     from june_worker.worker.host import WorkerHost
     from june_worker.worker.settings import WorkerSettings
 
@@ -192,16 +353,21 @@ def test_a_cancel_signalled_while_the_worker_picks_the_turn_is_not_missed(
     prefix = f"june-it-{uuid.uuid4().hex[:8]}"
     # A long lease: its heartbeat, which also re-reads the cancel, stays out of the picture.
     settings = WorkerSettings(database_url=own_db, redis_url=redis_url, key_prefix=prefix, lease_s=60, alive_s=2)
-    monkeypatch.setenv("JUNE_IT_DELTAS", "1")  # the model answers at once: only the signal can stop the turn
     host = WorkerHost(settings, {a.name: a for a in ALL()})
     try:
-        ref = SessionRef("dribble", session_id)
-        # A turn opened by an earlier attempt (its worker died): the next holder replays it.
-        host.store.enqueue_turn(ref, "t1", TurnPayload(text="talk"))
+        ref = SessionRef("ops", session_id)
+        # A turn opened by an earlier attempt (its worker died) whose next step is a tool: the next holder
+        # replays it. A tool's result is not guarded by the stored cancel (what ran keeps its result), so only
+        # the signal, kept while the turn was being picked, can stop the replay before the tool runs.
+        call = ToolCall(id="c1", name="create_order", input={"item": "bolt", "qty": 1})
+        host.store.enqueue_turn(ref, "t1", TurnPayload(text="order 1 bolt"))
         host.store.commit(
             ref,
             Commit(
-                messages=[(0, UserMessage(turn_id="t1", text="talk"))],
+                messages=[
+                    (0, UserMessage(turn_id="t1", text="order 1 bolt")),
+                    (1, AssistantMessage(turn_id="t1", text="Placing it.", tool_calls=[call])),
+                ],
                 events=[TurnStarted(turn_id="t1", trigger=ProactiveTrigger())],
                 status="running",
                 turn_id="t1",
@@ -223,6 +389,11 @@ def test_a_cancel_signalled_while_the_worker_picks_the_turn_is_not_missed(
         ran = host.drain(ref)
         assert ran["t1"].status == "cancelled"
         types = [e.type for e in host.store.events(ref, turn_id="t1")]
-        assert types == ["turn.started", "turn.cancelled"]  # no model reply, no deltas' message
+        assert types == ["turn.started", "turn.cancelled"]  # no tool's action, no model reply
+        with psycopg.connect(own_db, autocommit=True) as conn:
+            orders = conn.execute("select to_regclass('it_orders') is not null").fetchone()
+        assert orders == (False,)  # the tool never ran (it makes its table on its first run)
+        stream = host.redis.xrange(host.keys.session_stream(ref))
+        assert [f[b"type"] for _, f in stream if f[b"type"] == b"message.delta"] == []  # the model was never asked
     finally:
         host.close()

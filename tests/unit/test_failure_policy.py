@@ -330,6 +330,65 @@ async def test_a_turn_whose_process_dies_every_time_ends_failed_after_max_attemp
     assert [e.type for e in store.events(s.ref, turn_id="t1")][-1] == "turn.failed"
 
 
+# --- a retryable provider error that outlasts a step's retries ------------------------------------
+
+
+def _overloaded_model(fails: int | None) -> kit.FnModel:
+    """A provider that answers 529 overloaded (retryable) to turn t1's first ``fails`` calls (None: all of them)."""
+    seen = kit.Counter()
+
+    async def stream(request: Any) -> Any:
+        if request.turn_id == "t1":
+            seen.runs += 1
+            if fails is None or seen.runs <= fails:
+                raise ModelProviderError("overloaded", status_code=529, retryable=True)
+        yield kit.reply(f"answered {request.turn_id}")
+
+    return kit.FnModel(stream)
+
+
+@pytest.fixture
+def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retries at once: the backoff's length is not what these tests are about."""
+    monkeypatch.setattr("june_worker.engine.loop.backoff_s", lambda *a, **k: 0.0)
+    monkeypatch.setattr("june_worker.engine.session.backoff_s", lambda *a, **k: 0.0)
+
+
+async def test_a_retryable_provider_error_that_never_passes_ends_the_turn_as_poison_and_the_session_goes_on(
+    sql_kind: str, no_backoff: None
+) -> None:
+    store = kit.make_store(sql_kind)
+    rt = kit.runtime_with(store, _overloaded_model(None))
+    rt.max_attempts = 3
+    s = rt.session("ops", "s1")
+    t1 = await s.start("first", turn_id="t1")
+    t2 = await s.start("second", turn_id="t2")
+    first = await asyncio.wait_for(s.result(t1), 20)
+    assert isinstance(first, Failed) and first.error.type == "PoisonTurnError"
+    assert (first.phase, first.step) == ("model", "model:1")
+    assert "given up after 3 attempts" in first.error.message and "overloaded" in first.error.message
+    rec = store.get_turn(s.ref, "t1")
+    assert rec is not None and (rec.status, rec.attempts) == ("failed", 3)
+    second = await asyncio.wait_for(s.result(t2), 20)  # the next turn of the session runs
+    assert isinstance(second, Completed) and second.text == "answered t2"
+
+
+async def test_a_retryable_provider_error_that_passes_on_a_later_attempt_completes_the_turn(
+    sql_kind: str, no_backoff: None
+) -> None:
+    from june_worker.engine.failures import STEP_RETRIES
+
+    store = kit.make_store(sql_kind)
+    # Two whole attempts fail (each tries the step 1 + STEP_RETRIES times), the third passes.
+    rt = kit.runtime_with(store, _overloaded_model(2 * (STEP_RETRIES + 1)))
+    rt.max_attempts = 3
+    s = rt.session("ops", "s1")
+    result = await asyncio.wait_for(s.result(await s.start("first", turn_id="t1")), 20)
+    assert isinstance(result, Completed) and result.text == "answered t1"
+    rec = store.get_turn(s.ref, "t1")
+    assert rec is not None and (rec.status, rec.attempts) == ("completed", 3)
+
+
 def test_a_model_reply_the_store_cannot_hold_is_made_storable() -> None:
     from june_worker.engine.loop import _storable_reply
 
@@ -386,3 +445,32 @@ def test_a_statement_that_met_a_concurrent_schema_change_is_transient_and_other_
     assert _is_unavailable(pg_errors.InternalError_("cache lookup failed for type 26332"))
     assert not _is_unavailable(pg_errors.InternalError_("unexpected chunk number 3"))
     assert not _is_unavailable(pg_errors.UniqueViolation("duplicate key"))
+
+
+def test_only_a_lost_connection_a_shutdown_a_serialization_failure_a_deadlock_or_too_many_connections_is_unavailable() -> (
+    None
+):
+    import psycopg
+    from psycopg import errors as pg_errors
+
+    from june_worker.stores.postgres import _is_unavailable
+
+    for lost in (
+        psycopg.OperationalError("consuming input failed: server closed the connection unexpectedly"),
+        psycopg.InterfaceError("the connection is closed"),
+        pg_errors.ConnectionFailure("08006"),
+        pg_errors.AdminShutdown("terminating connection due to administrator command"),
+        pg_errors.CrashShutdown("57P02"),
+        pg_errors.CannotConnectNow("the database system is starting up"),
+        pg_errors.TooManyConnections("sorry, too many clients already"),
+        pg_errors.SerializationFailure("could not serialize access"),
+        pg_errors.DeadlockDetected("deadlock detected"),
+    ):
+        assert _is_unavailable(lost), type(lost).__name__
+    # the statement's own, though psycopg files them under OperationalError: they would fail the same way again
+    for own in (
+        pg_errors.QueryCanceled("canceling statement due to statement timeout"),
+        pg_errors.LockNotAvailable("could not obtain lock on row"),
+        pg_errors.ProgramLimitExceeded("index row size exceeds maximum"),
+    ):
+        assert isinstance(own, psycopg.OperationalError) and not _is_unavailable(own), type(own).__name__

@@ -288,6 +288,50 @@ async def test_a_park_with_a_timeout_is_answered_by_a_timeout_the_tool_can_catch
     ]
 
 
+class _RefusalsCounted(MemoryStore):
+    """Counts the timeouts it refuses as not due by its own clock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = asyncio.Event()
+
+    def commit(self, ref: Any, commit: Any, *, fence: int | None = None) -> Any:
+        try:
+            return super().commit(ref, commit, fence=fence)
+        except ResumeConflictError:
+            if getattr(commit, "expect_expired", False):
+                self.refused.set()
+            raise
+
+
+async def test_a_park_timeout_the_store_refuses_as_not_due_is_tried_again_no_sooner_than_the_floor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time as real_time
+    import types
+
+    from june_worker.engine import session as session_module
+
+    @tool
+    async def approve(ctx: ToolContext) -> dict[str, Any]:
+        """Ask with a deadline a minute away."""
+        return {"approved": await ctx.request_input(id="a", prompt="?", timeout_s=60)}
+
+    # This process's clock is two minutes ahead of the store's: by it, the park expired long ago.
+    monkeypatch.setattr(session_module, "time", types.SimpleNamespace(time=lambda: real_time.time() + 120))
+    store = _RefusalsCounted()
+    script = [Reply("", calls=[{"id": "c1", "name": "approve", "input": {}}]), Reply("unreachable")]
+    s = runtime_with(store, ScriptedModel(script), [approve]).session("ops", "s1")
+    await s.start("go", turn_id="t1")
+    assert isinstance(await s.result("t1"), Suspended)
+    await asyncio.wait_for(store.refused.wait(), 5)  # the timer fired at once and the store said not yet
+    await asyncio.sleep(0)  # the refusal's re-arm runs on the loop
+    timer = s._timers["t1"]
+    assert timer.when() - asyncio.get_running_loop().time() > 0.5 * session_module.PARK_REARM_FLOOR_S
+    pending = store.pending(s.ref)
+    assert pending is not None and pending.turn_id == "t1"  # still parked: the store's clock decides
+
+
 async def _until_done(s: Any, turn_id: str) -> Any:
     while True:
         r = await s.result(turn_id)
