@@ -41,7 +41,7 @@ class Queue:
     def undelivered(self, *, grace_s: float, limit: int) -> list[Any]:
         return self._run("undelivered")
 
-    def unrelayed(self, *, limit: int) -> list[Any]:
+    def unrelayed(self, *, limit: int, after: Any = None) -> list[Any]:
         return self._run("unrelayed")
 
     def forget_dead_workers(self, *, older_than_s: float) -> int:
