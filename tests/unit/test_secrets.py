@@ -156,7 +156,8 @@ def test_every_logger_of_the_package_scrubs_its_records() -> None:
     loggers = {
         name: logger
         for name, logger in logging.Logger.manager.loggerDict.items()
-        if name.startswith("june_worker") and isinstance(logger, logging.Logger)
+        # (the package logs to its modules' loggers only; a bare "june_worker" is a test's, made to watch them)
+        if name.startswith("june_worker.") and isinstance(logger, logging.Logger)
     }
     # Then each carries the scrubbing filter, but those of modules that only run in the processes whose
     # handlers june scrubs (worker and beat: worker/app.py; the gateway: its lifespan)
