@@ -18,7 +18,7 @@ from june_worker.engine.children import child_session_id, child_turn_id
 from june_worker.engine.store import SessionRef
 from june_worker.stores.postgres import PostgresStore
 
-from .conftest import Stack, wait_for
+from .conftest import Proc, Stack, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +64,17 @@ def _children(stack: Stack, session: str, turn_id: str) -> list[tuple[str, str, 
             turn_id,
         )
     ]
+
+
+def _doomed(stack: Stack, session: str, turn_id: str, text: str, crash_at: str, **worker: Any) -> Proc:
+    """A worker on a queue of its own (its child turns go there too) that dies at ``crash_at``, sent the turn."""
+    queue = f"{stack.queue}.{session}"
+    worker.setdefault("pool", "solo")
+    doomed = stack.worker(
+        f"doomed-{session[-6:]}", queues=queue, env={"JUNE_CRASH_AT": crash_at, "JUNE_QUEUE": queue}, **worker
+    )
+    stack.send("june.turn", {"turn_id": turn_id, "agent": "boss", "session": session, "text": text}, queue=queue)
+    return doomed
 
 
 def _log(stack: Stack, key: str) -> list[tuple[int, str, int]]:
@@ -131,18 +142,7 @@ def test_a_worker_killed_after_its_child_ended_before_answering_leaves_the_paren
     child = child_turn_id(SessionRef("boss", session), turn_id, "c1")
     # Given a solo worker on a queue of its own (its child turns go there too) that dies right after the child
     # turn it ran ended, before it answers the parent
-    doomed_queue = f"{stack.queue}.{session}"
-    doomed = stack.worker(
-        f"doomed-{session[-6:]}",
-        pool="solo",
-        queues=doomed_queue,
-        env={"JUNE_CRASH_AT": f"before-parent-answer@{child}", "JUNE_QUEUE": doomed_queue},
-    )
-    stack.send(
-        "june.turn",
-        {"turn_id": turn_id, "agent": "boss", "session": session, "text": f"delegate 1 {key}"},
-        queue=doomed_queue,
-    )
+    doomed = _doomed(stack, session, turn_id, f"delegate 1 {key}", f"before-parent-answer@{child}")
     wait_for(lambda: doomed.popen.poll() is not None, timeout_s=60, what="the worker to die at the crash point")
     doomed.kill()
     assert _status(stack, "scout", child_session(session, turn_id, "c1"), child) == "completed"
@@ -165,18 +165,7 @@ def test_a_worker_killed_at_a_child_commit_point_still_gives_one_child_per_call_
     # Given a solo worker that dies after recording the child (before sending it and before the parent parks),
     # or after answering the parent (before sending the parent on)
     step = "tool:1:c1" if point == "after-child-start" else child
-    doomed_queue = f"{stack.queue}.{session}"
-    doomed = stack.worker(
-        f"doomed-{session[-6:]}",
-        pool="solo",
-        queues=doomed_queue,
-        env={"JUNE_CRASH_AT": f"{point}@{step}", "JUNE_QUEUE": doomed_queue},
-    )
-    stack.send(
-        "june.turn",
-        {"turn_id": turn_id, "agent": "boss", "session": session, "text": f"delegate 1 {key}"},
-        queue=doomed_queue,
-    )
+    doomed = _doomed(stack, session, turn_id, f"delegate 1 {key}", f"{point}@{step}")
     wait_for(lambda: doomed.popen.poll() is not None, timeout_s=60, what="the worker to die at the crash point")
     doomed.kill()
 
@@ -311,18 +300,14 @@ def test_a_child_that_ended_behind_another_open_request_is_answered_by_the_sweep
     second = child_turn_id(SessionRef("boss", session), turn_id, "c2")
     # Given a parent parked on two children, the first still working, on a worker whose process dies right after
     # the second child ended, before it answers the parent (its request is the park's second, in ``more``)
-    doomed_queue = f"{stack.queue}.{session}"
-    doomed = stack.worker(
-        f"doomed-{session[-6:]}",
+    doomed = _doomed(
+        stack,
+        session,
+        turn_id,
+        f"delegate 2 {key} mixed",
+        f"before-parent-answer@{second}",
         pool="prefork",
         concurrency=2,
-        queues=doomed_queue,
-        env={"JUNE_CRASH_AT": f"before-parent-answer@{second}", "JUNE_QUEUE": doomed_queue},
-    )
-    stack.send(
-        "june.turn",
-        {"turn_id": turn_id, "agent": "boss", "session": session, "text": f"delegate 2 {key} mixed"},
-        queue=doomed_queue,
     )
     wait_for(
         lambda: _status(stack, "scout", child_session(session, turn_id, "c2"), second) == "completed",
@@ -389,18 +374,7 @@ def test_a_worker_killed_right_after_a_cancelled_child_answered_its_parent_leave
     child = child_turn_id(SessionRef("boss", session), turn_id, "c1")
     # Given a parent parked on a working child, both on a worker that dies right after the child's answer commits
     # (the parent queued again, not yet sent on)
-    doomed_queue = f"{stack.queue}.{session}"
-    doomed = stack.worker(
-        f"doomed-{session[-6:]}",
-        pool="solo",
-        queues=doomed_queue,
-        env={"JUNE_CRASH_AT": f"after-parent-answer@{child}", "JUNE_QUEUE": doomed_queue},
-    )
-    stack.send(
-        "june.turn",
-        {"turn_id": turn_id, "agent": "boss", "session": session, "text": f"delegate 1 {key} hold"},
-        queue=doomed_queue,
-    )
+    doomed = _doomed(stack, session, turn_id, f"delegate 1 {key} hold", f"after-parent-answer@{child}")
     wait_for(lambda: stack.redis.llen(f"it:scout:{key}:log") == 1, timeout_s=60, what="the child to start working")
     assert _status(stack, "boss", session, turn_id) == "suspended"
 
