@@ -52,6 +52,11 @@ class UlidGenerator:
         self._last_ms = -1
         self._last_random = 0
 
+    def reseed(self) -> None:
+        """Forget the last id: the next one draws a fresh random part (a forked child must not share its parent's)."""
+        self._lock = threading.Lock()  # the parent's may have been held by a thread that does not exist here
+        self._last_ms, self._last_random = -1, 0
+
     def __call__(self) -> str:
         with self._lock:
             ms = self._clock_ms()
@@ -69,6 +74,8 @@ class UlidGenerator:
 
 ulid = UlidGenerator()
 """The process-wide generator: one sequence, so every id this process mints sorts in mint order."""
+if hasattr(os, "register_at_fork"):  # POSIX: a forked producer (a prefork pool, gunicorn) mints on its own
+    os.register_at_fork(after_in_child=ulid.reseed)
 
 
 def new_turn_id() -> str:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 
-from producers import new_turn_id
+import pytest
+
+from producers import _ulid, new_turn_id
 from producers._ulid import CROCKFORD, UlidGenerator
 
 ULID = re.compile(r"^[0-7][0-9A-HJKMNP-TV-Z]{25}$")
@@ -74,3 +77,26 @@ def test_ids_minted_by_many_threads_at_once_are_unique() -> None:
 def test_module_level_ids_sort_in_creation_order() -> None:
     minted = [new_turn_id() for _ in range(2000)]
     assert sorted(minted) == minted
+
+
+def test_forked_children_never_mint_the_same_id_as_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a producer process that minted an id, and a clock that stays in that millisecond
+    monkeypatch.setattr(_ulid.ulid, "_clock_ms", lambda: 1_700_000_000_000)
+    new_turn_id()
+    # When two children forked from it each mint one (a prefork web server's workers, say)
+    minted = []
+    for _ in range(2):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: mint, report, leave without running the parent's cleanup
+            try:
+                os.write(write, new_turn_id().encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            minted.append(pipe.read())
+        os.waitpid(pid, 0)
+    # Then their ids differ (each drew a random part of its own, not its parent's plus one)
+    assert len(minted) == 2 and all(m.startswith("t_") for m in minted)
+    assert minted[0] != minted[1]
