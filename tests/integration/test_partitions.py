@@ -204,6 +204,13 @@ def _contents(db_url: str) -> dict[str, list[tuple[Any, ...]]]:
         }
 
 
+def _behind(db_url: str) -> int:
+    """Sessions whose relay mark is behind their outbox."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        row = conn.execute("select count(*) from june_sessions where relayed_seq < event_seq").fetchone()
+    return int(row[0]) if row else 0
+
+
 def _events(db_url: str, agent: str, session: str) -> list[tuple[int, str]]:
     with psycopg.connect(db_url, autocommit=True) as conn:
         rows = conn.execute(
@@ -228,6 +235,8 @@ def test_converting_a_database_that_holds_sessions_keeps_every_row_and_every_tur
         assert _turn(host, reset_s, "hello again")["status"] == "completed"
         queued_id = f"t_{uuid.uuid4().hex}"
         host.store.enqueue_turn(SessionRef("ops", queued_s), queued_id, TurnPayload(text="order 1 bolt"))
+        # (the host's heartbeat writes the relay marks of what it published: let them land before the snapshot)
+        wait_for(lambda: _behind(db) == 0, what="the host's heartbeat to mark its sessions relayed")
         before = _contents(db)
         assert all(before[t] for t in SESSION_TABLES), {t: len(rows) for t, rows in before.items()}
         # When the tables are converted to hash partitions
