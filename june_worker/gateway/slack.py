@@ -57,6 +57,22 @@ _CLAIM_S = 30
 retries of it (about 1 and 5 minutes on) no longer than this."""
 
 
+_TWIN_WAIT_S = 2.0
+"""How long a copy of an event that another request is sending waits for that send, inside Slack's 3 s."""
+
+
+async def _sent_by_its_twin(client: Any, seen: str) -> bool:
+    """Whether the request that claimed ``seen`` sent its turn, waiting up to :data:`_TWIN_WAIT_S` for it to say."""
+    deadline = asyncio.get_running_loop().time() + _TWIN_WAIT_S
+    while True:
+        state = await client.get(seen)
+        if state in ("1", b"1"):
+            return True
+        if state is None or asyncio.get_running_loop().time() >= deadline:  # its send failed, or is slow
+            return False
+        await asyncio.sleep(0.05)
+
+
 def _slack(request: Request) -> SlackGatewaySettings:
     slack = get_settings(request).slack
     assert slack is not None, "the Slack routes are mounted only with Slack settings"
@@ -138,9 +154,15 @@ async def events(request: Request) -> Response:
     # Claimed before sending, in one command: the message and app_mention copies of one message arrive at once,
     # and only one of them may be sent (a copy that replaces in flight must not race its twin).
     if not await backend.redis.set(seen, "sending", ex=_CLAIM_S, nx=True):
-        log.info("Slack delivered the event of turn %s again (retry %s); sent already, or being sent", turn.turn_id,
-                 request.headers.get("X-Slack-Retry-Num", "-"))  # fmt: skip
-        return JSONResponse(_OK)
+        retry = request.headers.get("X-Slack-Retry-Num", "-")
+        if await _sent_by_its_twin(backend.redis, seen):
+            log.info("Slack delivered the event of turn %s again (retry %s); sent already", turn.turn_id, retry)
+            return JSONResponse(_OK)
+        # The copy that claimed it is still sending (a broker slow or down) or gave up: a 200 now would stop
+        # Slack's retries, and the message would be lost if that send fails. Slack tries this copy again.
+        log.info("Slack delivered the event of turn %s again (retry %s) while it is being sent; not yet acknowledged",
+                 turn.turn_id, retry)  # fmt: skip
+        return JSONResponse({"ok": False, "error": "the same event is being sent; retry later"}, status_code=503)
     try:
         user = turn.event.user.id if turn.event.user else ""
         team = turn.target.get("team_id")

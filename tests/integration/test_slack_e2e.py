@@ -24,6 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
+from june_worker.engine.store import SessionRef
+from june_worker.events.keys import EventKeys
 from june_worker.gateway import GatewaySettings, Principal, TokenTable, create_app
 from june_worker.gateway.slack_settings import SlackGatewaySettings
 from june_worker.stores.postgres import PostgresStore
@@ -259,6 +261,29 @@ def test_the_same_event_delivered_three_times_starts_one_turn(slack: Slack) -> N
     assert (event["source"], event["kind"], event["channel_id"], event["thread_ts"]) == ("slack", "message", c, "200.1")
     assert event["user"] == {"id": "U1", "attested": True, "team": "T1"}
     assert slack.fake.tokens == {f"Bearer {TOKEN}"}
+
+
+def test_a_copy_arriving_while_its_event_is_still_being_sent_is_not_acknowledged_so_a_failed_send_loses_nothing(
+    slack: Slack,
+) -> None:
+    # Given an event whose first copy a gateway has claimed and is still sending (its broker slow or down)
+    c = channel_id()
+    payload = message(c, "250.1", "are you there")
+    session, tid = f"slack:{c}:250.1", turn_id(c, "250.1")
+    seen = EventKeys(prefix=slack.stack.prefix).gateway_slack_seen(SessionRef("desk", session), tid)
+    slack.stack.redis.set(seen, "sending", ex=30)
+    # When Slack's retry of it arrives meanwhile
+    retried = slack.event(payload, retry=1)
+    # Then it is not acknowledged (a 200 would end Slack's retries while the send may still fail), and not sent
+    assert retried.status_code == 503
+    assert slack.stack.sql("select turn_id from june_turns where session = %s", session) == []
+    # And when that first send failed (its claim released), Slack's next retry sends the turn, once
+    slack.stack.redis.delete(seen)
+    assert slack.event(payload, retry=2).status_code == 200
+    assert slack.event(payload, retry=3).status_code == 200
+    wait_for(lambda: slack.delivered(session, tid), what="the turn to be delivered")
+    assert slack.stack.sql("select turn_id from june_turns where session = %s", session) == [(tid,)]
+    assert [m.text for m in slack.fake.thread(c, "250.1")] == ["did: are you there"]
 
 
 def test_a_bad_or_old_signature_does_nothing_and_a_malformed_payload_is_a_400(slack: Slack) -> None:
