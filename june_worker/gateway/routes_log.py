@@ -62,13 +62,16 @@ async def session_log(
 
     def read() -> tuple[list[Any], int | None]:
         try:
+            # What was committed is read before the events: one committed between the two reads is then among
+            # the events (or after the count), never taken for one pruned
+            with pooled(backend.store.pool) as conn:
+                row = conn.execute(_COMMITTED, (ref.agent, ref.session)).fetchone()
+            committed = int(row[0]) if row else after_seq
             events = backend.store.events(ref, after_seq=after_seq)
             if events and events[0].seq is not None:
                 first = events[0].seq
-            else:  # none kept after after_seq: were any committed? Then the next one to come is the first kept
-                with pooled(backend.store.pool) as conn:
-                    row = conn.execute(_COMMITTED, (ref.agent, ref.session)).fetchone()
-                first = int(row[0]) + 1 if row else after_seq + 1
+            else:  # none kept after after_seq: those committed by then are gone; the next one to come is the first
+                first = committed + 1
             return events, first if first > after_seq + 1 else None
         except psycopg.errors.UndefinedTable:
             return [], None

@@ -187,3 +187,25 @@ def test_the_log_says_from_which_seq_it_still_holds_events_when_the_first_ones_a
     empty = client.get(log, params={"after_seq": 1}).json()
     assert (empty["events"], empty["first_kept_seq"]) == ([], committed + 1)
     assert client.get(log, params={"after_seq": committed}).json()["first_kept_seq"] is None
+
+
+def test_an_event_committed_while_the_log_is_read_is_never_reported_as_pruned(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a session whose events a follower holds up to the last committed seq
+    session, _turn_id, before, _after = trimmed_turn(gateway)
+    committed = max(e["seq"] for e in before if e["seq"] is not None)
+    store = gateway.backend.store
+    read_events = store.events
+
+    def events_then_a_commit(*args: Any, **kwargs: Any) -> Any:
+        found = read_events(*args, **kwargs)
+        # a worker commits the session's next event right after the log read the events
+        gateway.stack.sql("update june_sessions set event_seq = event_seq + 1 where session = %s", session)
+        return found
+
+    monkeypatch.setattr(store, "events", events_then_a_commit)
+    # When it reloads from there
+    log = gateway.client().get(gateway.path("ops", session, "/log"), params={"after_seq": committed}).json()
+    # Then nothing is said to be missing: the new event is there to be read, not pruned
+    assert (log["events"], log["first_kept_seq"]) == ([], None)
