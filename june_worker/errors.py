@@ -23,7 +23,8 @@
     │   ├── TurnEndedError            a commit would change the status of a turn that has ended
     │   ├── CancelRequestedError      the opening commit found a stored cancel request
     │   ├── ResetNotSupportedError    the store has no reset operation
-    │   └── StoreLockedError          another open SQLiteStore (another process) serves the file
+    │   ├── StoreLockedError          another open SQLiteStore (another process) serves the file
+    │   └── UnusableTurnError         a worker picked a queued turn whose stored record no worker can run
     ├── ResumeError                   a resume was not applied
     │   ├── ResumeAuthorizationError  ``by`` may not answer this request (HTTP 403)
     │   ├── ResumeConflictError       wrong turn, wrong input id, not suspended, reset pending (409)
@@ -76,6 +77,7 @@ __all__ = [
     "TurnFailedError",
     "TurnRejectedError",
     "TurnSuspendedError",
+    "UnusableTurnError",
 ]
 
 
@@ -212,6 +214,19 @@ class CancelRequestedError(StoreError):
 
 class ResetNotSupportedError(StoreError):
     """The store does not implement reset; nothing was cancelled or cleared."""
+
+
+class UnusableTurnError(StoreError):
+    """A pick of a session's next turn (with its lease) found a queued record no worker can run: one made
+    outside the workers (a durable producer's) that cannot be read, or holds a string no store holds. The
+    picker still holds the lease (``fence``) and rejects the turn under it, so the session goes on."""
+
+    def __init__(self, session: str, turn_id: str, reason: str, fence: int) -> None:
+        super().__init__(session, turn_id, reason, fence)
+        self.session, self.turn_id, self.reason, self.fence = session, turn_id, reason, fence
+
+    def __str__(self) -> str:
+        return f"turn {self.turn_id} of {self.session} cannot be run: {self.reason}"
 
 
 class StoreLockedError(StoreError):

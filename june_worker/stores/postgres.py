@@ -1163,10 +1163,10 @@ class PostgresStore:
             event_seq = int(row[1])
             found = conn.execute(_GET_TURN + " for update", key).fetchone()
             existing, unusable = stored_turn(ref, found) if found else (None, None)
-            # A record no worker can use, still queued and never started (made outside the workers: a durable
-            # producer's), is rejected whatever new_only says, since nothing else would ever end it; its payload
-            # is replaced by this one.
-            replace = found is not None and unusable is not None and found[2] == "queued" and found[5] == 0
+            # A record no worker can use, still queued (made outside the workers: a durable producer's; no runner
+            # ever opened it, though picks may have counted starts of it), is rejected whatever new_only says,
+            # since nothing else would ever end it; its payload is replaced by this one.
+            replace = found is not None and unusable is not None and found[2] == "queued"
             if not replace:
                 if found is not None and existing is None:
                     raise StoreError(f"turn {turn_id} of {ref}: {unusable}; it is {found[2]}, so it is left alone")

@@ -44,7 +44,7 @@ from ..engine.store import (
     TurnPayload,
     TurnRecord,
 )
-from ..errors import ConfigError, LeaseLostError, ResumeConflictError
+from ..errors import ConfigError, LeaseLostError, ResumeConflictError, UnusableTurnError
 from ..events._redis_url import connect
 from ..events.keys import EventKeys
 from ..events.redis_stream import RedisStreamSink, Trim
@@ -253,10 +253,28 @@ class WorkerHost:
         except BaseException:
             self._stop_listening()
             raise
+        if got.unusable is not None:  # the lease came with a first turn no worker can run: end it, go on
+            rejected = self._reject_unusable(ref, got.unusable)
+            return got, {**rejected, **self.drain(ref)}
         if got.lease is None:
             self._stop_listening()
             return got, {}
         return got, self.drain(ref, lease=got.lease)
+
+    def _take(self, ref: SessionRef, ran: dict[str, TurnResult]) -> Lease | None:
+        """:meth:`SessionQueue.take`, rejecting (under the lease taken) any first turn no worker can run."""
+        while True:
+            try:
+                return self.queue.take(ref, self.owner)
+            except UnusableTurnError as exc:
+                ran.update(self._reject_unusable(ref, exc))
+
+    def _reject_unusable(self, ref: SessionRef, exc: UnusableTurnError) -> dict[str, TurnResult]:
+        """End a queued turn a pick found no worker can run (a durable producer's record): rejected under the
+        lease the pick took, its ``turn.failed`` published; left queued, every pick would find it again."""
+        log.warning("rejecting %s: %s", ref, exc)
+        result = reject_turn(self.store, self.sink, ref, exc.turn_id, str(exc), fence=exc.fence)
+        return {exc.turn_id: result} if result is not None else {}
 
     def _listen_to(self, ref: SessionRef) -> None:
         """Keep cancel signals for ``ref`` from now on: set before its lease and next turn are read."""
@@ -272,7 +290,7 @@ class WorkerHost:
         self._listen_to(ref)
         try:
             if lease is None:
-                lease = self.queue.take(ref, self.owner)  # the lease and the first turn, one round trip
+                lease = self._take(ref, ran)  # the lease and the first turn, one round trip
             if lease is None:
                 return  # another worker holds the session; its drain loop will run what we recorded
             fence = lease.fence
@@ -294,7 +312,11 @@ class WorkerHost:
                     reset_pending, rec, snapshot = False, None, None
                 if rec is None:
                     # Release only if the queue is empty (and no reset waits), else take the next turn: one statement.
-                    outcome, rec, reset_pending, counted = self.queue.release_or_next(ref, fence)
+                    try:
+                        outcome, rec, reset_pending, counted = self.queue.release_or_next(ref, fence)
+                    except UnusableTurnError as exc:  # the lease is still ours: end that turn, take the next
+                        ran.update(self._reject_unusable(ref, exc))
+                        continue
                     if outcome != "next":
                         return
                     continue
@@ -350,7 +372,7 @@ class WorkerHost:
         """
         self._listen_to(ref)
         try:
-            lease = self.queue.take(ref, self.owner)
+            lease = self._take(ref, {})
             if lease is None:
                 return False, None
             fence = lease.fence

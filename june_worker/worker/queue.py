@@ -15,6 +15,7 @@ moved), so the holder loops back and runs it. Nothing is left behind between "qu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from psycopg_pool import ConnectionPool
 
 from ..engine.failures import DEFAULT_MAX_ATTEMPTS
 from ..engine.store import SessionRef, SessionSnapshot, SuspendedCheckpoint, TurnPayload, TurnRecord
+from ..errors import UnusableTurnError
 from ..stores._pg_commit import NOTHING_NEW
 from ..stores._sql import one_line
 from ..stores.postgres import TURN_WIDTH, pooled, session_snapshot, stored_turn, turn_columns, turn_from_row
@@ -176,6 +178,9 @@ class Intake:
     recorded: bool
     lease: Lease | None
     """Taken when a turn is there to run (recorded now, or recorded before and unfinished) and nobody holds it."""
+    unusable: UnusableTurnError | None = None
+    """Set when the lease was taken for a first turn no worker can run (``lease`` is None then): the caller
+    holds the lease (the error's fence), rejects that turn under it and drains the session on."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,18 @@ class Stranded:
     turn_id: str
     unusable: str | None = None
     """Why no worker can run the turn's record (:func:`~june_worker.stores.postgres.stored_turn`); None: one can."""
+
+
+def _picked(ref: SessionRef, row: Sequence[Any], fence: int) -> TurnRecord | None:
+    """The first turn a pick hands over with the lease (None: there is none). A record no worker can run (a
+    durable producer's: unreadable, or holding a string no store holds) raises :class:`UnusableTurnError`,
+    for the picker to reject under the lease it now holds: left queued, it would be picked again forever."""
+    if row[0] is None:
+        return None
+    rec, unusable = stored_turn(ref, row)
+    if rec is None or unusable is not None:
+        raise UnusableTurnError(str(ref), str(row[0]), unusable or "its stored record cannot be read", fence)
+    return rec
 
 
 class SessionQueue:
@@ -208,7 +225,8 @@ class SessionQueue:
 
     def take(self, ref: SessionRef, owner: str) -> Lease | None:
         """:meth:`acquire` and :meth:`next_turn` in one round trip, counting a start of that turn
-        (:attr:`Lease.counted`); None when another worker holds the session."""
+        (:attr:`Lease.counted`); None when another worker holds the session. A turn no worker can run
+        raises :class:`UnusableTurnError` (the lease taken: reject it under the error's fence)."""
         with pooled(self.pool) as conn:
             row = conn.execute(
                 _TAKE,
@@ -217,7 +235,7 @@ class SessionQueue:
         if row is None:
             return None
         fence, event_seq, reset_pending, counted, *turn = row
-        rec = turn_from_row(ref, turn) if turn[0] is not None else None
+        rec = _picked(ref, turn, int(fence))
         return Lease(
             fence=int(fence),
             event_seq=int(event_seq),
@@ -262,13 +280,18 @@ class SessionQueue:
             recorded = recorded or bool(inserted)
             if not retry:
                 break
-        lease = None
+        lease, unusable = None, None
+        if took:
+            try:
+                first_turn = _picked(ref, first, int(fence))
+            except UnusableTurnError as exc:
+                first_turn, unusable, took = None, exc, False
         if took:
             kept = held.messages if held is not None and valid else ()
             lease = Lease(
                 fence=int(fence),
                 event_seq=int(event_seq),
-                turn=turn_from_row(ref, first) if first[0] is not None else None,
+                turn=first_turn,
                 reset_pending=bool(reset_pending),
                 snapshot=session_snapshot(
                     ref, generation, status, suspended, event_seq, reset_pending, messages, steps,
@@ -277,14 +300,18 @@ class SessionQueue:
                 read_from=len(kept),
                 counted=bool(counted),
             )  # fmt: skip
-        elif retry:
-            lease = self.take(ref, owner)  # the row kept changing under us: the lease without a snapshot
+        elif retry and unusable is None:
+            try:
+                lease = self.take(ref, owner)  # the row kept changing under us: the lease without a snapshot
+            except UnusableTurnError as exc:
+                unusable = exc
         rec = turn_from_row(ref, existing) if existing[0] is not None else None
         return Intake(
             existing=None if recorded else rec,
             parked=SuspendedCheckpoint.model_validate_json(suspended) if suspended else None,
             recorded=recorded,
             lease=lease,
+            unusable=unusable,
         )
 
     def read(self, ref: SessionRef, *, held: Held | None = None) -> tuple[SessionSnapshot, int]:
@@ -376,7 +403,7 @@ class SessionQueue:
 
         Returns ``("released", None, _, _)``, ``("lost", None, _, _)`` when the fence is no longer ours,
         or ``("next", turn, reset_pending, counted)``: the statement counted a start of ``turn`` as
-        :meth:`take` does. The release and the turn are read in one snapshot: the release fails
+        :meth:`take` does (a turn no worker can run raises :class:`UnusableTurnError`, the lease kept). The release and the turn are read in one snapshot: the release fails
         exactly when that snapshot holds an unfinished turn, which is returned. ``("next", None, _, _)``
         means the row changed under the statement: ask again.
         """
@@ -391,8 +418,7 @@ class SessionQueue:
             return "released", None, False, False
         if int(current) != fence:
             return "lost", None, False, False
-        rec = turn_from_row(ref, turn) if turn[0] is not None else None
-        return "next", rec, bool(reset_pending), bool(counted)
+        return "next", _picked(ref, turn, fence), bool(reset_pending), bool(counted)
 
     def next_turn(self, ref: SessionRef) -> tuple[TurnRecord | None, bool]:
         """The oldest unfinished turn and whether a reset is waiting, in one round trip."""

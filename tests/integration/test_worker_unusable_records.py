@@ -16,7 +16,7 @@ import pytest
 
 from june_worker.stores.postgres import PostgresStore
 
-from .conftest import Stack
+from .conftest import Stack, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -100,3 +100,36 @@ def test_a_recorded_turn_whose_message_a_worker_refuses_is_rejected_instead_of_l
     # Then the recorded turn is rejected and its stream ended: nothing would ever run or end it
     assert out["status"] == "rejected" and named in out["reason"]
     assert named in _ended(stack, session_id, turn_id)["error"]["message"]
+
+
+def test_a_record_no_worker_can_run_queued_behind_a_running_turn_is_rejected_by_the_holder_and_the_next_runs(
+    stack: Stack, session_id: str
+) -> None:
+    # Given a session whose worker is running a turn, with an unreadable record queued behind it (recorded "in
+    # the future", so the sweeper leaves it be), and a good turn behind that
+    key = uuid.uuid4().hex
+    first = stack.turn("ops", session_id, f"slow {key}")
+    wait_for(lambda: stack.redis.llen(f"it:hold:{key}:log") == 1, what="the first turn to hold its worker")
+    bad = _record(stack, session_id, SURROGATE, age_s=-3600)
+    after = stack.turn("ops", session_id, "order 1 bolt")
+    # When the running turn ends, and its worker picks the next turn (counting a start of it as it picks it)
+    stack.redis.set(f"it:hold:{key}:release", 1)
+    # Then that worker rejects the record under its lease, naming the session (the sweeper's words do not), and
+    # runs the turn behind it: the session is not left to a lease expiry, nor stuck on a record counted as started
+    assert stack.wait_terminal("ops", session_id, first)["type"] == "turn.completed"
+    assert stack.wait_terminal("ops", session_id, after)["type"] == "turn.completed"
+    message = _ended(stack, session_id, bad)["error"]["message"]
+    assert "cannot be read" in message and session_id in message
+
+
+def test_a_new_turn_whose_lease_comes_with_a_record_no_worker_can_run_ends_that_record_and_runs(
+    stack: Stack, session_id: str
+) -> None:
+    # Given an idle session whose first queued turn is an unreadable record (recorded "in the future": the
+    # sweeper leaves it to a worker)
+    bad = _record(stack, session_id, SURROGATE, age_s=-3600)
+    # When a new turn's message reaches a worker, whose intake takes the lease for that first turn
+    new = stack.turn("ops", session_id, "order 2 bolt")
+    # Then the record is rejected there and the new turn runs
+    assert stack.wait_terminal("ops", session_id, new)["type"] == "turn.completed"
+    assert session_id in _ended(stack, session_id, bad)["error"]["message"]
