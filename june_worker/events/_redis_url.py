@@ -34,6 +34,7 @@ from redis.exceptions import RedisClusterException
 
 __all__ = [
     "CLUSTER_SCHEMES",
+    "UNAVAILABLE",
     "AsyncRedisClient",
     "ClusterAddress",
     "LazyRedisCluster",
@@ -47,6 +48,10 @@ __all__ = [
     "parse_cluster_url",
     "socket_timeout_s",
 ]
+
+UNAVAILABLE: tuple[type[BaseException], ...] = (redis.RedisError, RedisClusterException, OSError)
+"""Redis could not answer: one Redis's errors, and a cluster client's own (no node reachable, keys of two slots),
+which is not a ``RedisError``."""
 
 RedisClient: TypeAlias = "redis.Redis | RedisCluster"
 AsyncRedisClient: TypeAlias = "aioredis.Redis | AsyncRedisCluster"

@@ -19,13 +19,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 import psycopg
-import redis
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field
-from redis.exceptions import RedisClusterException
 
 from ..engine.secrets import scrubbed_logger
-from ..events._redis_url import is_cluster
+from ..events._redis_url import UNAVAILABLE, is_cluster
 from . import console
 from .auth import Principal
 from .backend import GatewayBackend
@@ -178,10 +176,6 @@ async def changes(request: Request, principal: Authenticated, backend: Backend) 
     return SSEResponse(produce, backend.stats)
 
 
-_UNAVAILABLE = (redis.RedisError, RedisClusterException, OSError)
-"""Redis could not answer: one Redis's errors, and a cluster client's own (no node reachable, keys of two slots)."""
-
-
 async def _changes(
     backend: GatewayBackend,
     agents: frozenset[str],
@@ -198,7 +192,7 @@ async def _changes(
         for name in names:  # from the newest entry on: only what happens next
             last: Any = await client.xrevrange(name, count=1)
             streams[name] = str(last[0][0]) if last else "0-0"
-    except _UNAVAILABLE as exc:
+    except UNAVAILABLE as exc:
         log.warning("console feed: Redis read failed (%s)", type(exc).__name__)
         yield b": event store unavailable; reconnect\n\n"
         return
@@ -218,7 +212,7 @@ async def _changes(
                 yield b": heartbeat\n\n"
                 continue
             if isinstance(found, BaseException):
-                if not isinstance(found, _UNAVAILABLE):
+                if not isinstance(found, UNAVAILABLE):
                     raise found
                 log.warning("console feed: Redis read failed (%s)", type(found).__name__)
                 yield b": event store unavailable; reconnect\n\n"

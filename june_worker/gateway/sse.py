@@ -37,7 +37,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -45,7 +44,7 @@ from ..engine.events import is_structural, is_terminal
 from ..engine.secrets import scrubbed_logger
 from ..engine.store import SessionRef
 from ..errors import StreamGapError
-from ..events._redis_url import AsyncRedisClient
+from ..events._redis_url import UNAVAILABLE, AsyncRedisClient
 from ..events.keys import EventKeys
 from ..events.reader import StreamEvent, afollow
 from ..events.redis_stream import encode_event
@@ -176,7 +175,7 @@ async def follow_events(
             last_id = gap.resume_id
             last_seq = gap.next_seq - 1 if gap.next_seq is not None else last_seq
             continue
-        except (redis.RedisError, OSError) as exc:
+        except UNAVAILABLE as exc:
             log.warning("event stream of %s ended: Redis read failed (%s)", ref, type(exc).__name__)
             yield b": event store unavailable; reconnect with Last-Event-ID\n\n"
             return
