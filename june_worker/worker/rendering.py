@@ -121,7 +121,12 @@ class LiveRender:
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
             return
-        self.renderer.abort()
+        abort = getattr(self.renderer, "abort", None)  # (a channel's renderer written before the seam had it)
+        try:
+            if abort is not None:
+                abort()
+        except Exception:  # a renderer's bug must not stop the turn's ending: its delivery, its parent's answer
+            log.exception("live rendering of turn %s could not be aborted", self.turn_id)
         log.warning("live rendering of turn %s is still busy after %.0fs; stopped, the delivery finishes it",
                     self.turn_id, timeout_s)  # fmt: skip
         self._thread.join(abort_wait_s)

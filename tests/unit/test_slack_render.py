@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -493,3 +494,32 @@ def test_a_live_render_still_in_a_slack_call_when_the_turn_ends_is_stopped_befor
     live_render.close(timeout_s=10)  # (unfixed, its thread was still going: let it end before counting)
     assert slack.methods() == ["chat.postMessage", "chat.postMessage", "chat.update"], "the 429, its retry, the update"
     assert [m.text for m in slack.thread("C1", "1.1")] == ["Hello"]
+
+
+class _Stuck:
+    """A channel's live renderer from before the seam had ``abort``: its push blocks until released."""
+
+    interval_s = 0.0
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.pushing = threading.Event()
+
+    def feed(self, event: Any) -> None:
+        pass
+
+    def push(self) -> None:
+        self.pushing.set()
+        self.release.wait(10)
+
+
+def test_closing_a_busy_live_render_whose_renderer_has_no_abort_neither_raises_nor_stops_the_turns_ending() -> None:
+    # Given a live render whose renderer (no abort method) is stuck in a push when the turn ends
+    stuck = _Stuck()
+    live_render = LiveRender(stuck, "t1")  # type: ignore[arg-type]
+    live_render.put([started()])
+    assert stuck.pushing.wait(10)
+    # When it is closed past its drain time, Then it returns (the turn's delivery and parent answer go on)
+    live_render.close(timeout_s=0, abort_wait_s=0)
+    stuck.release.set()
+    live_render.close(timeout_s=10)
