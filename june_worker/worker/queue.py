@@ -651,7 +651,21 @@ _MARK_RELAYED = """
 """
 
 
-_BEAT_AND_MARK = f"with alive as ({_BEAT}), marked as ({_MARK_RELAYED}) select 1"
+# The heartbeat's marks skip a session row another transaction holds (a reset archiving a long transcript, a
+# step's commit): waiting there would hold up this process's liveness, and past JUNE_ALIVE_S other workers
+# would take its leases. A mark skipped is no loss: the sweeper reads that stream's markers instead.
+_MARK_RELAYED_UNLOCKED = """
+    update june_sessions s set relayed_seq = greatest(s.relayed_seq, m.seq)
+      from (select * from unnest(%(agents)s::text[], %(sessions)s::text[], %(seqs)s::bigint[])
+            as m(agent, session, seq)) m
+     where s.agent = m.agent and s.session = m.session and s.relayed_seq < m.seq
+       and (s.agent, s.session) in (
+            select j.agent, j.session from june_sessions j
+             where (j.agent, j.session) in (select * from unnest(%(agents)s::text[], %(sessions)s::text[]))
+               for update skip locked)
+"""
+
+_BEAT_AND_MARK = f"with alive as ({_BEAT}), marked as ({_MARK_RELAYED_UNLOCKED}) select 1"
 """A heartbeat that also writes the relay marks a holder's publishes confirmed: one statement, one round trip."""
 
 

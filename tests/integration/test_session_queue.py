@@ -493,3 +493,36 @@ def test_each_pick_of_a_turn_counts_a_start_until_max_attempts_and_says_whether_
     assert (outcome, turn is not None and turn.turn_id, counted) == ("next", "t2", True)
     rec = store.get_turn(other, "t2")
     assert rec is not None and rec.attempts == 1
+
+
+def test_a_heartbeat_never_waits_on_a_session_row_another_transaction_holds(
+    queue: tuple[PostgresStore, SessionQueue], fresh_db: str
+) -> None:
+    store, q = queue
+    held, free = _ref(), _ref()
+    for ref in (held, free):
+        store.enqueue_turn(ref, "t1", TurnPayload(text="hi"))
+    with psycopg.connect(fresh_db) as other:
+        # Given a transaction holding one session's row (a reset archiving a long transcript, say)
+        other.execute(
+            "update june_sessions set event_seq = 3 where agent = %s and session = %s", (held.agent, held.session)
+        )
+        with psycopg.connect(fresh_db, autocommit=True) as conn:
+            conn.execute(
+                "update june_sessions set event_seq = 3 where agent = %s and session = %s", (free.agent, free.session)
+            )
+        # When this worker beats, with relay marks for both sessions
+        beat = threading.Thread(target=q.beat, args=("w1", 60), kwargs={"relayed": {held: 3, free: 3}}, daemon=True)
+        beat.start()
+        beat.join(20)
+        # Then the beat went through at once: its liveness is renewed and the free session marked; the held one is
+        # left for the sweeper (waiting on it would have let the liveness lapse and other workers take the leases)
+        hung = beat.is_alive()
+        other.rollback()
+        beat.join(20)
+        assert not hung, "the heartbeat waited for another transaction's session row"
+    with psycopg.connect(fresh_db, autocommit=True) as conn:
+        marks = dict(conn.execute("select session, relayed_seq from june_sessions where session in (%s, %s)",
+                                  (held.session, free.session)).fetchall())  # fmt: skip
+        alive = conn.execute("select count(*) from june_workers where owner = 'w1'").fetchone()
+    assert marks == {held.session: 0, free.session: 3} and alive == (1,)
