@@ -28,6 +28,7 @@ from turn_cost import Meter
 from june_worker.engine.events import Completed
 from june_worker.engine.store import TurnPayload
 from june_worker.engine.types import AssistantMessage, ToolCall, ToolMessage, UserMessage
+from june_worker.stores._sql import message_body
 from june_worker.worker import control
 from june_worker.worker.host import WorkerHost
 from june_worker.worker.payloads import TurnMessage
@@ -64,7 +65,7 @@ def write_history(stack: BenchStack, session: str, size: int) -> None:
             ToolMessage(turn_id=t, call_id="c1", name="tick", result={"n": 1}),
             AssistantMessage(turn_id=t, text="done"),
         ]
-        messages += [("bench", session, i + j, t, m.role, m.model_dump_json()) for j, m in enumerate(shape)][: size - i]
+        messages += [("bench", session, i + j, t, m.role, message_body(m)) for j, m in enumerate(shape)][: size - i]
         steps += [
             ("bench", session, f"model:{i + 1}", t, '{"finish":{"reason":"tool_calls","raw":null}}'),
             ("bench", session, f"tool:{i + 1}:c1", t, '{"result":{"n":1},"error":null}'),

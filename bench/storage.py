@@ -62,10 +62,30 @@ select c.relname, pg_table_size(c.oid), pg_indexes_size(c.oid)
 
 # What one transcript row holds, column by column (bytes as stored), and how many rows there are.
 _COLUMNS = """
-select avg(octet_length(body::text)), avg(pg_column_size(body)), avg(pg_column_size(session)),
+select avg(octet_length(june_message(role, turn_id, body))), avg(octet_length(body::text)), avg(pg_column_size(body)), avg(pg_column_size(session)),
        avg(pg_column_size(turn_id)), avg(pg_column_size(agent) + pg_column_size(idx) + pg_column_size(role)), count(*)
   from june_messages
 """
+
+
+# The two smaller measures, for comparison with the files: the stored values (each transcript, step and outbox row's
+# JSON and turn id: what bench/step_overhead.py's bytes/step counts, and what the issue's "about 4x" was), and the rows
+# (pg_column_size of every row of every june table: tuple headers and every column, but no page, pointer or index).
+_VALUES = """
+select (select coalesce(sum(octet_length(body::text) + octet_length(turn_id)), 0) from june_messages)
+     + (select coalesce(sum(octet_length(data::text) + coalesce(octet_length(turn_id), 0)), 0) from june_steps)
+     + (select coalesce(sum(octet_length(body::text) + octet_length(turn_id)), 0) from june_events)
+"""
+
+
+def rows_and_values(conn: Conn) -> tuple[int, int]:
+    """(bytes of every june row, bytes of the stored values), over the whole database."""
+    tables = [str(row[0]) for row in conn.execute(_SIZES).fetchall()]
+    rows = sum(
+        int(conn.execute(f"select coalesce(sum(pg_column_size(t.*)), 0) from {t} t").fetchone()[0]) for t in tables
+    )  # type: ignore[index]
+    (values,) = conn.execute(_VALUES).fetchone()  # type: ignore[misc]
+    return rows, int(values)
 
 
 def sizes(conn: Conn, *, full: bool = False) -> dict[str, tuple[int, int]]:
@@ -119,6 +139,7 @@ def main() -> None:
             own = 2 * args.turns * args.bytes  # per thread
             with psycopg.connect(url, autocommit=True) as conn:
                 ran = grown(sizes(conn), base)
+                ran_rows = rows_and_values(conn)
                 # the sweeper's relay: the streams hold every event, so the sessions' marks move up
                 queue = SessionQueue(store.pool, lease_s=30)
                 for ref, committed in queue.unrelayed(limit=args.threads + 10):
@@ -128,6 +149,7 @@ def main() -> None:
                 )
                 pruned = prune(store.pool, sink, settings)
                 after = grown(sizes(conn), base)
+                after_rows = rows_and_values(conn)
                 packed = grown(sizes(conn, full=True), base)
                 columns = conn.execute(_COLUMNS).fetchone()
         finally:
@@ -138,11 +160,12 @@ def main() -> None:
 
     n = args.threads
     assert columns is not None
-    json_bytes, body, session_id, turn_id, small, rows = (float(str(v)) for v in columns)
+    json_bytes, stored, body, session_id, turn_id, small, rows = (float(str(v)) for v in columns)
     print(f"# storage  {machine()}")
     print(
         f"# {n} threads of {args.turns} turns, each a {args.bytes}-byte user message and a {args.bytes}-byte reply: "
-        f"{own} bytes of messages per thread; a message's JSON is {json_bytes:.0f} bytes on average"
+        f"{own} bytes of messages per thread; a message's JSON is {json_bytes:.0f} bytes on average, "
+        f"its row's body {stored:.0f} (without the role and turn id its columns hold, and the defaults)"
     )
     print("# bytes per thread: growth of the june tables' files (table + indexes), after VACUUM")
     print(f"{'':24s} {'ran':>16s} {'relay+prune':>16s} {'kept, packed':>16s}")
@@ -157,9 +180,15 @@ def main() -> None:
         f"pruning, {totals[2] / own:.2f}x kept for good ({pruned.events} events, {pruned.turns} turns, "
         f"{pruned.steps} step records pruned); to their JSON: {totals[2] / (own / args.bytes * json_bytes):.2f}x kept"
     )
+    print(
+        f"smaller measures, to the messages' own bytes: the stored values (JSON and turn ids of the transcript, step and "
+        f"outbox rows) {ran_rows[1] / n / own:.2f}x after the run, {after_rows[1] / n / own:.2f}x after relay and "
+        f"pruning; the rows (pg_column_size, no page or index) {ran_rows[0] / n / own:.2f}x and "
+        f"{after_rows[0] / n / own:.2f}x"
+    )
     heap, index = (v / rows for v in packed["june_messages"])
     print(
-        f"a message, kept: {heap:.0f} bytes of heap (its JSON {body:.0f} with its header, the session id {session_id:.0f}, "
+        f"a message, kept: {heap:.0f} bytes of heap (its body {body:.0f} with its header, the session id {session_id:.0f}, "
         f"the turn id {turn_id:.0f}, agent + index + role {small:.0f}, the rest tuple header, line pointer, alignment "
         f"and page space) and {index:.0f} of primary key (agent, session id, index)"
     )

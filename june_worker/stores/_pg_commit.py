@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 from psycopg.types.numeric import Int8
 
 from ..engine.store import Commit, SessionRef
-from ._sql import dumps
+from ._sql import dumps, message_body
 
 __all__ = ["NOTHING_NEW", "VALUES_MAX", "commit_statement"]
 
@@ -121,7 +121,7 @@ def commit_statement(
         "m",
         shape.messages,
         [(Int8(i), m.turn_id, m.role) for i, m in messages],
-        [m.model_dump_json() for _, m in messages],
+        [message_body(m) for _, m in messages],
     )
     _rows(p, "s", shape.steps, [(s.step_id, s.turn_id) for s in steps], [dumps(s.data) for s in steps])
     _rows(

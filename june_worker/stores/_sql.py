@@ -7,8 +7,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..engine.events import TurnEvent
+from ..engine.types import Message, MessageAdapter
 
-__all__ = ["PSYCOPG_CACHED_QUERY_MAX", "dumps", "event_rows", "one_line", "qmark_to_format"]
+__all__ = [
+    "PSYCOPG_CACHED_QUERY_MAX",
+    "dumps",
+    "event_rows",
+    "message_body",
+    "message_from_row",
+    "message_text",
+    "one_line",
+    "qmark_to_format",
+]
 
 PSYCOPG_CACHED_QUERY_MAX = 4096
 """psycopg caches its parse of a query (placeholders to ``$n``) only up to this many bytes
@@ -18,6 +28,29 @@ about 0.3 ms of CPU for the intake statement. Statements run per turn stay under
 
 def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def message_body(message: Message) -> str:
+    """What a transcript row's ``body`` holds: the message's JSON without what the row's own columns say
+    (``role``, ``turn_id``) and without fields at their defaults (a reply's empty ``tool_calls`` and
+    ``reasoning``, a tool result's ``is_error: false``). About a fifth of a short message's row;
+    :func:`message_text` puts it back together."""
+    return message.model_dump_json(exclude={"role", "turn_id"}, exclude_defaults=True)
+
+
+def message_text(role: str, turn_id: str, body: str) -> str:
+    """A message's whole JSON from a transcript row's ``role``, ``turn_id`` and ``body``: the same text as
+    the SQL function ``june_message`` (Postgres migration 14) makes. A row written before the body was
+    trimmed holds ``role`` and ``turn_id`` in its body too: the same values twice, which a JSON reader takes
+    once (the last of a repeated key wins)."""
+    head = f'{{"role":{dumps(role)},"turn_id":{dumps(turn_id)}'
+    rest = body.strip()
+    return head + "}" if rest == "{}" else f"{head},{rest[1:]}"
+
+
+def message_from_row(role: str, turn_id: str, body: str) -> Message:
+    """The message a transcript row (or an archived one) holds."""
+    return MessageAdapter.validate_json(message_text(role, turn_id, body))
 
 
 def one_line(sql: str) -> str:

@@ -545,6 +545,46 @@ _MIGRATIONS: list[str] = [
     end
     $$;
     """,
+    # 14: a transcript row's body without what its columns hold (role, turn_id) and without fields at their
+    # defaults (stores/_sql.message_body): about a fifth of a short message's row. june_message puts a message's
+    # JSON back together (as _sql.message_text does); june_transcript reads through it. Rows written before
+    # hold role and turn_id in the body as well: the JSON then repeats those keys, with the same values.
+    # (stable, not immutable: to_json is stable, and so the function is inlined into the aggregate.)
+    """
+    create function june_message(p_role text, p_turn_id text, p_body json) returns text
+    language sql stable parallel safe as $$
+    select '{"role":' || to_json(p_role)::text || ',"turn_id":' || to_json(p_turn_id)::text
+           || case when p_body::text = '{}' then '}' else ',' || substr(p_body::text, 2) end
+    $$;
+
+    create or replace function june_transcript(
+        p_agent text, p_session text, p_generation integer, p_have integer, p_last_turn text
+    ) returns table (valid boolean, compacted_at integer, messages text, steps text)
+    language sql stable as $$
+    select v.valid,
+           (select max(m.idx) from june_messages m
+             where m.agent = p_agent and m.session = p_session and m.role = 'summary'),
+           (select '[' || coalesce(string_agg(june_message(m.role, m.turn_id, m.body), ',' order by m.idx), '') || ']'
+              from june_messages m
+             where m.agent = p_agent and m.session = p_session and m.idx >= case when v.valid then p_have else 0 end),
+           (select coalesce(json_agg(json_build_array(st.step_id, st.turn_id, st.data)), '[]'::json)::text
+              from (select st.step_id, st.turn_id, st.data from june_steps st
+                     where st.agent = p_agent and st.session = p_session
+                       and st.step_id >= 'session:' and st.step_id < 'session;'
+                    union all
+                    select st.step_id, st.turn_id, st.data from june_turns t
+                      join june_steps st on st.turn_id = t.turn_id and st.agent = t.agent and st.session = t.session
+                     where t.agent = p_agent and t.session = p_session and t.status in ('queued', 'running')) st)
+      from (select coalesce(
+                (select s.generation from june_sessions s where s.agent = p_agent and s.session = p_session)
+                    = p_generation
+                and (p_have = 0 or exists (
+                     select 1 from june_messages m
+                      where m.agent = p_agent and m.session = p_session and m.idx = p_have - 1
+                        and m.turn_id = p_last_turn)),
+                false) as valid) v
+    $$;
+    """,
 ]
 
 _WHY_NOT = """
@@ -557,8 +597,8 @@ select s.fence, s.suspended::text,
 
 _ENSURE_SESSION = "insert into june_sessions (agent, session) values (%(agent)s, %(session)s) on conflict do nothing"
 
-MESSAGES_JSON = """(select coalesce(json_agg(m.body order by m.idx), '[]'::json)::text
-       from june_messages m where m.agent = %(agent)s and m.session = %(session)s)"""
+MESSAGES_JSON = """(select '[' || coalesce(string_agg(june_message(m.role, m.turn_id, m.body), ',' order by m.idx), '')
+       || ']' from june_messages m where m.agent = %(agent)s and m.session = %(session)s)"""
 """The session's transcript as one JSON text (a scalar subquery), as :func:`session_snapshot` reads it."""
 
 STEPS_JSON = """(select coalesce(json_agg(json_build_array(st.step_id, st.turn_id, st.data)), '[]'::json)::text

@@ -39,10 +39,9 @@ from ..engine.store import (
     park_expiry,
     parked_on,
 )
-from ..engine.types import MessageAdapter
 from ..errors import CancelRequestedError, LeaseLostError, ResumeConflictError, StoreError, TurnEndedError
 from ._filelock import FileLock
-from ._sql import dumps, event_rows
+from ._sql import dumps, event_rows, message_body, message_from_row
 
 __all__ = ["SQLiteStore"]
 
@@ -242,9 +241,9 @@ class SQLiteStore:
                 (ref.agent, ref.session),
             ).fetchone()
             messages = [
-                MessageAdapter.validate_json(body)
-                for (body,) in conn.execute(
-                    "select body from june_messages where agent = ? and session = ? order by idx",
+                message_from_row(role, turn_id, body)
+                for role, turn_id, body in conn.execute(
+                    "select role, turn_id, body from june_messages where agent = ? and session = ? order by idx",
                     (ref.agent, ref.session),
                 )
             ]
@@ -362,7 +361,7 @@ class SQLiteStore:
             try:
                 conn.executemany(
                     "insert into june_messages (agent, session, idx, turn_id, role, body) values (?, ?, ?, ?, ?, ?)",
-                    [(*key, idx, m.turn_id, m.role, m.model_dump_json()) for idx, m in commit.messages],
+                    [(*key, idx, m.turn_id, m.role, message_body(m)) for idx, m in commit.messages],
                 )
             except sqlite3.IntegrityError as exc:
                 raise StoreError(f"session {ref}: a message index of this commit is taken ({exc})") from exc

@@ -44,8 +44,8 @@ from june_worker.engine.types import (
     AssistantMessage,
     InputRequest,
     Message,
-    MessageAdapter,
     ProactiveTrigger,
+    ReasoningBlock,
     SummaryMessage,
     ToolCall,
     ToolMessage,
@@ -53,7 +53,7 @@ from june_worker.engine.types import (
 )
 from june_worker.errors import FatalToolError, LeaseLostError, ResumeConflictError, StoreError, StoreUnavailableError
 from june_worker.stores import MemoryStore, PostgresStore, SQLiteStore
-from june_worker.stores._sql import qmark_to_format
+from june_worker.stores._sql import message_from_row, message_text, qmark_to_format
 
 pytestmark = pytest.mark.contract
 
@@ -127,9 +127,9 @@ class Kit:
             (entry,) = found
             return list(entry["messages"]), {k: s.data for k, s in entry["steps"].items()}
         messages = [
-            MessageAdapter.validate_json(body)
-            for (body,) in self.sql(
-                "select cast(body as text) from june_archived_messages "
+            message_from_row(role, turn_id, body)
+            for role, turn_id, body in self.sql(
+                "select role, turn_id, cast(body as text) from june_archived_messages "
                 "where agent = ? and session = ? and generation = ? order by idx",
                 ref.agent,
                 ref.session,
@@ -320,6 +320,49 @@ def test_the_transcript_keeps_its_order_and_every_value_exactly(kit: Kit, ref: S
     assert {s.step_id: s for s in steps} == snap.steps
     assert [e.model_copy(update={"seq": None}) for e in kit.store.events(ref)] == events
     assert [e.seq for e in kit.store.events(ref)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_transcript_row_stores_only_what_its_columns_do_not_and_rows_written_before_still_load(
+    sql_kit: Kit, ref: SessionRef
+) -> None:
+    # the body leaves out the row's role and turn id and every field at its default; reading puts them back
+    turn = 'odd "turn" \\ id'
+    messages: list[Message] = [
+        UserMessage(turn_id=turn, text="hi"),
+        AssistantMessage(turn_id=turn),
+        AssistantMessage(turn_id=turn, text="look", tool_calls=[ToolCall(id="c1", name="lookup")]),
+        ToolMessage(turn_id=turn, call_id="c1", name="lookup", result=False),
+    ]
+    sql_kit.store.commit(ref, Commit(messages=list(enumerate(messages))))
+    rows = sql_kit.sql(
+        "select role, turn_id, cast(body as text) from june_messages where agent = ? and session = ? order by idx",
+        ref.agent,
+        ref.session,
+    )
+    assert [(role, turn_id) for role, turn_id, _ in rows] == [(m.role, turn) for m in messages]
+    assert [body for _, _, body in rows] == [
+        '{"text":"hi"}',
+        "{}",
+        '{"text":"look","tool_calls":[{"id":"c1","name":"lookup"}]}',
+        '{"call_id":"c1","name":"lookup","result":false}',
+    ]
+    # a row as the stores wrote them before (the whole message in the body) loads as it did
+    older = AssistantMessage(turn_id="t0", text="before", reasoning=[ReasoningBlock(text="hm")])
+    sql_kit.sql(
+        "insert into june_messages (agent, session, idx, turn_id, role, body) values (?, ?, 4, 't0', 'assistant', ?)",
+        ref.agent,
+        ref.session,
+        older.model_dump_json(),
+    )
+    assert sql_kit.store.load(ref).messages == [*messages, older]
+    if isinstance(sql_kit.store, PostgresStore):  # the SQL function that puts a row together is _sql's twin
+        rows = sql_kit.sql(
+            "select role, turn_id, cast(body as text), june_message(role, turn_id, body) from june_messages "
+            "where agent = ? and session = ? order by idx",
+            ref.agent,
+            ref.session,
+        )
+        assert [whole for *_, whole in rows] == [message_text(role, t, body) for role, t, body, _ in rows]
 
 
 def test_a_taken_message_index_fails_the_commit_and_writes_nothing(kit: Kit, ref: SessionRef) -> None:

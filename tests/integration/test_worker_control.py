@@ -202,10 +202,10 @@ def test_a_proactive_turn_opens_with_a_trigger_and_is_delivered(stack: Stack, se
     assert out["status"] == "completed"
     started = stack.structural("ops", session_id)[0]
     assert started["trigger"] == {"kind": "proactive", "by": "cron:daily"}
-    first = stack.sql(
-        "select body::text from june_messages where agent = 'ops' and session = %s and idx = 0", session_id
-    )[0][0]
-    assert '"role":"trigger"' in first.replace(" ", "") and "cron:daily" in first
+    ((role, first),) = stack.sql(
+        "select role, body::text from june_messages where agent = 'ops' and session = %s and idx = 0", session_id
+    )
+    assert role == "trigger" and "cron:daily" in first
     wait_for(lambda: stack.redis.lrange(f"it:delivered:{session_id}", 0, -1), what="delivery")
     assert stack.redis.lrange(f"it:delivered:{session_id}", 0, -1) == ["C-ops|ok: daily digest"]
     # delivered on the first attempt and no longer due: the sweeper will not send it again
