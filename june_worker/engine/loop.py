@@ -60,7 +60,7 @@ from .failures import DEFAULT_MAX_ATTEMPTS, STEP_RETRIES, Failure, backoff_s, cl
 from .hooks import NO_HOOKS, TurnHooks
 from .inputs import InputBroker
 from .model import Done, Model, ModelRequest, ReasoningChunk, TextChunk
-from .secrets import scrubbed_logger
+from .secrets import scrub, scrubbed_logger
 from .signals import CrashInjected, ParkSignal, SyncParkError
 from .sink import EventSink
 from .storable import storable_json, storable_text
@@ -886,7 +886,8 @@ class TurnRunner:
         try:
             validated = tool.validate(call.input)
         except ToolInputError as exc:
-            message = str(exc)
+            # the model's own input can be quoted back (a validator's message): scrubbed like any tool error
+            message = scrub(str(exc))
             self._commit_tool_result(step, call, {"error": message}, error=message)
             return None
         if tool.is_async:

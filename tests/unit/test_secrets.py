@@ -10,12 +10,14 @@ import uuid
 from typing import Any
 
 import pytest
+from pydantic import BaseModel, field_validator
 
 import june_worker
 from june_worker import Agent, FatalToolError, Runtime, ToolContext, tool
 from june_worker.engine.endings import MESSAGE_MAX_CHARS, STACK_MAX_CHARS, error_info
-from june_worker.engine.events import Failed
+from june_worker.engine.events import ActionCompleted, Failed
 from june_worker.engine.secrets import PLACEHOLDER, ScrubFilter, register_secret, scrub
+from june_worker.engine.store import SessionRef
 from june_worker.engine.tools import ERROR_MAX_CHARS, format_tool_error
 from june_worker.models import Reply, ScriptedModel
 from june_worker.models.anthropic import AnthropicModel
@@ -208,3 +210,39 @@ async def test_a_secret_in_a_failing_turns_exception_stays_out_of_the_in_process
     logged = "\n".join(logging.Formatter().format(r) for r in caplog.records)
     assert "Traceback" in logged and PLACEHOLDER in logged
     assert secret not in logged and secret not in caplog.text
+
+
+class Shipment(BaseModel):
+    address: str
+
+    @field_validator("address")
+    @classmethod
+    def _no_keys(cls, value: str) -> str:
+        raise ValueError(f"not an address: {value}")
+
+
+@tool
+def ship(ctx: ToolContext, order: Shipment) -> str:
+    """Ship an order."""
+    return "shipped"
+
+
+async def test_a_refused_tool_input_that_quotes_a_secret_is_scrubbed_before_it_is_stored() -> None:
+    # Given a tool whose input validator quotes the model's input back, and a model that sends a registered secret
+    secret = fresh_secret()
+    register_secret(secret)
+    calls = [{"id": "c1", "name": "ship", "input": {"order": {"address": f"use {secret}"}}}]
+    store = MemoryStore()
+    runtime = Runtime(
+        [Agent(name="ops", model=ScriptedModel([Reply("", calls=calls), Reply("ok")]), tools=[ship])], store
+    )
+    session = runtime.session("ops", "s1")
+    # When the turn runs
+    await session.result(await session.start("ship it"))
+    # Then the model read the refusal scrubbed, and so does every event that reports it (the model's own call
+    # input is its reply, stored as it wrote it)
+    ref = SessionRef("ops", "s1")
+    (refusal,) = [m for m in store.load(ref).messages if m.role == "tool"]
+    assert isinstance(refusal.result, dict) and f"not an address: use {PLACEHOLDER}" in str(refusal.result["error"])
+    reports = [json.dumps([e.result, e.error]) for e in store.events(ref) if isinstance(e, ActionCompleted)]
+    assert reports and all(secret not in r and PLACEHOLDER in r for r in reports)
