@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, Route, expect, sync_playwright
@@ -236,6 +237,61 @@ def test_the_page_shows_a_subagents_request_as_waiting_on_its_child_with_no_butt
         gateway.stack.redis.set(f"it:scout:{key}:release", "1")
         expect(page.locator("#status")).to_have_text("completed")
         expect(page.locator("#pending")).to_be_hidden()
+    finally:
+        gateway.stack.redis.set(f"it:scout:{key}:release", "1")
+        context.close()
+        served.stop()
+    assert errors == [], errors
+
+
+def test_a_pending_list_that_answers_after_the_turn_moved_on_does_not_bring_its_request_back(
+    browser: Browser, gateway: Gateway
+) -> None:
+    from june_worker.gateway import Principal, TokenTable, create_app
+
+    from .conftest import settings_for
+    from .kit import ServedApp
+
+    token = f"boss-token-{uuid.uuid4().hex}"
+    table = TokenTable.of({token: Principal("op-alice", frozenset({"boss", "scout"}))})
+    served = ServedApp(create_app(settings_for(gateway.stack, table, agents=("boss", "scout"))))
+    context = browser.new_context(viewport={"width": 1100, "height": 820})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.set_default_timeout(30_000)
+    key = uuid.uuid4().hex[:8]
+    held: list[tuple[Route, Any]] = []
+
+    def hold_reply(route: Route) -> None:  # the server answers now; the page gets the answer when the test says
+        held.append((route, route.fetch()))
+
+    try:
+        page.goto(served.url)
+        page.fill("#token", token)
+        page.click("#use-token")
+        expect(page.locator("#who")).to_have_text("signed in as op-alice")
+        # Given a turn waiting on its child, and the page's look at the session's open requests answered (the
+        # child's request still open) but not yet delivered to the page
+        page.route("**/pending", hold_reply)
+        start(page, "boss", f"delegate 1 {key} hold")
+        expect(page.locator("#pending .request .prompt")).to_have_text("waiting on child agent scout")
+        deadline = time.monotonic() + 30
+        while not held and time.monotonic() < deadline:
+            page.wait_for_timeout(20)  # lets Playwright run the route handler; not a wait for a worker
+        assert held, "the page did not ask for the open requests"
+        # When the child ends and the turn completes, and only then that answer reaches the page
+        gateway.stack.redis.set(f"it:scout:{key}:release", "1")
+        expect(page.locator("#status")).to_have_text("completed")
+        page.evaluate("""() => { window.__pendingRead = 0; const json = Response.prototype.json;
+            Response.prototype.json = async function () { const v = await json.call(this);
+              if (this.url.endsWith("/pending")) setTimeout(() => { window.__pendingRead += 1; }); return v; }; }""")
+        for route, response in held:
+            route.fulfill(response=response)
+        page.wait_for_function("() => window.__pendingRead >= 1")
+        # Then the page shows no request: that answer was about a turn that has moved on
+        expect(page.locator("#pending")).to_be_hidden()
+        assert page.locator("#pending .request").count() == 0
     finally:
         gateway.stack.redis.set(f"it:scout:{key}:release", "1")
         context.close()
