@@ -60,7 +60,7 @@ from .failures import DEFAULT_MAX_ATTEMPTS, STEP_RETRIES, Failure, backoff_s, cl
 from .hooks import NO_HOOKS, TurnHooks
 from .inputs import InputBroker
 from .model import Done, Model, ModelRequest, ReasoningChunk, TextChunk
-from .secrets import scrub, scrubbed_logger
+from .secrets import StreamScrubber, scrub, scrub_json, scrubbed_logger
 from .signals import CrashInjected, ParkSignal, SyncParkError
 from .sink import EventSink
 from .storable import storable_json, storable_text
@@ -135,18 +135,24 @@ class _ToolRaised(BaseException):
 
 
 def _to_json(value: Any) -> JsonValue:
-    """A tool result as plain, storable JSON; pydantic models are dumped, anything else must already be JSON."""
+    """A tool result as plain, storable JSON with no secret in it (:mod:`.secrets`: what the model reads next, so
+    it cannot repeat one); pydantic models are dumped, anything else must already be JSON."""
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
     else:
         json.dumps(value, allow_nan=False)
-    return storable_json(value)
+    return scrub_json(storable_json(value))
 
 
 def _storable_reply(reply: ModelReply) -> ModelReply:
-    """The model's reply with every string storable (text, tool calls, reasoning); usually the reply itself."""
+    """The model's reply with every string storable (text, tool calls, reasoning) and no secret in its text or its
+    calls; usually the reply itself. Its reasoning is left as it came: a provider signs it, and replays it only
+    with that signature (the published reasoning deltas are scrubbed)."""
     data = reply.model_dump(by_alias=True)
     clean = storable_json(data)
+    text, calls = scrub(clean["text"]), scrub_json(clean["tool_calls"])
+    if text is not clean["text"] or calls is not clean["tool_calls"]:
+        clean = {**clean, "text": text, "tool_calls": calls}
     return reply if clean is data else ModelReply.model_validate(clean)
 
 
@@ -762,6 +768,15 @@ class TurnRunner:
         except Exception as exc:
             raise self._model_failure(exc, step) from exc
         done: Done | None = None
+        # deltas are scrubbed as they stream: a secret split over two of them is held back until it is whole
+        said, thought = StreamScrubber(), StreamScrubber()
+
+        def publish(kind: type[MessageDelta] | type[ReasoningDelta], text: str) -> None:
+            if text:
+                self.sink.publish_delta(
+                    self.ref, kind(turn_id=self.turn_id, step=step, text=text, attempt=self.attempt)
+                )
+
         try:
             async for delta in stream:
                 self._check_cancel()
@@ -769,15 +784,13 @@ class TurnRunner:
                     continue
                 if isinstance(delta, TextChunk):
                     if delta.text:
-                        text = storable_text(delta.text)
-                        delta_event = MessageDelta(turn_id=self.turn_id, step=step, text=text, attempt=self.attempt)
-                        self.sink.publish_delta(self.ref, delta_event)
+                        publish(MessageDelta, said.feed(storable_text(delta.text)))
                 elif isinstance(delta, ReasoningChunk):
                     if delta.text:
-                        text = storable_text(delta.text)
-                        thought = ReasoningDelta(turn_id=self.turn_id, step=step, text=text, attempt=self.attempt)
-                        self.sink.publish_delta(self.ref, thought)
+                        publish(ReasoningDelta, thought.feed(storable_text(delta.text)))
                 elif isinstance(delta, Done):
+                    publish(ReasoningDelta, thought.flush())
+                    publish(MessageDelta, said.flush())
                     done = delta
                     break
                 else:

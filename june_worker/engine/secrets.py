@@ -23,13 +23,16 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from typing import Any
 
 __all__ = [
     "MIN_SECRET_CHARS",
     "PLACEHOLDER",
     "ScrubFilter",
+    "StreamScrubber",
     "register_secret",
     "scrub",
+    "scrub_json",
     "scrub_handlers",
     "scrubbed_logger",
 ]
@@ -37,8 +40,10 @@ __all__ = [
 PLACEHOLDER = "<redacted>"
 MIN_SECRET_CHARS = 8
 
+_KEY_PREFIX = "sk-ant-"
 _KEY_SHAPED = re.compile(r"sk-ant-[A-Za-z0-9_\-]{4,}")
 """Anthropic API and admin keys (``sk-ant-api03-...``, ``sk-ant-admin01-...``)."""
+_KEY_AT_END = re.compile(r"sk-ant-[A-Za-z0-9_\-]*\Z")
 
 _lock = threading.Lock()
 _secrets: tuple[str, ...] = ()  # longest first, replaced whole (copy on write: scrub reads without the lock)
@@ -60,6 +65,56 @@ def scrub(text: str) -> str:
         if secret in text:
             text = text.replace(secret, PLACEHOLDER)
     return _KEY_SHAPED.sub(PLACEHOLDER, text)
+
+
+def scrub_json(value: Any) -> Any:
+    """A JSON value with :func:`scrub` applied to every string and key; ``value`` itself when none holds a secret."""
+    if isinstance(value, str):
+        return scrub(value)
+    if isinstance(value, dict):
+        clean = {scrub(k) if isinstance(k, str) else k: scrub_json(v) for k, v in value.items()}
+        same = all(a is b for a, b in zip(value.values(), clean.values(), strict=True)) and clean.keys() == value.keys()
+        return value if same else clean
+    if isinstance(value, list | tuple):
+        items = [scrub_json(v) for v in value]
+        return value if all(a is b for a, b in zip(value, items, strict=True)) else items
+    return value
+
+
+class StreamScrubber:
+    """Scrubs a text that arrives in pieces (a model's deltas), so that no secret is published split across two.
+
+    :meth:`feed` returns what of the text so far can go out, scrubbed, and holds back its end while that end
+    could be the start of a secret: a registered value's first characters, or an Anthropic-shaped key that
+    may go on (``sk-an``, ``sk-ant-api03-Ab``). :meth:`flush` returns what is held, scrubbed, once the text ends.
+    """
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def feed(self, piece: str) -> str:
+        text = self._held + piece
+        cut = len(text) - self._open_end(text)
+        self._held = text[cut:]
+        return scrub(text[:cut])
+
+    def flush(self) -> str:
+        text, self._held = self._held, ""
+        return scrub(text)
+
+    @staticmethod
+    def _open_end(text: str) -> int:
+        """How many of ``text``'s last characters could begin a secret still arriving."""
+        key = _KEY_AT_END.search(text)
+        hold = len(text) - key.start() if key is not None else 0
+        for value in (_KEY_PREFIX, *_secrets):
+            if not text or text[-1] not in value:
+                continue
+            for n in range(min(len(value) - 1, len(text)), hold, -1):
+                if text.endswith(value[:n]):
+                    hold = n
+                    break
+        return hold
 
 
 # --- logs -------------------------------------------------------------------------------------------

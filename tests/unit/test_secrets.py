@@ -7,22 +7,29 @@ import json
 import logging
 import pkgutil
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel, field_validator
 
 import june_worker
 from june_worker import Agent, FatalToolError, Runtime, ToolContext, tool
 from june_worker.engine.endings import MESSAGE_MAX_CHARS, STACK_MAX_CHARS, error_info
 from june_worker.engine.events import ActionCompleted, Failed
-from june_worker.engine.secrets import PLACEHOLDER, ScrubFilter, register_secret, scrub
+from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
+from june_worker.engine.secrets import PLACEHOLDER, ScrubFilter, StreamScrubber, register_secret, scrub
 from june_worker.engine.store import SessionRef
 from june_worker.engine.tools import ERROR_MAX_CHARS, format_tool_error
+from june_worker.engine.types import ModelReply, ToolCall
 from june_worker.models import Reply, ScriptedModel
 from june_worker.models.anthropic import AnthropicModel
 from june_worker.observe.logs import JsonFormatter
-from june_worker.stores import MemoryStore
+from june_worker.stores import MemoryStore, SQLiteStore
+
+from .kit import FnModel, Recorder
 
 
 def fresh_secret() -> str:
@@ -246,3 +253,92 @@ async def test_a_refused_tool_input_that_quotes_a_secret_is_scrubbed_before_it_i
     assert isinstance(refusal.result, dict) and f"not an address: use {PLACEHOLDER}" in str(refusal.result["error"])
     reports = [json.dumps([e.result, e.error]) for e in store.events(ref) if isinstance(e, ActionCompleted)]
     assert reports and all(secret not in r and PLACEHOLDER in r for r in reports)
+
+
+# --- streamed text -------------------------------------------------------------------------------------
+
+
+def test_a_key_split_over_deltas_is_held_back_until_it_is_whole_and_then_replaced() -> None:
+    scrubber = StreamScrubber()
+    out = [scrubber.feed(p) for p in ("your key is sk-a", "nt-api03-AbC", "dEf0 and ", "more")]
+    assert out == ["your key is ", "", f"{PLACEHOLDER} and ", "more"]
+    assert scrubber.flush() == ""
+
+
+def test_a_registered_secret_split_over_deltas_never_goes_out_in_pieces() -> None:
+    secret = fresh_secret()
+    register_secret(secret)
+    scrubber = StreamScrubber()
+    pieces = [f"token {secret[:5]}", secret[5:12], secret[12:] + " done"]
+    out = "".join(scrubber.feed(p) for p in pieces) + scrubber.flush()
+    assert out == f"token {PLACEHOLDER} done"
+    assert scrubber.feed(f"a {secret[:5]}") == "a "  # its first characters are held, not published
+
+
+def test_what_is_held_back_goes_out_when_the_text_ends() -> None:
+    scrubber = StreamScrubber()
+    assert scrubber.feed("ask-an") == "a"  # could begin a key
+    assert scrubber.flush() == "sk-an"
+
+
+STREAM_SECRET = "tok-streamed-0123456789"
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(["sk-ant-", "sk-", "ant", "-api03-", "AbCd", " ", "x", "tok-", STREAM_SECRET, "0123"]),
+        max_size=12,
+    ),
+    st.lists(st.integers(0, 200), max_size=8),
+)
+def test_streamed_pieces_scrubbed_join_to_the_whole_text_scrubbed(parts: list[str], cuts: list[int]) -> None:
+    register_secret(STREAM_SECRET)
+    text = "".join(parts)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    scrubber = StreamScrubber()
+    out = "".join(scrubber.feed(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)) + scrubber.flush()
+    assert out == scrub(text)
+
+
+@tool
+def read_env(ctx: ToolContext) -> dict[str, str]:
+    """Read the environment (a tool a prompt could talk the model into calling)."""
+    return {"ANTHROPIC_API_KEY": "sk-ant-api03-EnvEnvEnv0123456789"}
+
+
+async def test_no_secret_from_a_tool_result_or_a_model_reply_is_stored_published_or_read_by_the_model() -> None:
+    # Given a tool that returns a key, and a model that streams another one split over its deltas
+    store = SQLiteStore(":memory:")
+    leaked = "sk-ant-api03-ModelModel0123456789"
+
+    async def reply(request: ModelRequest) -> AsyncIterator[ModelDelta]:
+        answered = [m for m in request.messages if m.role == "tool"]
+        if not answered:
+            yield Done(reply=ModelReply(tool_calls=[ToolCall(id="c1", name="read_env")]))
+            return
+        if len(answered) > 1:
+            yield Done(reply=ModelReply(text="done"))
+            return
+        seen.append(json.dumps([m.model_dump(mode="json") for m in request.messages]))
+        for piece in ("here: ", leaked[:9], leaked[9:20], leaked[20:], " ok"):
+            yield TextChunk(text=piece)
+        yield Done(
+            reply=ModelReply(text=f"here: {leaked} ok", tool_calls=[ToolCall(id="c2", name="x", input={"k": leaked})])
+        )
+
+    seen: list[str] = []
+    runtime = Runtime([Agent(name="ops", model=FnModel(reply), tools=[read_env])], store)
+    session = runtime.session("ops", "s1")
+    rec = Recorder()
+    session.observe(rec)
+    # When the turn runs
+    await session.result(await session.start("what is in the environment?"))
+    # Then the model read the tool's result scrubbed, and no delta, event or stored message holds either key
+    assert seen and "EnvEnvEnv" not in seen[0] and PLACEHOLDER in seen[0]
+    deltas = "".join(e.text for e in rec.of("message.delta"))
+    assert deltas == f"here: {PLACEHOLDER} ok"
+    stored = json.dumps([m.model_dump(mode="json") for m in store.load(session.ref).messages])
+    published = json.dumps([e.model_dump(mode="json") for e in [*rec.events, *store.events(session.ref)]])
+    for text in (stored, published):
+        assert "EnvEnvEnv" not in text and "ModelModel" not in text and PLACEHOLDER in text
