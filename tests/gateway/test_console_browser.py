@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Browser, Page, Route, expect
 
 from tests.integration.conftest import ROOT, wait_for
 
@@ -118,3 +119,81 @@ def test_a_failed_turn_shows_its_error_and_its_timeline(
     page.screenshot(path=str(shot), full_page=True)
     if os.environ.get("JUNE_GATEWAY_SCREENSHOT") == "docs":
         shutil.copyfile(shot, ROOT / "docs" / "console.png")
+
+
+def _hold_first(page: Page, pattern: str) -> list[tuple[Route, Any]]:
+    """The first request to ``pattern`` is answered by the server at once and delivered when the test says
+    (``route.fulfill``); later ones go through."""
+    held: list[tuple[Route, Any]] = []
+
+    def handle(route: Route) -> None:
+        if held:
+            route.continue_()
+        else:
+            held.append((route, route.fetch()))
+
+    page.route(pattern, handle)
+    return held
+
+
+def _wait_held(page: Page, held: list[tuple[Route, Any]]) -> None:
+    deadline = time.monotonic() + 30
+    while not held and time.monotonic() < deadline:
+        page.wait_for_timeout(20)  # lets Playwright run the route handler; not a wait for a worker
+    assert held, "the page sent no such request"
+
+
+def test_an_inbox_read_that_answers_after_a_newer_one_does_not_bring_back_what_is_gone(
+    open_console: Callable[[str], Page], console_gateway: Gateway
+) -> None:
+    gw = console_gateway
+    page = open_console("admin")
+    first, first_turn = _parked(gw)
+    expect(page.locator(f"#inbox tr.approval[data-turn='{first_turn}']")).to_have_count(1)
+    # Given a read of the inbox answered while the first approval was open, but not yet delivered to the page
+    held = _hold_first(page, "**/v1/console/approvals*")
+    _, second_turn = _parked(gw)  # the live feed's change makes the page read the inbox again
+    _wait_held(page, held)
+    # When the first approval is answered elsewhere, a newer read shows it gone, and only then the old read arrives
+    input_id = gw.client("admin").get(gw.path("ops", first, "/pending")).json()["pending"]["input"]["id"]
+    r = gw.client("admin").post(
+        gw.path("ops", first, f"/turns/{first_turn}/resume"), json={"input_id": input_id, "value": True}
+    )
+    assert r.status_code < 300, r.text
+    expect(page.locator(f"#inbox tr.approval[data-turn='{second_turn}']")).to_have_count(1)
+    expect(page.locator(f"#inbox tr.approval[data-turn='{first_turn}']")).to_have_count(0)
+    page.evaluate("""() => { window.__listsRead = 0; const json = Response.prototype.json;
+        Response.prototype.json = async function () { const v = await json.call(this);
+          if (this.url.includes("/v1/console/approvals")) setTimeout(() => { window.__listsRead += 1; }); return v; }; }""")
+    for route, response in held:
+        route.fulfill(response=response)
+    page.wait_for_function("() => window.__listsRead >= 1")
+    # Then the page keeps the newer list: the answered approval does not come back
+    expect(page.locator(f"#inbox tr.approval[data-turn='{first_turn}']")).to_have_count(0)
+    expect(page.locator(f"#inbox tr.approval[data-turn='{second_turn}']")).to_have_count(1)
+
+
+def test_an_approval_answered_while_the_inbox_is_redrawn_still_says_so(
+    open_console: Callable[[str], Page], console_gateway: Gateway
+) -> None:
+    gw = console_gateway
+    page = open_console("admin")
+    session, turn_id = _parked(gw)
+    row = page.locator(f"#inbox tr.approval[data-turn='{turn_id}']")
+    expect(row.get_by_role("button", name="Approve")).to_have_count(1)
+    # Given an Approve whose request is held in flight while the inbox is drawn again (another approval arrives)
+    held: list[Route] = []
+    page.route("**/resume", lambda route: held.append(route))
+    row.get_by_role("button", name="Approve").click()
+    deadline = time.monotonic() + 30
+    while not held and time.monotonic() < deadline:
+        page.wait_for_timeout(20)  # lets Playwright run the route handler; not a wait for a worker
+    assert held, "the page sent no resume"
+    _, other = _parked(gw)
+    expect(page.locator(f"#inbox tr.approval[data-turn='{other}']")).to_have_count(1)  # drawn again
+    # When the resume goes through
+    with page.expect_response(lambda r: r.url.endswith("/resume")):
+        held[0].continue_()
+    # Then the row drawn meanwhile says it was approved, and offers no button to answer it again
+    expect(row.locator(".act")).to_have_text("approved: resuming")
+    expect(row.get_by_role("button")).to_have_count(0)
