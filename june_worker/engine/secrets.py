@@ -20,6 +20,7 @@ short common string everywhere would garble every report, and no real credential
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -69,14 +70,35 @@ def scrub(text: str) -> str:
 
 def scrub_json(value: Any) -> Any:
     """A JSON value with :func:`scrub` applied to every string and key; ``value`` itself when none holds a secret."""
+    if isinstance(value, dict | list | tuple) and _clean_as_json(value):
+        return value  # the common case: one look at the value's JSON text instead of one per string
+    return _scrub_each(value)
+
+
+_JSON_ESCAPED = re.compile(r'["\\\x00-\x1f]')
+
+
+def _clean_as_json(value: Any) -> bool:
+    """True when no string of ``value`` can hold a secret, judged from its JSON text: every registered value and
+    every key-shaped string appears there as it is, unless it has a character JSON escapes (then: False)."""
+    if any(_JSON_ESCAPED.search(secret) for secret in _secrets):
+        return False
+    try:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return False
+    return not any(secret in text for secret in _secrets) and _KEY_SHAPED.search(text) is None
+
+
+def _scrub_each(value: Any) -> Any:
     if isinstance(value, str):
         return scrub(value)
     if isinstance(value, dict):
-        clean = {scrub(k) if isinstance(k, str) else k: scrub_json(v) for k, v in value.items()}
+        clean = {scrub(k) if isinstance(k, str) else k: _scrub_each(v) for k, v in value.items()}
         same = all(a is b for a, b in zip(value.values(), clean.values(), strict=True)) and clean.keys() == value.keys()
         return value if same else clean
     if isinstance(value, list | tuple):
-        items = [scrub_json(v) for v in value]
+        items = [_scrub_each(v) for v in value]
         return value if all(a is b for a, b in zip(value, items, strict=True)) else items
     return value
 

@@ -20,7 +20,7 @@ from june_worker import Agent, FatalToolError, Runtime, ToolContext, tool
 from june_worker.engine.endings import MESSAGE_MAX_CHARS, STACK_MAX_CHARS, error_info
 from june_worker.engine.events import ActionCompleted, Failed
 from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
-from june_worker.engine.secrets import PLACEHOLDER, ScrubFilter, StreamScrubber, register_secret, scrub
+from june_worker.engine.secrets import PLACEHOLDER, ScrubFilter, StreamScrubber, register_secret, scrub, scrub_json
 from june_worker.engine.store import SessionRef
 from june_worker.engine.tools import ERROR_MAX_CHARS, format_tool_error
 from june_worker.engine.types import ModelReply, ToolCall
@@ -342,3 +342,12 @@ async def test_no_secret_from_a_tool_result_or_a_model_reply_is_stored_published
     published = json.dumps([e.model_dump(mode="json") for e in [*rec.events, *store.events(session.ref)]])
     for text in (stored, published):
         assert "EnvEnvEnv" not in text and "ModelModel" not in text and PLACEHOLDER in text
+
+
+def test_a_json_value_is_scrubbed_in_every_string_and_key_even_for_a_secret_json_escapes() -> None:
+    quoted = f'quo"ted\\{uuid.uuid4().hex}'  # JSON writes it escaped: the one-look check cannot see it
+    register_secret(quoted)
+    value = {"rows": [{"note": f"x {quoted} y", quoted: 1}], "n": 2, "key": "sk-ant-api03-AbCdEfGh"}
+    assert scrub_json(value) == {"rows": [{"note": f"x {PLACEHOLDER} y", PLACEHOLDER: 1}], "n": 2, "key": PLACEHOLDER}
+    clean = {"rows": [{"id": 1, "name": "widget"}], "ok": True}
+    assert scrub_json(clean) is clean
