@@ -146,12 +146,14 @@ def _to_json(value: Any) -> JsonValue:
 
 def _storable_reply(reply: ModelReply) -> ModelReply:
     """The model's reply with every string storable (text, tool calls, reasoning) and no secret in its text or its
-    calls; usually the reply itself. Its reasoning is left as it came: a provider signs it, and replays it only
-    with that signature (the published reasoning deltas are scrubbed)."""
+    calls' input; usually the reply itself. Its reasoning and a call's provider_state are left as they came: a
+    provider signs them, and takes them back only unchanged (the published reasoning deltas are scrubbed)."""
     data = reply.model_dump(by_alias=True)
     clean = storable_json(data)
-    text, calls = scrub(clean["text"]), scrub_json(clean["tool_calls"])
-    if text is not clean["text"] or calls is not clean["tool_calls"]:
+    text = scrub(clean["text"])
+    inputs = [scrub_json(call["input"]) for call in clean["tool_calls"]]  # (a call's provider_state is opaque too)
+    if text is not clean["text"] or any(a is not c["input"] for a, c in zip(inputs, clean["tool_calls"], strict=True)):
+        calls = [{**c, "input": a} for a, c in zip(inputs, clean["tool_calls"], strict=True)]
         clean = {**clean, "text": text, "tool_calls": calls}
     return reply if clean is data else ModelReply.model_validate(clean)
 
