@@ -165,10 +165,7 @@ def test_a_reply_that_comes_after_switching_sessions_is_not_drawn_into_the_sessi
 
     page.route("**/sessions/*/turns", hold)
     first = start(page, "ops", "hello first")
-    deadline = time.monotonic() + 30
-    while not held and time.monotonic() < deadline:
-        page.wait_for_timeout(20)  # lets Playwright run the route handler; not a wait for a worker
-    assert held, "the page sent no POST"
+    wait_held(page, held, "POST")
     # When the user switches to another session, and only then the POST goes through and its reply streams back
     page.fill("#session", f"web-{uuid.uuid4().hex[:8]}")
     page.press("#session", "Tab")
@@ -204,9 +201,50 @@ def test_the_page_shows_every_open_request_of_a_turn_and_answers_each_on_its_own
     expect(page.locator("#pending")).to_be_hidden()
 
 
-def test_the_page_shows_a_subagents_request_as_waiting_on_its_child_with_no_buttons(
-    browser: Browser, gateway: Gateway
-) -> None:
+Held = list[tuple[Route, Any]]
+"""Requests a route answered from the server at once, each with the response the page is not given yet."""
+
+
+def hold_replies(page: Page, pattern: str, *, first_only: bool = False) -> Held:
+    """Requests to ``pattern`` are sent to the server at once and their responses kept from the page until
+    :func:`deliver_held` (with ``first_only``, only the first one's: later requests go through)."""
+    held: Held = []
+
+    def handle(route: Route) -> None:
+        if first_only and held:
+            route.continue_()
+        else:
+            held.append((route, route.fetch()))
+
+    page.route(pattern, handle)
+    return held
+
+
+def wait_held(page: Page, held: list[Any], what: str) -> None:
+    """Until the page has sent a request the route holds."""
+    deadline = time.monotonic() + 30
+    while not held and time.monotonic() < deadline:
+        page.wait_for_timeout(20)  # lets Playwright run the route handler; not a wait for a worker
+    assert held, f"the page sent no {what}"
+
+
+def deliver_held(page: Page, held: Held, url_part: str) -> None:
+    """Give the page the held responses, and return once it has read one's JSON (and run what awaited it)."""
+    page.evaluate(
+        """(part) => { window.__heldRead = 0; const json = Response.prototype.json;
+        Response.prototype.json = async function () { const v = await json.call(this);
+          if (this.url.includes(part)) setTimeout(() => { window.__heldRead += 1; }); return v; }; }""",
+        url_part,
+    )
+    for route, response in held:
+        route.fulfill(response=response)
+    page.wait_for_function("() => window.__heldRead >= 1")
+
+
+@pytest.fixture
+def boss_page(browser: Browser, gateway: Gateway) -> Iterator[tuple[Page, str]]:
+    """A page signed in on a gateway serving the delegating ``boss`` agent and its ``scout`` child, and a key
+    for the child's hold (released at the end whatever the test did)."""
     from june_worker.gateway import Principal, TokenTable, create_app
 
     from .conftest import settings_for
@@ -226,74 +264,45 @@ def test_the_page_shows_a_subagents_request_as_waiting_on_its_child_with_no_butt
         page.fill("#token", token)
         page.click("#use-token")
         expect(page.locator("#who")).to_have_text("signed in as op-alice")
-        # Given a turn whose tool delegated to a child agent that is still working
-        start(page, "boss", f"delegate 1 {key} hold")
-        # Then the page says what the turn waits on, and offers nobody a button to answer it
-        block = page.locator("#pending .request")
-        expect(block).to_have_count(1)
-        expect(block.locator(".prompt")).to_have_text("waiting on child agent scout")
-        expect(page.locator("#pending button")).to_have_count(0)
-        # and when the child ends, the turn completes
-        gateway.stack.redis.set(f"it:scout:{key}:release", "1")
-        expect(page.locator("#status")).to_have_text("completed")
-        expect(page.locator("#pending")).to_be_hidden()
+        yield page, key
     finally:
         gateway.stack.redis.set(f"it:scout:{key}:release", "1")
         context.close()
         served.stop()
     assert errors == [], errors
+
+
+def test_the_page_shows_a_subagents_request_as_waiting_on_its_child_with_no_buttons(
+    boss_page: tuple[Page, str], gateway: Gateway
+) -> None:
+    page, key = boss_page
+    # Given a turn whose tool delegated to a child agent that is still working
+    start(page, "boss", f"delegate 1 {key} hold")
+    # Then the page says what the turn waits on, and offers nobody a button to answer it
+    block = page.locator("#pending .request")
+    expect(block).to_have_count(1)
+    expect(block.locator(".prompt")).to_have_text("waiting on child agent scout")
+    expect(page.locator("#pending button")).to_have_count(0)
+    # and when the child ends, the turn completes
+    gateway.stack.redis.set(f"it:scout:{key}:release", "1")
+    expect(page.locator("#status")).to_have_text("completed")
+    expect(page.locator("#pending")).to_be_hidden()
 
 
 def test_a_pending_list_that_answers_after_the_turn_moved_on_does_not_bring_its_request_back(
-    browser: Browser, gateway: Gateway
+    boss_page: tuple[Page, str], gateway: Gateway
 ) -> None:
-    from june_worker.gateway import Principal, TokenTable, create_app
-
-    from .conftest import settings_for
-    from .kit import ServedApp
-
-    token = f"boss-token-{uuid.uuid4().hex}"
-    table = TokenTable.of({token: Principal("op-alice", frozenset({"boss", "scout"}))})
-    served = ServedApp(create_app(settings_for(gateway.stack, table, agents=("boss", "scout"))))
-    context = browser.new_context(viewport={"width": 1100, "height": 820})
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.set_default_timeout(30_000)
-    key = uuid.uuid4().hex[:8]
-    held: list[tuple[Route, Any]] = []
-
-    def hold_reply(route: Route) -> None:  # the server answers now; the page gets the answer when the test says
-        held.append((route, route.fetch()))
-
-    try:
-        page.goto(served.url)
-        page.fill("#token", token)
-        page.click("#use-token")
-        expect(page.locator("#who")).to_have_text("signed in as op-alice")
-        # Given a turn waiting on its child, and the page's look at the session's open requests answered (the
-        # child's request still open) but not yet delivered to the page
-        page.route("**/pending", hold_reply)
-        start(page, "boss", f"delegate 1 {key} hold")
-        expect(page.locator("#pending .request .prompt")).to_have_text("waiting on child agent scout")
-        deadline = time.monotonic() + 30
-        while not held and time.monotonic() < deadline:
-            page.wait_for_timeout(20)  # lets Playwright run the route handler; not a wait for a worker
-        assert held, "the page did not ask for the open requests"
-        # When the child ends and the turn completes, and only then that answer reaches the page
-        gateway.stack.redis.set(f"it:scout:{key}:release", "1")
-        expect(page.locator("#status")).to_have_text("completed")
-        page.evaluate("""() => { window.__pendingRead = 0; const json = Response.prototype.json;
-            Response.prototype.json = async function () { const v = await json.call(this);
-              if (this.url.endsWith("/pending")) setTimeout(() => { window.__pendingRead += 1; }); return v; }; }""")
-        for route, response in held:
-            route.fulfill(response=response)
-        page.wait_for_function("() => window.__pendingRead >= 1")
-        # Then the page shows no request: that answer was about a turn that has moved on
-        expect(page.locator("#pending")).to_be_hidden()
-        assert page.locator("#pending .request").count() == 0
-    finally:
-        gateway.stack.redis.set(f"it:scout:{key}:release", "1")
-        context.close()
-        served.stop()
-    assert errors == [], errors
+    page, key = boss_page
+    # Given a turn waiting on its child, and the page's look at the session's open requests answered (the
+    # child's request still open) but not yet delivered to the page
+    held = hold_replies(page, "**/pending")
+    start(page, "boss", f"delegate 1 {key} hold")
+    expect(page.locator("#pending .request .prompt")).to_have_text("waiting on child agent scout")
+    wait_held(page, held, "look at the open requests")
+    # When the child ends and the turn completes, and only then that answer reaches the page
+    gateway.stack.redis.set(f"it:scout:{key}:release", "1")
+    expect(page.locator("#status")).to_have_text("completed")
+    deliver_held(page, held, "/pending")
+    # Then the page shows no request: that answer was about a turn that has moved on
+    expect(page.locator("#pending")).to_be_hidden()
+    assert page.locator("#pending .request").count() == 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from tests.integration.conftest import ROOT, wait_for
 
 from .console_kit import console_gateway, console_stack
 from .kit import Gateway
-from .test_browser import browser
+from .test_browser import browser, deliver_held, hold_replies, wait_held
 
 __all__ = ["browser", "console_gateway", "console_stack"]  # fixtures, imported for pytest
 
@@ -121,28 +120,6 @@ def test_a_failed_turn_shows_its_error_and_its_timeline(
         shutil.copyfile(shot, ROOT / "docs" / "console.png")
 
 
-def _hold_first(page: Page, pattern: str) -> list[tuple[Route, Any]]:
-    """The first request to ``pattern`` is answered by the server at once and delivered when the test says
-    (``route.fulfill``); later ones go through."""
-    held: list[tuple[Route, Any]] = []
-
-    def handle(route: Route) -> None:
-        if held:
-            route.continue_()
-        else:
-            held.append((route, route.fetch()))
-
-    page.route(pattern, handle)
-    return held
-
-
-def _wait_held(page: Page, held: list[tuple[Route, Any]]) -> None:
-    deadline = time.monotonic() + 30
-    while not held and time.monotonic() < deadline:
-        page.wait_for_timeout(20)  # lets Playwright run the route handler; not a wait for a worker
-    assert held, "the page sent no such request"
-
-
 def test_an_inbox_read_that_answers_after_a_newer_one_does_not_bring_back_what_is_gone(
     open_console: Callable[[str], Page], console_gateway: Gateway
 ) -> None:
@@ -151,9 +128,9 @@ def test_an_inbox_read_that_answers_after_a_newer_one_does_not_bring_back_what_i
     first, first_turn = _parked(gw)
     expect(page.locator(f"#inbox tr.approval[data-turn='{first_turn}']")).to_have_count(1)
     # Given a read of the inbox answered while the first approval was open, but not yet delivered to the page
-    held = _hold_first(page, "**/v1/console/approvals*")
+    held = hold_replies(page, "**/v1/console/approvals*", first_only=True)
     _, second_turn = _parked(gw)  # the live feed's change makes the page read the inbox again
-    _wait_held(page, held)
+    wait_held(page, held, "read of the inbox")
     # When the first approval is answered elsewhere, a newer read shows it gone, and only then the old read arrives
     input_id = gw.client("admin").get(gw.path("ops", first, "/pending")).json()["pending"]["input"]["id"]
     r = gw.client("admin").post(
@@ -162,12 +139,7 @@ def test_an_inbox_read_that_answers_after_a_newer_one_does_not_bring_back_what_i
     assert r.status_code < 300, r.text
     expect(page.locator(f"#inbox tr.approval[data-turn='{second_turn}']")).to_have_count(1)
     expect(page.locator(f"#inbox tr.approval[data-turn='{first_turn}']")).to_have_count(0)
-    page.evaluate("""() => { window.__listsRead = 0; const json = Response.prototype.json;
-        Response.prototype.json = async function () { const v = await json.call(this);
-          if (this.url.includes("/v1/console/approvals")) setTimeout(() => { window.__listsRead += 1; }); return v; }; }""")
-    for route, response in held:
-        route.fulfill(response=response)
-    page.wait_for_function("() => window.__listsRead >= 1")
+    deliver_held(page, held, "/v1/console/approvals")
     # Then the page keeps the newer list: the answered approval does not come back
     expect(page.locator(f"#inbox tr.approval[data-turn='{first_turn}']")).to_have_count(0)
     expect(page.locator(f"#inbox tr.approval[data-turn='{second_turn}']")).to_have_count(1)
@@ -185,10 +157,7 @@ def test_an_approval_answered_while_the_inbox_is_redrawn_still_says_so(
     held: list[Route] = []
     page.route("**/resume", lambda route: held.append(route))
     row.get_by_role("button", name="Approve").click()
-    deadline = time.monotonic() + 30
-    while not held and time.monotonic() < deadline:
-        page.wait_for_timeout(20)  # lets Playwright run the route handler; not a wait for a worker
-    assert held, "the page sent no resume"
+    wait_held(page, held, "resume")
     _, other = _parked(gw)
     expect(page.locator(f"#inbox tr.approval[data-turn='{other}']")).to_have_count(1)  # drawn again
     # When the resume goes through
