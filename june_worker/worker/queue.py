@@ -92,6 +92,16 @@ _ACQUIRE = f"""
      where june_sessions.lease_owner = excluded.lease_owner or {_LEASE_IS_FREE.format(s="june_sessions")}
 """
 
+
+def _first_unfinished(agent: str, session: str) -> str:
+    """The session's first unfinished turn (queued or running, by position), as a subquery to join laterally;
+    ``agent`` and ``session`` are SQL: a placeholder or a column of the outer query."""
+    return f"""(
+            select * from june_turns t
+             where t.agent = {agent} and t.session = {session} and t.status in ('queued', 'running')
+             order by t.position limit 1)"""
+
+
 # A start of the turn a worker picks is counted in the statement that picks it, up to max_attempts: a process that
 # dies before the turn's first commit, every time, still uses up its attempts. A turn queued behind a pending
 # reset is not counted yet (the holder performs the reset first and picks it again).
@@ -110,10 +120,7 @@ with acquired as ({_ACQUIRE} returning fence, event_seq, reset_pending),
 first as (
     select {turn_columns("t.")}, a.reset_pending as resetting
       from acquired a
-      join lateral (
-            select * from june_turns t
-             where t.agent = %(agent)s and t.session = %(session)s and t.status in ('queued', 'running')
-             order by t.position limit 1) t on true
+      join lateral {_first_unfinished("%(agent)s", "%(session)s")} t on true
 ), {_COUNT_FIRST}
 select a.fence, a.event_seq, a.reset_pending, exists (select 1 from counted), {turn_columns("f.")}
   from acquired a left join first f on true
@@ -136,10 +143,7 @@ with released as (
 first as (
     select {turn_columns("t.")}, s.reset_pending as resetting
       from june_sessions s
-      join lateral (
-            select * from june_turns t
-             where t.agent = s.agent and t.session = s.session and t.status in ('queued', 'running')
-             order by t.position limit 1) t on true
+      join lateral {_first_unfinished("s.agent", "s.session")} t on true
      where s.agent = %(agent)s and s.session = %(session)s and s.fence = %(f)s
        and not exists (select 1 from released)
 ), {_COUNT_FIRST}
@@ -427,10 +431,7 @@ class SessionQueue:
                 f"""
                 select s.reset_pending, {turn_columns("t.")}
                   from june_sessions s
-                  left join lateral (
-                        select * from june_turns t
-                         where t.agent = s.agent and t.session = s.session and t.status in ('queued', 'running')
-                         order by t.position limit 1) t on true
+                  left join lateral {_first_unfinished("s.agent", "s.session")} t on true
                  where s.agent = %s and s.session = %s
                 """,
                 (ref.agent, ref.session),
