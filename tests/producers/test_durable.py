@@ -7,6 +7,7 @@ No worker runs: the turn's message is read back from the broker's queue.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -40,20 +41,26 @@ def closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def db(database_url: str) -> Iterator[str]:
-    """A migrated database of this module's own (as `june migrate` leaves it)."""
-    name = f"june_durable_{uuid.uuid4().hex[:10]}"
+@contextlib.contextmanager
+def migrated_database(database_url: str, prefix: str) -> Iterator[str]:
+    """A database of its own (``<prefix>_<random>``), migrated as `june migrate` leaves it, dropped at the end."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(f'create database "{name}"')
-    info = psycopg.conninfo.conninfo_to_dict(database_url)
-    url = psycopg.conninfo.make_conninfo(**{**info, "dbname": name})
+    url = psycopg.conninfo.make_conninfo(database_url, dbname=name)
     PostgresStore(url).close()
     try:
         yield url
     finally:
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(f'drop database if exists "{name}" with (force)')
+
+
+@pytest.fixture(scope="module")
+def db(database_url: str) -> Iterator[str]:
+    """A migrated database of this module's own."""
+    with migrated_database(database_url, "june_durable") as url:
+        yield url
 
 
 @pytest.fixture
@@ -190,16 +197,8 @@ def test_a_database_that_was_never_migrated_is_named(redis_url: str, database_ur
 @pytest.fixture
 def own_db(database_url: str) -> Iterator[str]:
     """A migrated database of this test's own, for a test that changes its privileges or triggers."""
-    name = f"june_durable_own_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(f'create database "{name}"')
-    url = psycopg.conninfo.make_conninfo(database_url, dbname=name)
-    PostgresStore(url).close()
-    try:
+    with migrated_database(database_url, "june_durable_own") as url:
         yield url
-    finally:
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(f'drop database if exists "{name}" with (force)')
 
 
 def test_a_database_user_that_may_not_record_turns_is_a_config_error_saying_what_to_grant(
