@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
 
 from june_worker.engine import ids
 from june_worker.engine.ids import MonotonicUlid, new_turn_id
+from tests._fork import in_forked_children
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
@@ -70,19 +70,7 @@ def test_forked_children_never_mint_the_same_id_as_each_other(monkeypatch: pytes
     monkeypatch.setattr(ids._mint, "_clock_ms", lambda: 1_700_000_000_000)
     new_turn_id()
     # When two children forked from it each mint one (as two prefork pool processes would)
-    minted = []
-    for _ in range(2):
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: mint, report, leave without running the parent's cleanup
-            try:
-                os.write(write, new_turn_id().encode())
-            finally:
-                os._exit(0)
-        os.close(write)
-        with os.fdopen(read) as pipe:
-            minted.append(pipe.read())
-        os.waitpid(pid, 0)
+    minted = in_forked_children(new_turn_id)
     # Then their ids differ (each drew a random part of its own, not its parent's plus one)
     assert len(minted) == 2 and all(m.startswith("t_") for m in minted)
     assert minted[0] != minted[1]
