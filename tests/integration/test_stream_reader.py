@@ -230,15 +230,24 @@ def after_clock(entry_id: str) -> None:
     wait_for(lambda: time.time() * 1000 > ms + 1, timeout_s=5, what=f"the clock to pass {entry_id}")
 
 
-def seen_then_rebuilt(client: redis.Redis, keys: EventKeys, ref: SessionRef, kept_from: int) -> str:
-    """seq 1-2 published and followed, the session's keys gone (expired), and the stream rebuilt from an outbox
-    that kept seq ``kept_from``-6 only. Returns the stream id the follower last got (seq 2, of the old copy)."""
+def seen_then_expired(
+    client: redis.Redis, keys: EventKeys, ref: SessionRef
+) -> tuple[list[TurnEvent], RedisStreamSink, str]:
+    """A turn's six events, of which seq 1-2 were published and followed, then the session's keys gone (expired).
+    Returns the events, the sink, and the stream id the follower last got (seq 2, of the copy now gone)."""
     events = turn_events("t1", 1, ["a", "b", "c", "d"])
     sink = RedisStreamSink(client, keys=keys, firehose=False)
     sink.publish(ref, events[:2])
     seen = client.xrange(keys.session_stream(ref))[-1][0].decode()
     client.delete(keys.session_stream(ref), keys.session_marker(ref))
     after_clock(seen)
+    return events, sink, seen
+
+
+def seen_then_rebuilt(client: redis.Redis, keys: EventKeys, ref: SessionRef, kept_from: int) -> str:
+    """:func:`seen_then_expired`, and the stream rebuilt from an outbox that kept seq ``kept_from``-6 only. Returns
+    the stream id the follower last got (seq 2, of the old copy)."""
+    events, sink, seen = seen_then_expired(client, keys, ref)
     assert sink.relay(PrunedOutbox(events[kept_from - 1 :]), ref) == 7 - kept_from
     info = client.xinfo_stream(keys.session_stream(ref))
     assert info["entries-added"] == info["length"]  # the rebuilt copy lost nothing by its own count
@@ -293,12 +302,7 @@ def test_a_position_on_a_stream_that_is_gone_is_told_at_the_first_event_of_its_r
     client, keys = connect(redis_url), EventKeys(prefix=f"june-test-{uuid.uuid4().hex[:10]}")
     name = f"gap-follower-{uuid.uuid4().hex[:8]}"
     reader = connect(redis_url, client_name=name)
-    events = turn_events("t1", 1, ["a", "b", "c", "d"])
-    sink = RedisStreamSink(client, keys=keys, firehose=False)
-    sink.publish(ref, events[:2])
-    seen = client.xrange(keys.session_stream(ref))[-1][0].decode()
-    client.delete(keys.session_stream(ref), keys.session_marker(ref))
-    after_clock(seen)
+    events, sink, seen = seen_then_expired(client, keys, ref)
     told: list[StreamGapError] = []
     got: list[int | None] = []
 
