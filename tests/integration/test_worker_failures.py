@@ -381,7 +381,7 @@ def test_a_cancel_signalled_while_the_worker_picks_the_turn_is_not_missed(
             host.store.request_cancel(r, "requested", turn_ids=["t1"])  # ...which lands right after, signalled
             host.signal_cancel(r, ["t1"], "requested")
             deadline = time.monotonic() + 2
-            while time.monotonic() < deadline and not getattr(host._running, "signalled", None):
+            while time.monotonic() < deadline and not getattr(host._running.get(r), "signalled", None):
                 time.sleep(0.01)  # let the control listener hear it (the window the test opens)
             return lease
 
