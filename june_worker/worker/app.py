@@ -120,7 +120,9 @@ def _metrics_directory(sender: Any = None, **_: Any) -> None:
 
     settings = WorkerSettings.from_env()
     if settings.metrics_port:
-        prepare_directory(settings.metrics_dir)
+        # under june's supervisor (many turns per process) the directory outlives this process: a process that died
+        # keeps its counts there, as a prefork pool process's do; the supervisor emptied it once, at its start
+        prepare_directory(settings.metrics_dir, empty=os.environ.get("JUNE_METRICS_DIR_KEPT") != "1")
 
 
 @worker_ready.connect  # type: ignore[untyped-decorator]

@@ -61,9 +61,13 @@ from .queue import Intake, Lease, SessionQueue
 from .settings import WorkerSettings
 from .transcripts import TranscriptCache
 
-__all__ = ["AfterTurn", "WorkerHost", "heartbeat_pool", "load_agents"]
+__all__ = ["ISOLATE_AFTER", "AfterTurn", "WorkerHost", "heartbeat_pool", "load_agents"]
 
 T = TypeVar("T")
+
+ISOLATE_AFTER = 2
+"""Starts of a turn that died (its process killed, its lease lost) after which, with many turns per process, it
+runs alone in the isolation worker (:meth:`WorkerHost._isolate`)."""
 
 AfterTurn = Callable[["WorkerHost", SessionRef, TurnRecord, TurnResult, Callable[[TurnRecord], None]], None]
 """What a worker does after running a turn, for the subagents it involves (:func:`.children.turn_ended`)."""
@@ -226,6 +230,8 @@ class _Running:
     signalled: dict[str, str] = field(default_factory=dict)
     draining: bool = True
     gate: threading.Lock = field(default_factory=threading.Lock)
+    thread: int = field(default_factory=threading.get_ident)
+    """The thread that claimed it."""
 
 
 class WorkerHost:
@@ -237,8 +243,9 @@ class WorkerHost:
     time (prefork, solo), each run on this process's loop from the task's thread.
 
     ``dispatch`` sends ``june.turn`` for a recorded turn (child turns, woken parents); ``after_turn`` is what the
-    worker does when a turn of a subagent's family ended (:func:`~june_worker.worker.children.turn_ended`). Both
-    are given by the process that assembles the worker (:mod:`.process`); the host imports neither.
+    worker does when a turn of a subagent's family ended (:func:`~june_worker.worker.children.turn_ended`);
+    ``isolate`` (many turns only) sends a turn whose process died under it to the isolation worker. All are given
+    by the process that assembles the worker (:mod:`.process`); the host imports none of them.
     """
 
     def __init__(
@@ -249,6 +256,7 @@ class WorkerHost:
         inflight: bool = False,
         dispatch: Callable[[TurnRecord], None] | None = None,
         after_turn: AfterTurn | None = None,
+        isolate: Callable[[TurnRecord], None] | None = None,
     ) -> None:
         self.settings = settings
         self.inflight = inflight
@@ -295,6 +303,9 @@ class WorkerHost:
         self._running: dict[SessionRef, _Running] = {}
         self.dispatch = dispatch
         self.after_turn = after_turn
+        self.isolate = isolate if inflight else None
+        """Sends a turn whose last start died with its process to the isolation worker (:meth:`_isolate`); None:
+        it runs here."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._beats.beat(self.owner, settings.alive_s)  # alive before the first lease is taken
@@ -433,6 +444,24 @@ class WorkerHost:
             except UnusableTurnError as exc:
                 ran.update(self._reject_unusable(ref, exc))
 
+    def _isolate(self, running: _Running, rec: TurnRecord, fence: int, *, counted: bool) -> None:
+        """Hand a turn whose starts died :data:`ISOLATE_AFTER` times to the isolation worker (one turn at a time).
+
+        With many turns in a process, a turn that kills its process (a segfault, the OOM killer) kills the others
+        in flight with it, and each is charged an attempt. One death is anybody's: every turn of the process goes on
+        in shared processes again. A turn that died twice runs alone from then on: if it is the one killing its
+        processes, it kills only itself, and only it reaches the poison cap; one that was only near it twice
+        finishes there. The pick's count of this start is taken back (it runs there, not here)."""
+        assert self.isolate is not None
+        with running.gate:
+            handed = self.queue.hand_off(running.ref, fence, rec.turn_id, uncount=counted)
+            self._let_go_lease(running)
+        if not handed:
+            return  # the lease was taken over meanwhile: its new holder runs the turn
+        log.warning("turn %s of %s was running in a process that died; it goes on alone, in the isolation worker",
+                    rec.turn_id, running.ref)  # fmt: skip
+        self.isolate(rec)  # a lost message leaves the turn to the sweeper (it is running, and nobody holds it)
+
     def _reject_unusable(self, ref: SessionRef, exc: UnusableTurnError) -> dict[str, TurnResult]:
         """End a queued turn a pick found no worker can run (a durable producer's record): rejected under the
         lease the pick took, its ``turn.failed`` published; left queued, every pick would find it again."""
@@ -458,6 +487,9 @@ class WorkerHost:
             rec, reset_pending, snapshot, counted = lease.turn, lease.reset_pending, lease.snapshot, lease.counted
             if rec is not None and rec.status == "running" and not retry:
                 self.observer.took_over(ref, rec)  # observe: a turn another process left running
+                if self.isolate is not None and rec.attempts >= ISOLATE_AFTER:
+                    self._isolate(running, rec, fence, counted=counted)
+                    return
             while True:
                 if reset_pending and (rec is None or rec.cancel_reason is None):
                     # Every turn the reset cancelled has ended: perform it, then run what queued behind it.
@@ -650,6 +682,10 @@ class WorkerHost:
         sweep, up to ``JUNE_DELIVERY_ATTEMPTS`` attempts in all, then given up (logged). Returns
         whether the hook ran to its end here.
         """
+        with self._lock:
+            holder = self._running.get(ref)
+            if holder is not None and holder.draining and holder.thread != threading.get_ident():
+                return False  # another thread of this process runs the session: the delivery is its (same owner)
         attempt = self.queue.claim_delivery(ref, rec.turn_id, self.owner)
         if attempt is None:
             return False  # not due (delivered already, or given up), or the lease holder's to deliver

@@ -30,12 +30,12 @@ _HOST_PID: int | None = None
 _HOST_LOCK = threading.Lock()
 
 
-def dispatch(rec: TurnRecord) -> None:
+def dispatch(rec: TurnRecord, *, queue: str | None = None) -> None:
     """Send ``june.turn`` for a recorded turn, with a monitoring summary instead of its text."""
     app.send_task(
         "june.turn",
         args=[turn_message(rec)],
-        queue=app.conf.task_default_queue,
+        queue=queue or app.conf.task_default_queue,
         argsrepr=f"{{agent={rec.agent} session={rec.session} turn_id={rec.turn_id}}}",
         kwargsrepr="",
         **publish_options(get_host().settings),
@@ -46,12 +46,15 @@ def make_host(
     settings: WorkerSettings | None = None, agents: dict[str, Agent] | None = None, *, inflight: bool | None = None
 ) -> WorkerHost:
     """A host wired as a worker's: it sends turns through the Celery app and follows subagents' turns."""
+    settings = settings if settings is not None else WorkerSettings.from_env()
+    isolation = settings.isolation_queue
     return WorkerHost(
-        settings if settings is not None else WorkerSettings.from_env(),
+        settings,
         agents,
         inflight=many_turns_per_process() if inflight is None else inflight,
         dispatch=dispatch,
         after_turn=turn_ended,
+        isolate=(lambda rec: dispatch(rec, queue=isolation)) if isolation else None,
     )
 
 

@@ -384,6 +384,17 @@ class SessionQueue:
             )
             return bool(cur.rowcount == 1)
 
+    def hand_off(self, ref: SessionRef, fence: int, turn_id: str, *, uncount: bool) -> bool:
+        """Give the lease up (whatever is queued) and mark ``turn_id`` dispatched now, for another worker to run it;
+        ``uncount``: the pick that took the lease counted a start of it, which did not happen here. False when
+        the fence was no longer ours."""
+        with pooled(self.pool) as conn:
+            row = conn.execute(
+                _HAND_OFF,
+                {"agent": ref.agent, "session": ref.session, "f": fence, "t": turn_id, "uncount": uncount},
+            ).fetchone()
+        return bool(row and row[0])
+
     def intake_view(self, ref: SessionRef, turn_id: str) -> tuple[TurnRecord | None, SuspendedCheckpoint | None]:
         """The turn's row if it was recorded, and the session's parked checkpoint, in one round trip.
 
@@ -688,6 +699,21 @@ update june_sessions s set lease_expires = {_NOW} + %(l)s
   from (select * from unnest(%(agents)s::text[], %(sessions)s::text[], %(fences)s::bigint[]) as h(agent, session, fence)) h
  where s.agent = h.agent and s.session = h.session and s.fence = h.fence and s.lease_owner is not null
 returning s.agent, s.session
+""")
+
+_HAND_OFF = one_line(f"""
+with released as (
+    update june_sessions set lease_owner = null, lease_expires = null
+     where agent = %(agent)s and session = %(session)s and fence = %(f)s
+    returning 1
+), turn as (
+    update june_turns
+       set attempts = case when %(uncount)s and attempts > 0 then attempts - 1 else attempts end,
+           dispatched_at = {_NOW}
+     where agent = %(agent)s and session = %(session)s and turn_id = %(t)s and exists (select 1 from released)
+    returning 1
+)
+select exists (select 1 from released), (select count(*) from turn)
 """)
 
 _CANCEL_REASONS = one_line("""

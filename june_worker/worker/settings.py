@@ -61,6 +61,10 @@ JUNE_REDIS_CONNECTIONS      with many turns per process: Redis       8
 JUNE_LOOP_BLOCKED_S         with many turns per process: something   0.5
                             holding their event loop this long is
                             logged, naming the tool
+JUNE_ISOLATION_QUEUE        with many turns per process: where a     <JUNE_QUEUE>.isolated under
+                            turn whose process died under it goes    ``june worker --turns-per-
+                            on, alone (a solo worker consumes it);   process`` (its supervisor
+                            unset: it runs on in a shared process    starts that worker); unset
 JUNE_TRANSCRIPT_CACHE       transcripts a worker process keeps in    256
                             memory, so that a turn reads only the
                             messages it does not hold (0: off)
@@ -146,6 +150,7 @@ class WorkerSettings:
     db_pool_size: int = 3
     redis_connections: int = 8
     loop_blocked_s: float = 0.5
+    isolation_queue: str | None = None
     transcript_cache: int = 256
     transcript_cache_messages: int = 50_000
     transcript_cache_bytes: int = 32_000_000
@@ -218,6 +223,7 @@ class WorkerSettings:
             db_pool_size=max(int(_float(env, "JUNE_DB_POOL_SIZE", cls.db_pool_size)), 1),
             redis_connections=max(int(_float(env, "JUNE_REDIS_CONNECTIONS", cls.redis_connections)), 2),
             loop_blocked_s=max(_float(env, "JUNE_LOOP_BLOCKED_S", cls.loop_blocked_s), 0.01),
+            isolation_queue=env.get("JUNE_ISOLATION_QUEUE") or None,
             transcript_cache=int(_float(env, "JUNE_TRANSCRIPT_CACHE", cls.transcript_cache)),
             transcript_cache_messages=int(_float(env, "JUNE_TRANSCRIPT_CACHE_MESSAGES", cls.transcript_cache_messages)),
             transcript_cache_bytes=int(_float(env, "JUNE_TRANSCRIPT_CACHE_BYTES", cls.transcript_cache_bytes)),

@@ -225,16 +225,18 @@ class Stack:
         self,
         name: str,
         *,
-        pool: str = "prefork",
+        pool: str | None = None,
         concurrency: int = 1,
         queues: str | None = None,
         env: dict[str, str] | None = None,
     ) -> Proc:
-        if pool == "prefork" and self.mode == "threads":
+        """A worker on ``pool``; by default the stack's mode's: prefork, or many turns in one process (threads)."""
+        if pool is None and self.mode == "threads":
             # the same turns in flight, in one process, under june's supervisor (it starts the process again if it
             # dies, as a prefork worker starts a pool process again): its child is the worker's "pool process"
             start = [sys.executable, "-m", "june_worker.cli", "worker", "--turns-per-process", str(concurrency)]
         else:
+            pool = pool or "prefork"
             start = [sys.executable, "-m", "celery", "-A", "june_worker", "worker", "-P", pool, "-c", str(concurrency)]
         args = [
             *start, "-n", f"{name}@%h", "-Q", queues or f"{self.queue},{self.control_queue}",

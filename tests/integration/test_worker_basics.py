@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp")]
 
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
-    stack.worker("w1", pool="prefork")
+    stack.worker("w1")
     stack.worker("w2", pool="solo")
 
 

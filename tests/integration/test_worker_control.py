@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp")]
 
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
-    stack.worker("turns", pool="prefork", concurrency=2, queues=stack.queue)
+    stack.worker("turns", concurrency=2, queues=stack.queue)
     stack.worker("control", pool="solo", queues=stack.control_queue)
     stack.beat()
 

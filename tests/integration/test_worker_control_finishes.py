@@ -23,7 +23,7 @@ OLD_RESET_WAIT_S = 30  # how long june.reset used to wait for a busy session bef
 
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
-    stack.worker("turns", pool="prefork", concurrency=1, queues=stack.queue)
+    stack.worker("turns", concurrency=1, queues=stack.queue)
     stack.worker("control", pool="solo", queues=stack.control_queue)
 
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
     PostgresStore(stack.db_url).close()  # the schema, before the test reads it
-    stack.worker("parallel", pool="prefork", concurrency=1)
+    stack.worker("parallel", concurrency=1)
     stack.beat()
 
 

@@ -77,7 +77,7 @@ def test_a_prefork_parent_killed_between_taking_a_message_and_recording_it_loses
     # Given a prefork worker whose main process dies (SIGKILL, with its pool) after a pool process
     # received a june.turn message and before the turn was recorded
     session = f"intake-kill-{uuid.uuid4().hex[:6]}"
-    doomed = stack.worker(f"doomed-{session[-6:]}", pool="prefork", env={"JUNE_CRASH_AT": "before-intake"})
+    doomed = stack.worker(f"doomed-{session[-6:]}", env={"JUNE_CRASH_AT": "before-intake"})
     turn_id = stack.turn("ops", session, "order 3 washer")
     wait_for(lambda: doomed.popen.poll() is not None, what="the worker's main process to be killed")
     doomed.kill()  # whatever is left of its process group

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
     PostgresStore(stack.db_url).close()
-    stack.worker("desks", pool="prefork", concurrency=2)  # two processes: two answers apply at the same time
+    stack.worker("desks", concurrency=2)  # two processes: two answers apply at the same time
     stack.beat()  # the sweeper: relays what a killed worker committed but did not publish
 
 

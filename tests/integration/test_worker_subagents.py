@@ -26,8 +26,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
     PostgresStore(stack.db_url).close()  # the schema, before the test reads it
-    stack.worker("kids-a", pool="prefork", concurrency=1)
-    stack.worker("kids-b", pool="prefork", concurrency=1)
+    stack.worker("kids-a", concurrency=1)
+    stack.worker("kids-b", concurrency=1)
     stack.beat()
 
 
