@@ -1,10 +1,12 @@
 """Slack's Events API and interactivity endpoints: verify, enqueue, answer 200 within Slack's 3 seconds.
 
 ``POST /slack/events`` and ``POST /slack/interactivity`` (turned on by ``SLACK_SIGNING_SECRET``,
-:mod:`.slack_settings`). Each request's signature is checked first with ``slack_sdk``'s
-:class:`~slack_sdk.signature.SignatureVerifier` (HMAC-SHA256 of ``v0:<timestamp>:<body>`` under the
-signing secret, compared in constant time, a timestamp older than five minutes refused): a bad or
-old one is a 401 and nothing else happens. Then:
+:mod:`.slack_settings`). Each request's signature is checked first, as Slack documents it:
+HMAC-SHA256 of ``v0:<timestamp>:<body>`` over the body's raw bytes under the signing secret,
+compared in constant time, a timestamp more than five minutes away refused. A missing, garbled, bad
+or old signature is a 401 and nothing else happens (never a 500: ``slack_sdk``'s
+``SignatureVerifier`` raises on a missing or non-numeric timestamp and on a body that is not UTF-8,
+so it is not used); a signed body that is not UTF-8 is a 400. Then:
 
 * ``url_verification`` answers its challenge;
 * an event that starts a turn (:func:`~june_worker.channels.slack.inbound.parse_event`) is sent as
@@ -21,23 +23,26 @@ and holds no bot token: rendering is the worker's. The Slack app is a principal 
 (``slack``, confined to ``slack:`` sessions of one agent) and goes through :mod:`.access` like
 every other caller. Why not ``slack_bolt``: its app wants the bot token (or an authorize
 function) in the process that receives requests and dispatches to listeners of its own, while
-this process only verifies and enqueues; ``slack_sdk`` gives the verifier Bolt itself uses.
+this process only verifies and enqueues.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import inspect
 import json
 import logging
+import re
+import time
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
-from slack_sdk.signature import SignatureVerifier
 
 from ..channels.slack.inbound import SlackPayloadError, parse_actions, parse_event
 from ..engine.types import Principal as EventPrincipal
@@ -79,19 +84,57 @@ def _slack(request: Request) -> SlackGatewaySettings:
     return slack
 
 
+_MAX_AGE_S = 300
+"""A request signed longer ago than this is refused (Slack's own rule: a replayed request is stale)."""
+_TIMESTAMP = re.compile(r"[0-9]{1,12}")
+_SIGNATURE = re.compile(r"v0=[0-9a-f]{64}")
+
+
+def _signature_problem(
+    secret: str, body: bytes, timestamp: str | None, signature: str | None, now: float
+) -> str | None:
+    """What is wrong with a request's Slack signature, or None when Slack signed ``body`` within five minutes.
+
+    Slack signs ``v0:<timestamp>:<body>`` over the body's raw bytes (HMAC-SHA256 under the signing secret). Checked
+    here on bytes, never decoded first: a body that is not UTF-8 is still signed or not, and a missing or garbled
+    header is a refusal, never an exception (``slack_sdk``'s verifier raises on both).
+    """
+    if not timestamp:
+        return "no X-Slack-Request-Timestamp header"
+    if not _TIMESTAMP.fullmatch(timestamp):
+        return "X-Slack-Request-Timestamp is not a number of seconds"
+    if not signature:
+        return "no X-Slack-Signature header"
+    if not _SIGNATURE.fullmatch(signature):
+        return "X-Slack-Signature is not 'v0=' and 64 hex digits"
+    if abs(now - int(timestamp)) > _MAX_AGE_S:
+        return "the signature's timestamp is more than five minutes away"
+    expected = hmac.new(secret.encode(), b"v0:" + timestamp.encode() + b":" + body, hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(f"v0={expected}".encode(), signature.encode()):
+        return "the signature does not match the body"
+    return None
+
+
 async def _verified(request: Request) -> bytes:
     """The request's body, if Slack signed it within the last five minutes; else 401 (nothing else happens)."""
     body = await request.body()
-    verifier = SignatureVerifier(_slack(request).signing_secret)
-    if not verifier.is_valid(
-        body=body,
-        timestamp=request.headers.get("X-Slack-Request-Timestamp", ""),
-        signature=request.headers.get("X-Slack-Signature", ""),
-    ):
+    problem = _signature_problem(
+        _slack(request).signing_secret, body, request.headers.get("X-Slack-Request-Timestamp"),
+        request.headers.get("X-Slack-Signature"), time.time(),
+    )  # fmt: skip
+    if problem is not None:
         client = request.client.host if request.client else "?"
-        log.warning("refused %s from %s: bad or expired Slack signature", request.url.path, client)
+        log.warning("refused %s from %s: %s", request.url.path, client, problem)
         raise HTTPException(status_code=401, detail="invalid or expired Slack request signature")
     return body
+
+
+def _text(body: bytes) -> str:
+    """A verified body as text; 400 when it is not UTF-8 (Slack sends UTF-8 only)."""
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _bad(f"the body is not UTF-8 (byte {exc.start})") from None
 
 
 def _bad(detail: str) -> HTTPException:
@@ -126,9 +169,9 @@ async def _resolve(request: Request, user: str, team: str | None) -> EventPrinci
 
 @router.post("/events", summary="Slack Events API (signed by Slack)", response_model=None)
 async def events(request: Request) -> Response:
-    body = await _verified(request)
+    text = _text(await _verified(request))
     try:
-        payload = json.loads(body)
+        payload = json.loads(text)
     except ValueError:
         raise _bad("the body is not JSON") from None
     if not isinstance(payload, dict):
@@ -183,11 +226,11 @@ async def events(request: Request) -> Response:
 
 @router.post("/interactivity", summary="Slack interactivity: Approve / Deny clicks (signed by Slack)")
 async def interactivity(request: Request) -> Response:
-    body = await _verified(request)
+    text = _text(await _verified(request))
     try:
-        form = urllib.parse.parse_qs(body.decode("utf-8"), strict_parsing=True)
+        form = urllib.parse.parse_qs(text, strict_parsing=True)
         payload = json.loads(form["payload"][0])
-    except (ValueError, KeyError, UnicodeDecodeError):
+    except (ValueError, KeyError):
         raise _bad("expected a form with a JSON payload field") from None
     if not isinstance(payload, dict):
         raise _bad("the payload is not a JSON object")

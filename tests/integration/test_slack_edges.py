@@ -1,0 +1,119 @@
+"""Slack at its edges, end to end: requests nobody signed, the status line when replies are posted once, a prompt
+whose buttons Slack refuses, the gateway's Slack configuration at start, and what the identity resolver is told.
+
+The same stack as ``test_slack_e2e`` (:mod:`.slack_kit`): a gateway served in this process, real Celery workers
+whose ``slack_sdk`` talks to a fake Slack Web API, requests signed as Slack signs them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import urllib.parse
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests._fake_slack import signed
+from tests.gateway.kit import LogCapture
+
+from .slack_kit import SECRET, Slack, channel_id, message, slack_stack, turn_id
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def slack(fresh_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slack]:
+    yield from slack_stack(fresh_db, redis_url, tmp_path_factory.mktemp("slack-edges"))
+
+
+@pytest.fixture
+def gateway_log() -> Iterator[LogCapture]:
+    """Every record the in-process gateway (and its uvicorn) logs during the test, tracebacks included."""
+    logs = LogCapture()
+    root = logging.getLogger()
+    root.addHandler(logs)
+    try:
+        yield logs
+    finally:
+        root.removeHandler(logs)
+
+
+def _hmac(secret: str, timestamp: str, body: bytes) -> str:
+    return "v0=" + hmac.new(secret.encode(), f"v0:{timestamp}:".encode() + body, hashlib.sha256).hexdigest()
+
+
+def _event_body(c: str) -> bytes:
+    return json.dumps(message(c, "10.1", "hello")).encode()
+
+
+def _click_body(c: str) -> bytes:
+    value = json.dumps({"turn_id": turn_id(c, "10.1"), "input_id": "approve-refund", "input": True})
+    click = {"type": "block_actions", "team": {"id": "T1"}, "user": {"id": "U1"},
+             "container": {"type": "message", "channel_id": c, "message_ts": "10.2", "thread_ts": "10.1"},
+             "actions": [{"action_id": "june_input:yes", "value": value}]}  # fmt: skip
+    return urllib.parse.urlencode({"payload": json.dumps(click)}).encode()
+
+
+# Each makes (body, headers) from a request that would start a turn (or answer one) if it were believed.
+UNSIGNED: dict[str, Callable[[bytes], tuple[bytes, dict[str, str]]]] = {
+    "no signature headers": lambda body: (body, {}),
+    "a signature without a timestamp": lambda body: (
+        body,
+        {"X-Slack-Signature": signed(SECRET, body)["X-Slack-Signature"]},
+    ),  # noqa: E501
+    "a timestamp that is not a number": lambda body: (
+        body,
+        {"X-Slack-Request-Timestamp": "soon", "X-Slack-Signature": _hmac(SECRET, "soon", body)},
+    ),
+    "a body that is not UTF-8 under a forged signature": lambda body: (
+        body.replace(b"hello", b"h\xe9llo").replace(b"U1", b"U\xff1"),
+        signed("not-the-secret", body.replace(b"hello", b"h\xe9llo").replace(b"U1", b"U\xff1")),
+    ),
+}
+
+
+def _nothing_done(slack: Slack, c: str) -> None:
+    assert slack.stack.sql("select 1 from june_turns where session like %s", f"slack:{c}:%") == []
+    if slack.stack.sql("select to_regclass('june_gateway_sessions') is not null") == [(True,)]:  # made on first use
+        assert slack.stack.sql("select 1 from june_gateway_sessions where session like %s", f"slack:{c}:%") == []
+    assert not [call for call in slack.fake.calls if c in json.dumps(call.body)], "no Slack call about the channel"
+
+
+# --- 1. what nobody signed -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["/slack/events", "/slack/interactivity"])
+@pytest.mark.parametrize("how", list(UNSIGNED))
+def test_a_request_without_a_well_formed_valid_signature_is_a_401_that_does_nothing_and_logs_no_traceback(
+    slack: Slack, gateway_log: LogCapture, route: str, how: str
+) -> None:
+    # Given a request that would start (or answer) a turn, but that Slack did not sign as it signs
+    c = channel_id()
+    body, headers = UNSIGNED[how](_event_body(c) if route == "/slack/events" else _click_body(c))
+    content_type = "application/json" if route == "/slack/events" else "application/x-www-form-urlencoded"
+    # When it reaches the gateway
+    answer = slack.http.post(route, content=body, headers={"Content-Type": content_type, **headers})
+    # Then it is refused as unsigned, nothing is done, and the log says why in one line, with no traceback
+    assert answer.status_code == 401, answer.text
+    assert answer.json() == {"detail": "invalid or expired Slack request signature"}
+    _nothing_done(slack, c)
+    logged = gateway_log.text()
+    assert "Traceback" not in logged
+    assert f"refused {route} from 127.0.0.1:" in logged
+
+
+@pytest.mark.parametrize("route", ["/slack/events", "/slack/interactivity"])
+def test_a_signed_body_that_is_not_utf8_is_a_400_naming_it(slack: Slack, gateway_log: LogCapture, route: str) -> None:
+    # Given a body Slack's signing secret signed, over bytes that are not UTF-8
+    c = channel_id()
+    body = (_event_body(c) if route == "/slack/events" else _click_body(c)).replace(b"U1", b"U\xff1")
+    # When it reaches the gateway
+    answer = slack.http.post(route, content=body, headers=signed(SECRET, body))
+    # Then it is a bad payload that says what is wrong, and nothing is done
+    assert answer.status_code == 400
+    assert "not a Slack payload: the body is not UTF-8" in answer.json()["detail"]
+    _nothing_done(slack, c)
+    assert "Traceback" not in gateway_log.text()
