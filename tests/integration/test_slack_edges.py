@@ -19,6 +19,7 @@ import pytest
 from tests._fake_slack import signed
 from tests.gateway.kit import LogCapture
 
+from .conftest import wait_for
 from .slack_kit import SECRET, Slack, channel_id, message, slack_stack, turn_id
 
 pytestmark = pytest.mark.integration
@@ -117,3 +118,37 @@ def test_a_signed_body_that_is_not_utf8_is_a_400_naming_it(slack: Slack, gateway
     assert "not a Slack payload: the body is not UTF-8" in answer.json()["detail"]
     _nothing_done(slack, c)
     assert "Traceback" not in gateway_log.text()
+
+
+# --- 2. the status line when replies are posted once ------------------------------------------------------------
+
+
+def test_in_post_once_mode_the_status_line_is_set_while_the_turn_runs_and_cleared_after_its_reply(slack: Slack) -> None:
+    # Given workers that post each reply once, at the turn's end (JUNE_SLACK_LIVE=0), with a status line
+    c = channel_id()
+    session, tid = f"slack:{c}:20.1", turn_id(c, "20.1")
+    slack.turn_worker.stop()
+    slack.turn_worker = slack.stack.worker(f"post-once-{c}", concurrency=2, queues=slack.stack.queue,
+                                           env={"JUNE_SLACK_LIVE": "0"})  # fmt: skip
+    hold = slack.stack.tmp / "gates" / f"hold-{tid}"
+    hold.touch()
+    try:
+        # When a message's turn is running (held before its model call)
+        slack.event(message(c, "20.1", "take your time"))
+        on = wait_for(lambda: [b for m, b in slack.in_thread(c, "20.1") if m == "assistant.threads.setStatus"],
+                      timeout_s=30, what="the status line while the turn runs")  # fmt: skip
+        # Then the thread shows the status line, and nothing else yet
+        assert [b["status"] for b in on] == ["is thinking…"]
+        assert [m for m, _ in slack.in_thread(c, "20.1")] == ["assistant.threads.setStatus"]
+        hold.unlink()
+        # and once the turn ended: its reply, posted once, then the status line cleared
+        wait_for(lambda: slack.delivered(session, tid), timeout_s=30, what="the turn to be delivered")
+        calls = slack.in_thread(c, "20.1")
+        assert [(m, b.get("status", b.get("text"))) for m, b in calls] == [
+            ("assistant.threads.setStatus", "is thinking…"), ("chat.postMessage", "did: take your time"),
+            ("assistant.threads.setStatus", ""),
+        ]  # fmt: skip
+    finally:
+        hold.unlink(missing_ok=True)
+        slack.turn_worker.stop()
+        slack.turn_worker = slack.stack.worker(f"turns-{c}", concurrency=2, queues=slack.stack.queue)

@@ -324,6 +324,28 @@ def test_s189_post_once_mode_posts_the_completed_text_once(slack: FakeSlack) -> 
     ]
 
 
+def test_post_once_with_a_status_line_sets_it_while_the_run_goes_on_and_the_delivery_clears_it(
+    slack: FakeSlack,
+) -> None:
+    # Given post-once rendering with a status line: the renderer has a live part (the status line only)
+    s = Seq()
+    events = [s(started()), delta("Hel"), s(TurnCompleted(turn_id="t1", text="Hello"))]
+    state = MemoryRenderState()
+    r = renderer(slack, state, live=False, status="is thinking…")
+    assert r.live
+    # When the run goes on, then ends and is delivered
+    for event in events:
+        r.feed(event)
+        r.push()
+    assert [(c.method, c.body["status"]) for c in slack.calls] == [("assistant.threads.setStatus", "is thinking…")]
+    finish(slack, state, events, Completed(turn_id="t1", text="Hello"))
+    # Then the reply is posted once, and the status line cleared after it
+    assert [(c.method, c.body.get("status", c.body.get("text"))) for c in slack.calls] == [
+        ("assistant.threads.setStatus", "is thinking…"), ("chat.postMessage", "Hello"),
+        ("assistant.threads.setStatus", ""),
+    ]  # fmt: skip
+
+
 def test_s183_the_continuation_renders_into_the_prompt_message(slack: FakeSlack) -> None:
     s = Seq()
     first = parked_events(s)

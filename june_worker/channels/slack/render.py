@@ -5,7 +5,7 @@ with ``chat.startStream`` when streaming is on (later words go out with ``chat.a
 calls as ``task_update`` chunks on the stream's timeline, the end with ``chat.stopStream``), or
 with ``chat.postMessage`` then ``chat.update`` otherwise (or when the stream cannot start). An
 optional status line (``assistant.threads.setStatus``) is set when the run starts and always
-cleared. ``input.requested`` posts the prompt with Approve / Deny buttons; the run that follows
+cleared (post-once too: then it is all a run shows until its end). ``input.requested`` posts the prompt with Approve / Deny buttons; the run that follows
 the answer renders into that prompt message (``chat.update``). Nothing is posted for a run with
 no words (an empty or tool-only turn); a failed run gets a failure note, a cancelled one a closing
 line ("superseded by a newer message" when it was replaced).
@@ -99,7 +99,8 @@ class SlackRenderer:
         # Slack wants the person a stream is for, and their team, when it streams into a channel's thread.
         self.recipient = {"recipient_user_id": user if isinstance(user, str) else None,
                           "recipient_team_id": team if isinstance(team, str) else None}  # fmt: skip
-        self.live = options.live
+        # Post-once still has a live part when there is a status line: it is set while the run goes on.
+        self.live = options.live or bool(options.status and self.thread_ts)
         self.interval_s = options.interval_s
         self.segments = fold(ctx.history)
         self._seen_seq = max((e.seq or 0 for e in ctx.history), default=0)
@@ -134,6 +135,8 @@ class SlackRenderer:
         seg = self.segments[-1]
         try:
             self._status(seg)
+            if not self.options.live:
+                return  # post-once: the status line only; finish() posts the run and clears it
             if seg.key is not None and seg.key.startswith("resume:"):
                 self._push_continuation(seg)
             else:
