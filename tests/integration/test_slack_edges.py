@@ -7,17 +7,21 @@ whose ``slack_sdk`` talks to a fake Slack Web API, requests signed as Slack sign
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
 import logging
 import urllib.parse
+import uuid
 from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 
+from june_worker.gateway import Principal, TokenTable, create_app
 from tests._fake_slack import signed
-from tests.gateway.kit import LogCapture
+from tests.gateway.kit import LogCapture, ServedApp
 
 from .conftest import wait_for
 from .slack_kit import SECRET, Slack, channel_id, message, slack_stack, turn_id
@@ -152,3 +156,63 @@ def test_in_post_once_mode_the_status_line_is_set_while_the_turn_runs_and_cleare
         hold.unlink(missing_ok=True)
         slack.turn_worker.stop()
         slack.turn_worker = slack.stack.worker(f"turns-{c}", concurrency=2, queues=slack.stack.queue)
+
+
+# --- 3. a prompt Slack refuses -----------------------------------------------------------------------------------
+
+
+def _park_with_refused_buttons(slack: Slack, c: str) -> tuple[str, str]:
+    """A refund turn parked on its approval while Slack refuses every message with blocks (invalid_blocks)."""
+    session, tid = f"slack:{c}:30.1", turn_id(c, "30.1")
+    slack.fake.refuse_blocks = "invalid_blocks"
+    try:
+        assert slack.event(message(c, "30.1", "refund order 7")).status_code == 200
+        wait_for(lambda: slack.delivered(session, tid), timeout_s=30, what="the park to be delivered")
+    finally:
+        slack.fake.refuse_blocks = None
+    return session, tid
+
+
+def test_a_prompt_whose_buttons_slack_refuses_is_said_in_plain_text_and_logged_and_the_status_line_cleared(
+    slack: Slack,
+) -> None:
+    # Given a turn parked on an approval whose buttons Slack refuses for good (invalid_blocks)
+    c = channel_id()
+    session, tid = _park_with_refused_buttons(slack, c)
+    # Then the thread says, in plain text, what the turn waits for and where it can be answered
+    reply, note = slack.fake.thread(c, "30.1")
+    assert reply.text == "Let me check." and note.blocks == []
+    assert "Approve the refund?" in note.text and "invalid_blocks" in note.text
+    assert "answered from the gateway or the console" in note.text
+    # and the status line did not stay on
+    statuses = [b["status"] for m, b in slack.in_thread(c, "30.1") if m == "assistant.threads.setStatus"]
+    assert statuses == ["is thinking…", ""]
+    # and the worker's log says so; the turn still waits for its answer
+    logs = "\n".join(p.log.read_text(errors="replace") for p in slack.stack.procs)
+    assert f"the approval prompt approve-refund of turn {tid} could not be shown in Slack (invalid_blocks)" in logs
+    assert slack.stack.turn_row("desk", session, tid)["status"] == "suspended"  # type: ignore[index]
+
+
+def test_a_turn_whose_prompt_slack_refused_is_answered_from_the_gateway_and_its_reply_posted_in_the_thread(
+    slack: Slack,
+) -> None:
+    # Given a turn parked on an approval whose buttons Slack refused, and the speaker U1 with a gateway token
+    c = channel_id()
+    session, tid = _park_with_refused_buttons(slack, c)
+    token = f"u1-{uuid.uuid4().hex}"
+    table = TokenTable.of({token: Principal("U1", frozenset({"desk"}), operator=True)})
+    served = ServedApp(create_app(dataclasses.replace(slack.settings, tokens=table)), access_log=False)
+    try:
+        # When U1 answers it through the gateway's /v1 resume
+        path = f"/v1/agents/desk/sessions/{urllib.parse.quote(session)}/turns/{urllib.parse.quote(tid)}/resume"
+        answer = httpx.post(served.url + path, json={"input_id": "approve-refund", "value": True},
+                            headers={"Authorization": f"Bearer {token}"}, timeout=30)  # fmt: skip
+    finally:
+        served.stop()
+    assert answer.status_code == 202, answer.text
+    # Then the turn goes on, and what it said next is a message of its own in the thread
+    wait_for(lambda: (slack.stack.turn_row("desk", session, tid) or {}).get("status") == "completed", timeout_s=30,
+             what="the turn to complete")  # fmt: skip
+    wait_for(lambda: slack.delivered(session, tid), what="the continuation to be delivered")
+    texts = [m.text for m in slack.fake.thread(c, "30.1")]
+    assert len(texts) == 3 and texts[0] == "Let me check." and texts[2] == "Refund approved."
