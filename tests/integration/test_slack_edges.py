@@ -12,9 +12,12 @@ import hashlib
 import hmac
 import json
 import logging
+import socket
+import sys
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,7 +26,7 @@ from june_worker.gateway import Principal, TokenTable, create_app
 from tests._fake_slack import signed
 from tests.gateway.kit import LogCapture, ServedApp
 
-from .conftest import wait_for
+from .conftest import Proc, wait_for
 from .slack_kit import SECRET, Slack, channel_id, message, slack_stack, turn_id
 
 pytestmark = pytest.mark.integration
@@ -216,3 +219,49 @@ def test_a_turn_whose_prompt_slack_refused_is_answered_from_the_gateway_and_its_
     wait_for(lambda: slack.delivered(session, tid), what="the continuation to be delivered")
     texts = [m.text for m in slack.fake.thread(c, "30.1")]
     assert len(texts) == 3 and texts[0] == "Let me check." and texts[2] == "Refund approved."
+
+
+# --- 4, 5. the gateway's Slack configuration at start ------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _gateway_env(slack: Slack, **extra: str) -> dict[str, str]:
+    """A gateway's environment: the stack's, no bot token, agents built from JUNE_AGENTS, the signing secret."""
+    env = {k: v for k, v in slack.stack.env.items() if k != "SLACK_BOT_TOKEN" and not k.startswith("JUNE_GATEWAY_")}
+    return {**env, "JUNE_GATEWAY_INSECURE_DEV": "1", "SLACK_SIGNING_SECRET": SECRET, **extra}
+
+
+def test_a_gateway_that_builds_its_agents_from_june_agents_needs_no_bot_token(slack: Slack, tmp_path: Path) -> None:
+    # Given `june gateway` learning its agents from JUNE_AGENTS (the workers' Slack agent), without SLACK_BOT_TOKEN
+    port = _free_port()
+    env = _gateway_env(slack, JUNE_SLACK_AGENT="desk")
+    gateway = Proc("gateway-no-token", [sys.executable, "-m", "june_worker.cli", "gateway", "--port", str(port)], env,
+                   tmp_path / "gateway.log")  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if gateway.popen.poll() is not None:
+            raise AssertionError(f"the gateway exited:\n{gateway.tail()}")
+        try:
+            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    c = channel_id()
+    try:
+        # When it starts, and Slack sends it a message
+        wait_for(healthy, timeout_s=60, every_s=0.1, what="the gateway to answer /healthz")
+        body = json.dumps(message(c, "40.1", "no token here")).encode()
+        sent = httpx.post(f"{url}/slack/events", content=body, timeout=10,
+                          headers={"Content-Type": "application/json", **signed(SECRET, body)})  # fmt: skip
+    finally:
+        gateway.stop()
+    # Then it took the event, and the workers (which hold the token) answered in the thread
+    assert sent.status_code == 200 and sent.json() == {"ok": True}
+    wait_for(lambda: slack.delivered(f"slack:{c}:40.1", turn_id(c, "40.1")), what="the turn to be delivered")
+    assert [m.text for m in slack.fake.thread(c, "40.1")] == ["did: no token here"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from june_worker.channels import MemoryRenderState, RenderContext, receiving_only
 from june_worker.channels.slack import SlackChannel
 from june_worker.errors import ConfigError
 from june_worker.gateway import GatewaySettings
@@ -56,3 +57,16 @@ def test_the_worker_channel_needs_the_bot_token_and_keeps_it_out_of_its_repr() -
     assert "xoxb-1-secret" not in repr(channel)
     with pytest.raises(ConfigError, match="JUNE_SLACK_LIVE"):
         SlackChannel.from_env({"SLACK_BOT_TOKEN": "xoxb-1", "JUNE_SLACK_LIVE": "sometimes"})
+
+
+def test_a_channel_built_for_a_process_that_only_receives_needs_no_token_and_never_posts() -> None:
+    # Given the gateway building the agents (receiving only), with no SLACK_BOT_TOKEN
+    with receiving_only():
+        channel = SlackChannel.from_env({"JUNE_SLACK_STATUS": "is thinking…"})
+    # Then the channel exists, but asking it to render or to tell someone names the missing token
+    ctx = RenderContext(agent="desk", session="slack:C1:1.1", turn_id="t1", state=MemoryRenderState())
+    target = {"channel": "slack", "channel_id": "C1", "thread_ts": "1.1", "user": "U1"}
+    with pytest.raises(ConfigError, match="SLACK_BOT_TOKEN"):
+        channel.renderer(target, ctx)
+    with pytest.raises(ConfigError, match="SLACK_BOT_TOKEN"):
+        channel.notify(target, "hello")
