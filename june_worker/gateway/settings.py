@@ -210,11 +210,13 @@ class GatewaySettings:
             if not env[name].strip():
                 raise ConfigError(f"{name} is set but empty; unset it for the default or give a value")
         names = env.get("JUNE_GATEWAY_AGENTS", "").strip()
+        built: dict[str, Any] | None = None  # the agents themselves, when built here (not named only)
         if names:
             agents = tuple(n.strip() for n in names.split(",") if n.strip())
         else:
             paths = tuple(p.strip() for p in env.get("JUNE_AGENTS", _DEFAULT_AGENTS).split(",") if p.strip())
-            agents = agent_names(paths)
+            built = built_agents(paths)
+            agents = tuple(built)
         redis_url = env.get("JUNE_REDIS_URL", cls.redis_url)
         for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
             if is_cluster_url(env.get(name, redis_url)):
@@ -250,7 +252,7 @@ class GatewaySettings:
             metrics_public=_flag(env, "JUNE_GATEWAY_METRICS_PUBLIC", False),
             max_body_bytes=int(_number(env, "JUNE_GATEWAY_MAX_BODY_BYTES", cls.max_body_bytes, low=1024)),
             authorize_session=load_hook(hook_path, "JUNE_GATEWAY_AUTHORIZE_SESSION") if hook_path else None,
-            slack=slack_from_env(env, agents),
+            slack=slack_from_env(env, agents, built),
         )
 
     def __repr__(self) -> str:

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
+from ..channels.base import Channels
 from ..errors import ConfigError
 
 __all__ = ["EVENT_TYPES", "ResolveIdentity", "SlackGatewaySettings", "slack_from_env"]
@@ -69,14 +70,35 @@ def _load(path: str) -> ResolveIdentity:
     return hook  # type: ignore[no-any-return]
 
 
-def slack_from_env(env: Mapping[str, str], agents: tuple[str, ...]) -> SlackGatewaySettings | None:
-    """The Slack settings when ``SLACK_SIGNING_SECRET`` is set; None (no Slack routes) otherwise."""
+def _check_reachable(agent: str, built: Any) -> None:
+    """A ConfigError unless the agent's turns can be answered in Slack: a Slack turn carries a thread as its target,
+    and a worker rejects a target its agent has no ``deliver`` hook for (the person in Slack would see nothing)."""
+    deliver = getattr(built, "deliver", None)
+    fix = "give it deliver=Channels([SlackChannel.from_env()]) (docs/slack.md)"
+    if deliver is None:
+        raise ConfigError(f"JUNE_SLACK_AGENT={agent!r}: agent {agent} has no deliver hook, so nothing could answer "
+                          f"in Slack; {fix}")  # fmt: skip
+    if isinstance(deliver, Channels) and "slack" not in deliver.channels:
+        raise ConfigError(f"JUNE_SLACK_AGENT={agent!r}: agent {agent} is reached through {sorted(deliver.channels)}, "
+                          f"not slack; {fix}")  # fmt: skip
+
+
+def slack_from_env(
+    env: Mapping[str, str], agents: tuple[str, ...], built: Mapping[str, Any] | None = None
+) -> SlackGatewaySettings | None:
+    """The Slack settings when ``SLACK_SIGNING_SECRET`` is set; None (no Slack routes) otherwise.
+
+    ``built``: the agents by name, when the gateway built them (``JUNE_AGENTS``): the Slack agent must then have a
+    deliver hook that reaches Slack. Named only (``JUNE_GATEWAY_AGENTS``), the gateway has no agent to check.
+    """
     secret = env.get("SLACK_SIGNING_SECRET", "")
     if not secret:
         return None
     agent = env.get("JUNE_SLACK_AGENT", "").strip()
     if agent not in agents:
         raise ConfigError(f"JUNE_SLACK_AGENT={agent!r} must name one of the gateway's agents {list(agents)}")
+    if built is not None:
+        _check_reachable(agent, built[agent])
     raw_timeout = env.get("JUNE_SLACK_RESOLVE_TIMEOUT_S", "1")
     try:
         timeout_s = float(raw_timeout)

@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import socket
+import subprocess
 import sys
 import urllib.parse
 import uuid
@@ -26,7 +27,7 @@ from june_worker.gateway import Principal, TokenTable, create_app
 from tests._fake_slack import signed
 from tests.gateway.kit import LogCapture, ServedApp
 
-from .conftest import Proc, wait_for
+from .conftest import ROOT, Proc, wait_for
 from .slack_kit import SECRET, Slack, channel_id, message, slack_stack, turn_id
 
 pytestmark = pytest.mark.integration
@@ -265,3 +266,16 @@ def test_a_gateway_that_builds_its_agents_from_june_agents_needs_no_bot_token(sl
     assert sent.status_code == 200 and sent.json() == {"ok": True}
     wait_for(lambda: slack.delivered(f"slack:{c}:40.1", turn_id(c, "40.1")), what="the turn to be delivered")
     assert [m.text for m in slack.fake.thread(c, "40.1")] == ["did: no token here"]
+
+
+def test_a_gateway_whose_slack_agent_has_no_deliver_hook_exits_2_with_one_line(slack: Slack) -> None:
+    # Given JUNE_SLACK_AGENT naming an agent with no deliver hook: a worker would reject every Slack turn of it
+    agents = "tests.integration.slack_agents:ALL,tests.integration.slack_agents:BARE"
+    env = _gateway_env(slack, JUNE_AGENTS=agents, JUNE_SLACK_AGENT="bare")
+    # When `june gateway` starts
+    done = subprocess.run([sys.executable, "-m", "june_worker.cli", "gateway", "--port", str(_free_port())], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    # Then it refuses to, in one line naming the agent and what it lacks
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("june gateway: JUNE_SLACK_AGENT='bare': agent bare has no deliver hook")

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from june_worker.channels import MemoryRenderState, RenderContext, receiving_only
+from june_worker import Agent
+from june_worker.channels import Channels, MemoryRenderState, RenderContext, receiving_only
 from june_worker.channels.slack import SlackChannel
+from june_worker.channels.webhook import WebhookChannel
 from june_worker.errors import ConfigError
 from june_worker.gateway import GatewaySettings
+from june_worker.gateway.slack_settings import slack_from_env
+from june_worker.models import ScriptedModel
 
 BASE = {"JUNE_GATEWAY_AGENTS": "desk,ops", "JUNE_GATEWAY_INSECURE_DEV": "1"}
 
@@ -70,3 +74,14 @@ def test_a_channel_built_for_a_process_that_only_receives_needs_no_token_and_nev
         channel.renderer(target, ctx)
     with pytest.raises(ConfigError, match="SLACK_BOT_TOKEN"):
         channel.notify(target, "hello")
+
+
+def test_a_slack_agent_reached_through_other_channels_only_is_refused() -> None:
+    # Given the gateway's built agents: the Slack agent's deliver hook has a webhook channel, not Slack
+    agent = Agent(
+        name="desk", model=ScriptedModel([]), deliver=Channels([WebhookChannel({"ops": "http://127.0.0.1:9/"})])
+    )
+    env = {"SLACK_SIGNING_SECRET": "x", "JUNE_SLACK_AGENT": "desk"}
+    # Then the Slack settings refuse it, naming what it is reached through
+    with pytest.raises(ConfigError, match=r"agent desk is reached through \['webhook'\], not slack"):
+        slack_from_env(env, ("desk",), {"desk": agent})
