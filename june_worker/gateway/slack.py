@@ -44,7 +44,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
-from ..channels.slack.inbound import SlackPayloadError, parse_actions, parse_event
+from ..channels.slack.inbound import SlackPayloadError, clicker_team, parse_actions, parse_event, speaker_team
 from ..engine.types import Principal as EventPrincipal
 from .auth import Principal
 from .deps import get_backend, get_settings, use_session
@@ -145,18 +145,25 @@ def _principal(slack: SlackGatewaySettings) -> Principal:
     return Principal(id="slack", agents=frozenset({slack.agent}), session_prefixes=("slack:",))
 
 
-async def _resolve(request: Request, user: str, team: str | None) -> EventPrincipal | None:
-    """The app's principal for a Slack user; None (anonymous, the turn still runs) when the hook fails or is slow."""
+async def _resolve(
+    request: Request, user: str, team: str | None, *, user_team: str | None, channel: str | None
+) -> EventPrincipal | None:
+    """The app's principal for a Slack user; None (anonymous, the turn still runs) when the hook fails or is slow.
+
+    ``team``: the workspace that received the request; ``user_team``: the sender's own (Slack Connect).
+    """
     slack = _slack(request)
     hook = slack.resolve_identity
     if hook is None:
         return None
+    extra = slack.resolver_arguments(user_team, channel)  # only the keywords the hook names: old ones take two
     try:
         if inspect.iscoroutinefunction(hook):
-            found: Any = await asyncio.wait_for(hook(user, team), slack.resolve_timeout_s)
+            found: Any = await asyncio.wait_for(hook(user, team, **extra), slack.resolve_timeout_s)
         else:
             backend = get_backend(request)
-            found = await asyncio.wait_for(backend.blocking(lambda: hook(user, team)), slack.resolve_timeout_s)
+            found = await asyncio.wait_for(backend.blocking(lambda: hook(user, team, **extra)),
+                                           slack.resolve_timeout_s)  # fmt: skip
         if found is None:
             return None
         if not isinstance(found, Mapping) or not isinstance(found.get("id"), str):
@@ -187,6 +194,7 @@ async def events(request: Request) -> Response:
     slack = _slack(request)
     try:
         turn = parse_event(payload, respond_to=slack.respond_to, replace_in_flight=slack.replace_in_flight)
+        user_team = speaker_team(payload) if turn is not None else None
     except SlackPayloadError as exc:
         raise _bad(str(exc)) from None
     if turn is None:
@@ -208,8 +216,9 @@ async def events(request: Request) -> Response:
         return JSONResponse({"ok": False, "error": "the same event is being sent; retry later"}, status_code=503)
     try:
         user = turn.event.user.id if turn.event.user else ""
-        team = turn.target.get("team_id")
-        principal = await _resolve(request, user, team if isinstance(team, str) else None)
+        team, channel = turn.target.get("team_id"), turn.target.get("channel_id")
+        principal = await _resolve(request, user, team if isinstance(team, str) else None, user_team=user_team,
+                                   channel=channel if isinstance(channel, str) else None)  # fmt: skip
         event = turn.event.model_copy(update={"principal": principal}) if principal else turn.event
         await backend.start_turn(
             ref, turn.turn_id, turn.text, event=event.model_dump(mode="json", exclude_none=True),
@@ -236,6 +245,7 @@ async def interactivity(request: Request) -> Response:
         raise _bad("the payload is not a JSON object")
     try:
         answers = parse_actions(payload)
+        user_team = clicker_team(payload) if answers else None
     except SlackPayloadError as exc:
         raise _bad(str(exc)) from None
     slack = _slack(request)
@@ -243,7 +253,9 @@ async def interactivity(request: Request) -> Response:
     for answer in answers:
         ref = await use_session(request, _principal(slack), slack.agent, answer.session, "resume")
         team = payload.get("team", {}).get("id") if isinstance(payload.get("team"), dict) else None
-        principal = await _resolve(request, answer.by, team if isinstance(team, str) else None)
+        channel = answer.reply_to.get("channel_id")
+        principal = await _resolve(request, answer.by, team if isinstance(team, str) else None, user_team=user_team,
+                                   channel=channel if isinstance(channel, str) else None)  # fmt: skip
         await backend.send_resume(
             ref, answer.turn_id, answer.input_id, answer.value, by=answer.by,
             principal=principal.model_dump(mode="json") if principal else None, reply_to=dict(answer.reply_to),

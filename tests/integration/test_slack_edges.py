@@ -19,6 +19,7 @@ import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,7 +29,7 @@ from tests._fake_slack import signed
 from tests.gateway.kit import LogCapture, ServedApp
 
 from .conftest import ROOT, Proc, wait_for
-from .slack_kit import SECRET, Slack, channel_id, message, slack_stack, turn_id
+from .slack_kit import SECRET, Slack, channel_id, click_on, message, slack_stack, turn_id
 
 pytestmark = pytest.mark.integration
 
@@ -279,3 +280,48 @@ def test_a_gateway_whose_slack_agent_has_no_deliver_hook_exits_2_with_one_line(s
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("june gateway: JUNE_SLACK_AGENT='bare': agent bare has no deliver hook")
+
+
+# --- 6. what the identity resolver is told --------------------------------------------------------------------
+
+
+def test_the_identity_resolver_is_told_the_senders_own_team_and_the_channel_for_a_message_and_a_click(
+    slack: Slack,
+) -> None:
+    # Given a resolver that takes the sender's team and the channel, and a Slack Connect channel of workspace T1
+    # where U9 of workspace T2 writes
+    told: list[tuple[str, str | None, str | None, str | None]] = []
+
+    def resolve(user_id: str, team_id: str | None, *, user_team_id: str | None, channel_id: str | None) -> Any:
+        told.append((user_id, team_id, user_team_id, channel_id))
+        return {"id": f"acct-{user_team_id}-{user_id}"}
+
+    assert slack.settings.slack is not None
+    settings = dataclasses.replace(slack.settings, slack=dataclasses.replace(slack.settings.slack,
+                                                                             resolve_identity=resolve))  # fmt: skip
+    served = ServedApp(create_app(settings), access_log=False)
+    c = channel_id()
+    session, tid = f"slack:{c}:60.1", turn_id(c, "60.1")
+    try:
+        with httpx.Client(base_url=served.url, timeout=10) as http:
+            # When U9's message arrives, and U9 approves what its turn asks
+            payload = message(c, "60.1", "refund order 9", user="U9")
+            payload["event"] |= {"user_team": "T2", "team": "T2"}
+            body = json.dumps(payload).encode()
+            assert http.post("/slack/events", content=body, headers=signed(SECRET, body)).status_code == 200
+            wait_for(lambda: slack.delivered(session, tid), timeout_s=30, what="the park to be delivered")
+            prompt = next(b for m, b in slack.in_thread(c, "60.1") if m == "chat.postMessage" and b.get("blocks"))
+            prompt_ts = next(m.ts for m in slack.fake.thread(c, "60.1") if m.blocks)
+            click = click_on(prompt, c, "60.1", prompt_ts, "U9", "yes")
+            click["user"]["team_id"] = "T2"
+            form = urllib.parse.urlencode({"payload": json.dumps(click)}).encode()
+            headers = {"Content-Type": "application/x-www-form-urlencoded", **signed(SECRET, form)}
+            assert http.post("/slack/interactivity", content=form, headers=headers).status_code == 200
+    finally:
+        served.stop()
+    wait_for(lambda: (slack.stack.turn_row("desk", session, tid) or {}).get("status") == "completed", timeout_s=30,
+             what="the turn to complete")  # fmt: skip
+    # Then the resolver was told, each time, the receiving workspace, U9's own, and the channel
+    assert told == [("U9", "T1", "T2", c), ("U9", "T1", "T2", c)]
+    (stored,) = slack.stack.sql("select payload::text from june_turns where turn_id = %s", tid)
+    assert json.loads(stored[0])["event"]["principal"] == {"id": "acct-T2-U9"}

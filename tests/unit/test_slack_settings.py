@@ -10,7 +10,7 @@ from june_worker.channels.slack import SlackChannel
 from june_worker.channels.webhook import WebhookChannel
 from june_worker.errors import ConfigError
 from june_worker.gateway import GatewaySettings
-from june_worker.gateway.slack_settings import slack_from_env
+from june_worker.gateway.slack_settings import ResolveIdentity, SlackGatewaySettings, slack_from_env
 from june_worker.models import ScriptedModel
 
 BASE = {"JUNE_GATEWAY_AGENTS": "desk,ops", "JUNE_GATEWAY_INSECURE_DEV": "1"}
@@ -74,6 +74,49 @@ def test_a_channel_built_for_a_process_that_only_receives_needs_no_token_and_nev
         channel.renderer(target, ctx)
     with pytest.raises(ConfigError, match="SLACK_BOT_TOKEN"):
         channel.notify(target, "hello")
+
+
+def _old(user_id: str, team_id: str | None) -> None:
+    return None
+
+
+def _keywords(user_id: str, team_id: str | None, *, channel_id: str | None = None) -> None:
+    return None
+
+
+def _everything(user_id: str, team_id: str | None, **more: object) -> None:
+    return None
+
+
+async def _new(user_id: str, team_id: str | None, *, user_team_id: str | None, channel_id: str | None) -> None:
+    return None
+
+
+@pytest.mark.parametrize(
+    "resolver, called_with",
+    [
+        (_old, {}),
+        (_keywords, {"channel_id": "C1"}),
+        (_everything, {"user_team_id": "T2", "channel_id": "C1"}),
+        (_new, {"user_team_id": "T2", "channel_id": "C1"}),
+    ],
+)
+def test_the_identity_resolver_gets_only_the_keywords_its_signature_names(
+    resolver: ResolveIdentity, called_with: dict[str, str]
+) -> None:
+    # Given a resolver written for (user_id, team_id), or naming some or all of the newer keywords
+    settings = SlackGatewaySettings(signing_secret="x", agent="desk", resolve_identity=resolver)
+    # Then it is called with those keywords only (an old one with none, so it keeps working)
+    assert settings.resolver_arguments("T2", "C1") == called_with
+
+
+def _one_argument(user_id: str) -> None:
+    return None
+
+
+def test_an_identity_resolver_that_cannot_take_a_user_and_a_team_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigError, match="JUNE_SLACK_RESOLVE_IDENTITY: '_one_argument' cannot be called as"):
+        SlackGatewaySettings(signing_secret="x", agent="desk", resolve_identity=_one_argument)
 
 
 def test_a_slack_agent_reached_through_other_channels_only_is_refused() -> None:
