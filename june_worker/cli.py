@@ -3,7 +3,8 @@
 ``june worker`` / ``june beat`` / ``june flower`` are the plain Celery commands with the
 app filled in; any further arguments go to Celery unchanged. ``june worker`` without ``-c``
 runs one pool process per CPU, at most :data:`MAX_DEFAULT_CONCURRENCY` (Celery's own default
-has no cap).
+has no cap); ``june beat`` with ``JUNE_LOG_FORMAT=json`` runs ``celery --quiet beat`` (no banner: see
+:func:`beat_args`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import argparse
 import os
 import sys
 
-__all__ = ["MAX_DEFAULT_CONCURRENCY", "main", "worker_args"]
+__all__ = ["MAX_DEFAULT_CONCURRENCY", "beat_args", "main", "worker_args"]
 
 CELERY_APP = "june_worker.worker"
 
@@ -37,6 +38,13 @@ def worker_args(rest: list[str], cpus: int | None = None) -> list[str]:
         return ["worker", *rest]
     default = max(1, min(cpus if cpus is not None else (os.cpu_count() or 1), MAX_DEFAULT_CONCURRENCY))
     return ["worker", "-c", str(default), *rest]
+
+
+def beat_args(rest: list[str], log_format: str | None = None) -> list[str]:
+    """``celery beat``'s arguments for ``june beat <rest>``: with ``JUNE_LOG_FORMAT=json``, Celery's ``--quiet`` first,
+    since beat prints its banner before june could turn it into JSON (june_worker/worker/logformat.py)."""
+    fmt = os.environ.get("JUNE_LOG_FORMAT", "") if log_format is None else log_format
+    return ["--quiet", "beat", *rest] if fmt.strip().lower() == "json" else ["beat", *rest]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main([args.db])
     if args.command == "worker":
         return _celery(*worker_args(rest))
-    if args.command in ("beat", "flower"):
+    if args.command == "beat":
+        return _celery(*beat_args(rest))
+    if args.command == "flower":
         return _celery(args.command, *rest)
     if args.command == "migrate":
         from .stores.postgres import PostgresStore
