@@ -34,13 +34,10 @@ from typing import Any
 
 import redis
 from amqp.exceptions import MessageNacked, PreconditionFailed  # py-amqp, kombu's RabbitMQ client
-from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from kombu.entity import Queue
 from kombu.exceptions import OperationalError
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
+from ._apps import QUEUE_TYPES, is_amqp, producer_app
 from ._durable import DurableRecorder, check_event, check_storable, turn_payload
 from ._follow import FollowState, safe_block_ms
 from ._gaps import SCAN, judge_start, queue_start_check
@@ -62,17 +59,19 @@ _SESSION_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
 _TURN_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 _STREAM_ID_RE = re.compile(r"^(\d+(-\d+)?|\$)$")
 _MAX_TEXT = 200_000
-_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^@/\s]*@")
+# The user-info up to the authority's last "@" (a password may hold one), and a password given in the query.
+_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/;\s]*@")
+_QUERY_PASSWORD = re.compile(r"(?P<key>[?&](?:password|passwd|pass)=)[^&#;\s]*", re.IGNORECASE)
 # MessageNacked: RabbitMQ refused to confirm a publish.
 _SEND_ERRORS = (OperationalError, OSError, redis.RedisError, MessageNacked)
-_QUEUE_TYPES = ("quorum", "classic")
 
 log = logging.getLogger("producers")
 
 
 def redact(url: str) -> str:
-    """``url`` with its user-info (``user:password@``) replaced by ``***@``: safe for logs and errors."""
-    return _USERINFO.sub(r"\g<scheme>***@", url)
+    """``url`` with its user-info (``user:password@``) replaced by ``***@`` and a ``password=`` in its query by
+    ``password=***``: safe for logs and errors."""
+    return _QUERY_PASSWORD.sub(r"\g<key>***", _USERINFO.sub(r"\g<scheme>***@", url))
 
 
 def _check_name(value: object, pattern: re.Pattern[str], what: str, expected: str) -> str:
@@ -132,20 +131,6 @@ def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
         raise ProducerConfigError(f"{name}={raw!r} is not a number") from None
 
 
-def _is_amqp(url: str) -> bool:
-    return url.split("://", 1)[0].lower() in ("amqp", "amqps", "pyamqp")
-
-
-def _is_redis(url: str) -> bool:
-    """A Redis broker URL, as the worker's broker settings tell them apart (``june_worker/worker/broker.py``)."""
-    return url.split("://", 1)[0].lower() in ("redis", "rediss", "sentinel", "unix")
-
-
-def _sentinel_bounds(timeout_s: float) -> dict[str, Any]:
-    """kombu's ``sentinel_kwargs``: how long one question to a sentinel may take, asked once (worker: broker.py)."""
-    return {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "retry": Retry(NoBackoff(), 0)}
-
-
 def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {redact(str(exc)).strip()}"
 
@@ -159,7 +144,8 @@ class JuneProducer:
     """Sends ``june.*`` tasks by name and follows session streams; see the module docstring.
 
     ``redis_url`` is where the event streams are (``JUNE_REDIS_URL``); ``broker_url`` and
-    ``result_backend`` default to it, as on the worker. ``queue`` / ``control_queue`` /
+    ``result_backend`` default to it, as on the worker. These are the ones used: Celery's variables in
+    the process's environment (``CELERY_BROKER_URL``...) do not override them (:mod:`._apps`). ``queue`` / ``control_queue`` /
     ``key_prefix`` must match the worker's ``JUNE_QUEUE`` / ``JUNE_CONTROL_QUEUE`` /
     ``JUNE_KEY_PREFIX``. ``broker_transport_options`` must match the worker's when it sets
     any that change key names (e.g. kombu's ``global_keyprefix``); on RabbitMQ,
@@ -202,10 +188,8 @@ class JuneProducer:
         for name, url in (("redis_url", redis_url), ("broker_url", broker_url), ("result_backend", result_backend)):
             if url is not None and (not isinstance(url, str) or "://" not in url):
                 raise ProducerConfigError(f"invalid {name}: expected a URL such as redis://host:6379/0")
-        if broker_queue_type not in _QUEUE_TYPES:
-            raise ProducerConfigError(
-                f"invalid broker_queue_type {broker_queue_type!r}: expected one of {_QUEUE_TYPES}"
-            )
+        if broker_queue_type not in QUEUE_TYPES:
+            raise ProducerConfigError(f"invalid broker_queue_type {broker_queue_type!r}: expected one of {QUEUE_TYPES}")
         if not publish_timeout_s > 0 or not isinstance(publish_retries, int) or publish_retries < 0:
             raise ProducerConfigError(
                 f"invalid publish_timeout_s={publish_timeout_s!r} / publish_retries={publish_retries!r}: "
@@ -240,13 +224,23 @@ class JuneProducer:
         options = dict(broker_transport_options or {})
         # Turns are fire-and-forget: an app without a result backend does not subscribe to
         # every turn's result channel. Control calls wait, so their app has one.
-        self._turn_app = self._celery("june-producer", None, options)
-        self._control_app = self._celery("june-producer-control", self.result_backend, options)
+        self._turn_app = self._app("june-producer", None, options)
+        self._control_app = self._app("june-producer-control", self.result_backend, options)
         self.redis: RedisClient = connect(
             redis_url,
             decode_responses=True,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=connect_timeout_s,
+        )
+        # Where this producer sends: the broker it was given, never one Celery's variables name (see _apps).
+        log.info(
+            "producer: turns to queue %r, control to %r, on broker %s; results from %s; events on %s (prefix %r)",
+            queue,
+            control_queue,
+            redact(self.broker_url),
+            redact(self.result_backend),
+            redact(redis_url),
+            key_prefix,
         )
 
     @classmethod
@@ -291,57 +285,25 @@ class JuneProducer:
         settings.update(overrides)
         return cls(**settings)
 
-    def _celery(self, main: str, backend: str | None, transport_options: dict[str, Any]) -> Any:
-        app = Celery(main, broker=self.broker_url, backend=backend, set_as_current=False, fixups=[])
-        options = dict(transport_options)
-        queue_arguments = None
-        if _is_redis(self.broker_url):  # Redis behind Sentinel too
-            options.setdefault("socket_connect_timeout", self.publish_timeout_s)
-            options.setdefault("socket_timeout", self.publish_timeout_s)  # a broker that never answers must not hang
-            if self.broker_url.lower().startswith("sentinel"):
-                # redis-py retries each question to a sentinel 3 times with a backoff of its own (9 s for a silent
-                # one): one try each, the publish retry policy being the one retry policy, as on the worker
-                options.setdefault("sentinel_kwargs", _sentinel_bounds(self.publish_timeout_s))
-        elif _is_amqp(self.broker_url):
-            options.setdefault("confirm_publish", True)  # a send returns once the broker has the message
-            queue_arguments = {"x-queue-type": self.broker_queue_type}
-        app.conf.update(
-            # The queues as the workers declare them (june_worker/worker/broker.py): RabbitMQ refuses a
-            # declaration of an existing queue with other arguments, and drops a message sent to no queue.
-            task_queues=[
-                Queue(name, routing_key=name, durable=True, queue_arguments=queue_arguments)  # type: ignore[no-untyped-call]
-                for name in (self.queue, self.control_queue)
-            ],
-            task_default_delivery_mode="persistent",
-            task_publish_retry=True,
-            task_publish_retry_policy={
-                "max_retries": self.publish_retries,
-                "interval_start": 0,
-                "interval_step": 0.2,
-                "interval_max": 1.0,
-            },
-            task_serializer="json",
-            result_serializer="json",
-            accept_content=["json"],
-            result_accept_content=["json"],
-            task_default_queue=self.queue,
-            # Flower shows a task from the moment it is sent; the event carries argsrepr, not the payload.
-            task_send_sent_event=True,
-            broker_transport_options=options,
-            broker_connection_timeout=self.publish_timeout_s,
-            redis_socket_connect_timeout=self.connect_timeout_s,
-            # Celery's default is 20 reconnects a second apart: a caller would wait 20 s to learn
-            # that the result backend is down. Fail within about a second instead.
-            result_backend_transport_options={
-                "retry_policy": {"max_retries": 3, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
-            },
+    def _app(self, main: str, backend: str | None, transport_options: dict[str, Any]) -> Any:
+        return producer_app(
+            main,
+            broker_url=self.broker_url,
+            result_backend=backend,
+            queues=(self.queue, self.control_queue),
+            default_queue=self.queue,
+            transport_options=transport_options,
+            queue_type=self.broker_queue_type,
+            publish_timeout_s=self.publish_timeout_s,
+            publish_retries=self.publish_retries,
+            connect_timeout_s=self.connect_timeout_s,
         )
-        return app
 
     def __repr__(self) -> str:
         return (
             f"JuneProducer(redis={redact(self.redis_url)!r}, broker={redact(self.broker_url)!r}, "
-            f"queue={self.queue!r}, control_queue={self.control_queue!r}, key_prefix={self.key_prefix!r})"
+            f"result_backend={redact(self.result_backend)!r}, queue={self.queue!r}, "
+            f"control_queue={self.control_queue!r}, key_prefix={self.key_prefix!r})"
         )
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -758,7 +720,7 @@ class JuneProducer:
         headers: dict[str, str] | None = None,
     ) -> Any:
         options: dict[str, Any] = {}
-        if _is_amqp(self.broker_url):  # a socket write and the broker's confirm wait this long at most
+        if is_amqp(self.broker_url):  # a socket write and the broker's confirm wait this long at most
             options = {"timeout": self.publish_timeout_s, "confirm_timeout": self.publish_timeout_s}
         if headers:
             options["headers"] = headers
