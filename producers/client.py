@@ -65,6 +65,8 @@ _QUERY_PASSWORD = re.compile(r"(?P<key>[?&](?:password|passwd|pass)=)[^&#;\s]*",
 # MessageNacked: RabbitMQ refused to confirm a publish.
 _SEND_ERRORS = (OperationalError, OSError, redis.RedisError, MessageNacked)
 
+_ANSWER_GRACE_S = 5.0
+
 log = logging.getLogger("producers")
 
 
@@ -129,6 +131,12 @@ def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ProducerConfigError(f"{name}={raw!r} is not a number") from None
+
+
+def _expiry_s(timeout_s: float) -> float:
+    """When a waited message expires, in seconds after it was sent: before the wait ends by a quarter of it, at
+    most ``_ANSWER_GRACE_S``, which a worker that began it just in time has to answer."""
+    return timeout_s - min(_ANSWER_GRACE_S, timeout_s / 4)
 
 
 def _cause(exc: BaseException) -> str:
@@ -569,7 +577,15 @@ class JuneProducer:
         return parse_cancel(result)
 
     def reset(self, agent: str, session: str, *, timeout_s: float = 60) -> ResetOutcome:
-        """Retire the session's history under its current generation (``june.reset``)."""
+        """Retire the session's history under its current generation (``june.reset``).
+
+        Returns once a worker has recorded the reset: ``reset`` (done) or ``pending`` (the session is busy; the
+        worker running it resets it when its turn ends). Either way, a turn sent after this returns runs on the
+        new generation, also on a parked session (S90), whichever queue a worker serves first. No answer within
+        ``timeout_s`` is a :class:`ResultTimeout` with ``withdrawn``: the message expired a little before the
+        wait ended, and a worker that takes it later discards it, so the reset will not happen behind turns
+        sent since.
+        """
         payload: dict[str, Any] = {"agent": _agent(agent), "session": _session(session)}
         result = self._call(
             "june.reset",
@@ -577,6 +593,7 @@ class JuneProducer:
             what=f"session {agent}:{session}",
             argsrepr=_summary(agent=agent, session=session),
             timeout_s=timeout_s,
+            expiring=True,
         )
         return parse_reset(result)
 
@@ -718,10 +735,13 @@ class JuneProducer:
         queue: str,
         argsrepr: str,
         headers: dict[str, str] | None = None,
+        expires: float | None = None,
     ) -> Any:
         options: dict[str, Any] = {}
         if is_amqp(self.broker_url):  # a socket write and the broker's confirm wait this long at most
             options = {"timeout": self.publish_timeout_s, "confirm_timeout": self.publish_timeout_s}
+        if expires is not None:  # seconds from now; the message carries the instant, the worker's clock judges it
+            options["expires"] = expires
         if headers:
             options["headers"] = headers
         try:
@@ -746,17 +766,33 @@ class JuneProducer:
                 f"({_cause(exc.__cause__)}), so nothing was sent; is it running, and is CELERY_RESULT_BACKEND right?"
             ) from exc
 
-    def _call(self, task: str, payload: dict[str, Any], *, what: str, argsrepr: str, timeout_s: float) -> Any:
-        """Send a control task and wait for its summary."""
+    def _call(
+        self,
+        task: str,
+        payload: dict[str, Any],
+        *,
+        what: str,
+        argsrepr: str,
+        timeout_s: float,
+        expiring: bool = False,
+    ) -> Any:
+        """Send a control task and wait for its summary.
+
+        ``expiring``: the message expires a little before the wait ends (:func:`_expiry_s`), so a task no
+        worker began in time never runs later; the timeout then says so (``ResultTimeout.withdrawn``).
+        """
         timeout_s = _timeout(timeout_s)
-        result = self._send(self._control_app, task, payload, queue=self.control_queue, argsrepr=argsrepr)
+        expires = _expiry_s(timeout_s) if expiring else None
+        result = self._send(
+            self._control_app, task, payload, queue=self.control_queue, argsrepr=argsrepr, expires=expires
+        )
         try:
             # disable_sync_subtasks=False: a service may call this from its own Celery task; the wait
             # is on june's control queue, never on the caller's own pool, so it cannot deadlock it.
             value = result.get(timeout=timeout_s, propagate=False, disable_sync_subtasks=False)
         except CeleryTimeoutError:
             self._abandon(result)
-            raise ResultTimeout(task, what, timeout_s, self.control_queue, str(result.id)) from None
+            raise ResultTimeout(task, what, timeout_s, self.control_queue, str(result.id), withdrawn=expiring) from None
         except (*_SEND_ERRORS, RuntimeError) as exc:
             cause = exc.__cause__ if isinstance(exc, RuntimeError) else exc
             if not isinstance(cause, _SEND_ERRORS):
@@ -768,6 +804,8 @@ class JuneProducer:
         if not result.successful():
             state = result.state
             self._abandon(result)
+            if expiring and state == "REVOKED":  # a worker took it after it expired, and discarded it
+                raise ResultTimeout(task, what, timeout_s, self.control_queue, str(result.id), withdrawn=True)
             error = f"{type(value).__name__}: {value}" if isinstance(value, BaseException) else repr(value)
             raise TaskFailed(task, what, f"{state} {error}")
         self._abandon(result)  # the summary was read: do not leave it in the backend for a day
