@@ -36,6 +36,7 @@ from .cancel import NO_CANCEL, CancelProbe
 from .children import ChildLauncher, Delegator, child_session_id, parse_child_input
 from .context import Compaction, Due, compaction_due, plan_compaction, refused_due, request_view
 from .crash import CrashHook
+from .cutoff import CUT_OFF_FINISHES, without_cut_calls
 from .endings import error_info, reject_turn
 from .events import (
     ActionCompleted,
@@ -615,13 +616,20 @@ class TurnRunner:
         if finish is not None and finish.abnormal:
             provider = f" (provider: {finish.raw})" if finish.raw and finish.raw != finish.reason else ""
             stopped = f"model stopped abnormally — {finish.reason}{provider}"
+            cut: list[ToolCall] = []
+            if reply.tool_calls and finish.reason in CUT_OFF_FINISHES:
+                # A call's input may be cut short yet parse (a qty of 1 for 12): only whole calls stay (.cutoff).
+                reply, cut = without_cut_calls(reply, done.complete_calls, self.tools)
+            names = ", ".join(dict.fromkeys(c.name for c in cut))
+            if reply.empty and cut:
+                why = f"{stopped} while writing a tool call ({names}); its input was cut off, so nothing was run"
+                raise _StepFailure(ModelStepError(why), "model", step)
             if reply.empty:
                 raise _StepFailure(ModelStepError(f"{stopped} — and returned an empty reply"), "model", step)
-            if reply.tool_calls and finish.reason in ("max_tokens", "malformed_tool_call"):
-                # The last call's input may be cut short yet parse (a qty of 1 for 12): never run it.
-                names = ", ".join(dict.fromkeys(c.name for c in reply.tool_calls))
-                cut = f"{stopped} while writing a tool call ({names}); its input may be cut off, so nothing was run"
-                raise _StepFailure(ModelStepError(cut), "model", step)
+            if cut:
+                log.warning(
+                    "turn %s at %s: %s; dropped the call(s) it was writing (%s)", self.turn_id, step, stopped, names
+                )
         usage = done.usage
         if usage is not None:
             self.usage = self.usage + usage

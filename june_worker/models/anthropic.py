@@ -38,6 +38,7 @@ from ..engine.secrets import register_secret, scrub, scrubbed_logger
 from ..errors import ConfigError, ContextWindowExceededError, ModelProviderError, ModelStreamError
 from ._anthropic_mapping import (
     DEFAULT_TRIGGER_NOTE,
+    complete_call_ids,
     continuation_param,
     finish_for,
     reply_from,
@@ -104,6 +105,15 @@ def _chunk(event: Any) -> TextChunk | ReasoningChunk | None:
     if kind == "thinking_delta" and delta.thinking:
         return ReasoningChunk(text=delta.thinking)
     return None
+
+
+def _collect_input(event: Any, streamed: dict[int, str]) -> None:
+    """Add a raw ``input_json_delta``'s text to its block's (what tells a whole call from a cut one)."""
+    if getattr(event, "type", None) != "content_block_delta":
+        return
+    delta = event.delta
+    if getattr(delta, "type", None) == "input_json_delta":
+        streamed[event.index] = streamed.get(event.index, "") + (delta.partial_json or "")
 
 
 class AnthropicModel:
@@ -278,8 +288,9 @@ class AnthropicModel:
         client = self._client_for_this_loop()
         params = self.build_params(request)
         finals: list[Any] = []
+        inputs: list[dict[int, str]] = []  # per request, the tool-input JSON each content block streamed
         while True:
-            async for chunk in self._call(client, params, finals):
+            async for chunk in self._call(client, params, finals, inputs):
                 yield chunk
             if finals[-1].stop_reason != "pause_turn" or len(finals) > self.max_pause_continuations:
                 break
@@ -293,16 +304,22 @@ class AnthropicModel:
             finish=finish_for(finals[-1].stop_reason),
             usage=usage_from(*finals),
             window_tokens=None if last is None else last.context_tokens + last.output_tokens,
+            complete_calls=complete_call_ids(finals, inputs),
         )
 
-    async def _call(self, client: Any, params: dict[str, Any], finals: list[Any]) -> AsyncIterator[ModelDelta]:
-        """One streamed request: forward its deltas, then append its final message to ``finals``."""
+    async def _call(
+        self, client: Any, params: dict[str, Any], finals: list[Any], inputs: list[dict[int, str]]
+    ) -> AsyncIterator[ModelDelta]:
+        """One streamed request: forward its deltas, then append its final message to ``finals`` and the tool-input
+        JSON its content blocks streamed (by block index) to ``inputs``."""
         restarts = 0
         while True:
             forwarded = False
+            streamed: dict[int, str] = {}
             try:
                 async with client.messages.stream(**params) as events:
                     async for event in events:
+                        _collect_input(event, streamed)
                         chunk = _chunk(event)
                         if chunk is not None:
                             forwarded = True
@@ -330,6 +347,7 @@ class AnthropicModel:
         if getattr(final, "stop_reason", None) is None:
             raise ModelStreamError("the Anthropic stream ended before the model finished (no stop_reason)")
         finals.append(final)
+        inputs.append(streamed)
 
     # --- errors -------------------------------------------------------------------------------------
 
