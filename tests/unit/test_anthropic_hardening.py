@@ -20,7 +20,7 @@ from june_worker.models._anthropic_mapping import EMPTY_MESSAGE_NOTE
 from june_worker.models.anthropic import AnthropicModel
 from june_worker.stores import SQLiteStore
 
-from .._anthropic_api import AnthropicAPI, sse
+from .._anthropic_api import AnthropicAPI, api_error, sse
 
 
 def order_agent(model: AnthropicModel, runs: list[dict[str, Any]]) -> Agent:
@@ -90,6 +90,28 @@ async def test_after_max_tokens_only_calls_of_complete_json_valid_for_their_tool
     reply = next(m for m in store.load(SessionRef("ops", "s1")).messages if isinstance(m, AssistantMessage))
     assert [c.id for c in reply.tool_calls] == ["toolu_01Whole3"]
     assert [e.call.id for e in events if e.type == "action.requested"] == ["toolu_01Whole3"]
+    store.close()
+
+
+# --- one retry budget per model call --------------------------------------------------------------------------
+
+
+async def test_a_turn_against_an_overloaded_api_sends_its_model_call_max_retries_plus_one_times_then_fails(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given an API that answers every request with a 529 (and a retry-after), and a model allowed two retries
+    api.serve(*[api_error(529, "overloaded_529.json") for _ in range(60)])
+    store = SQLiteStore(":memory:")
+    session = Runtime([order_agent(make_model(max_retries=2), [])], store).session("ops", "s1")
+    # When a turn runs
+    result = await session.result(await session.start("Order 3 widgets", turn_id="t1"))
+    # Then its model call was sent three times in all (no step retry, no further attempt stacked on them), and
+    # the turn failed in its model step saying the retries were spent; the session serves its next turn
+    assert len(api.requests) == 3
+    assert isinstance(result, Failed) and (result.phase, result.step) == ("model", "model:1")
+    assert "529 overloaded_error" in result.error.message and "gave up after 2 of 2 retries" in result.error.message
+    rec = store.get_turn(SessionRef("ops", "s1"), "t1")
+    assert rec is not None and rec.status == "failed" and rec.attempts == 1
     store.close()
 
 
