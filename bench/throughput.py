@@ -233,14 +233,16 @@ class LayoutResult:
         return median(getattr(b, what) for b in getattr(self, name))
 
 
-def start_layout(stack: BenchStack, name: str) -> None:
-    """Start the workers of layout ``name`` on ``stack``, wait until they consume, and warm them up."""
+def start_layout(stack: BenchStack, name: str, warmup: int = 40) -> None:
+    """Start the workers of layout ``name`` on ``stack``, wait until they consume, and warm them up (``warmup`` empty
+    tasks, then as many turns)."""
     # on RabbitMQ the workers consume the turn queue only while a batch is released (run_batch)
     queues = stack.control_queue if stack.broker == "amqp" else None
     procs = [stack.worker(f"w{i}", concurrency=c, queues=queues) for i, c in enumerate(layout(name))]
     stack.wait_ready(*procs)
-    run_batch(stack, "empty", 40)  # warm-up: pool processes, connections, prepared statements
-    run_batch(stack, "turns", 40)
+    if warmup > 0:  # pool processes, connections, prepared statements
+        run_batch(stack, "empty", warmup)
+        run_batch(stack, "turns", warmup)
 
 
 def throughput(args: argparse.Namespace) -> list[LayoutResult]:
@@ -257,7 +259,7 @@ def throughput(args: argparse.Namespace) -> list[LayoutResult]:
             runs = []
             for name in names:
                 stack = stacks.enter_context(BenchStack("throughput", broker=broker))
-                start_layout(stack, name)
+                start_layout(stack, name, args.layout_warmup)
                 runs.append((stack, LayoutResult(broker, name)))
             for r in range(args.rounds):
                 order = runs[r % len(runs) :] + runs[: r % len(runs)]
@@ -462,7 +464,7 @@ def recovery(args: argparse.Namespace) -> None:
             workers = [stack.worker(f"w{i}") for i in range(2)]
             stack.wait_ready(*workers)
             stack.beat()
-            for i in range(6):  # the baseline: the same stack, nobody dies (the first turns warm the workers up)
+            for i in range(args.baseline_turns):  # the baseline: the same stack, nobody dies (2 warm the workers up)
                 session = stack.session(f"normal-{i}")
                 t0 = time.time()
                 turn_id = stack.turn("bench", session)
@@ -536,12 +538,18 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=400, help="turns per batch")
     parser.add_argument("--empty", type=int, default=1000, help="empty tasks per batch")
     parser.add_argument("--per-session", type=int, default=5, help="turns per session in the second turn batch")
+    parser.add_argument("--layout-warmup", type=int, default=40, help="empty tasks, then turns, warming each layout up")
     parser.add_argument("--latency-turns", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--pause-ms", type=float, default=2.0, help="worker's pause before each step (latency)")
     parser.add_argument("--recovery-runs", type=int, default=3, help="kills with the default settings")
     parser.add_argument("--short-runs", type=int, default=8, help="kills with JUNE_LEASE_S=5 JUNE_SWEEP_S=1")
+    parser.add_argument(
+        "--baseline-turns", type=int, default=6, help="ordinary turns before the kills (recovery), the first 2 warm-up"
+    )
     args = parser.parse_args()
+    if args.baseline_turns < 3:
+        parser.error(f"--baseline-turns {args.baseline_turns}: expected at least 3 (2 warm the workers up)")
     if args.quick:
         args.rounds, args.turns, args.empty = 2, 100, 300
         args.latency_turns, args.warmup = 60, 5

@@ -5,7 +5,8 @@ app filled in; any further arguments go to Celery unchanged. ``june worker`` wit
 runs one pool process per CPU, at most :data:`MAX_DEFAULT_CONCURRENCY` (Celery's own default
 has no cap). ``june worker --turns-per-process N [-c P]`` runs P processes (default 1) of N turns
 each, on Celery's threads pool, under a supervisor that starts a process again if it dies
-(:mod:`june_worker.worker.supervisor`).
+(:mod:`june_worker.worker.supervisor`). ``june beat`` with ``JUNE_LOG_FORMAT=json`` runs
+``celery --quiet beat`` (no banner: see :func:`beat_args`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import argparse
 import os
 import sys
 
-__all__ = ["MAX_DEFAULT_CONCURRENCY", "main", "worker_args"]
+__all__ = ["MAX_DEFAULT_CONCURRENCY", "beat_args", "main", "worker_args"]
 
 CELERY_APP = "june_worker.worker"
 
@@ -72,6 +73,13 @@ def _turns_per_process(rest: list[str]) -> tuple[int, int, list[str]] | None:
     return turns, processes or 1, args
 
 
+def beat_args(rest: list[str], log_format: str | None = None) -> list[str]:
+    """``celery beat``'s arguments for ``june beat <rest>``: with ``JUNE_LOG_FORMAT=json``, Celery's ``--quiet`` first,
+    since beat prints its banner before june could turn it into JSON (june_worker/worker/logformat.py)."""
+    fmt = os.environ.get("JUNE_LOG_FORMAT", "") if log_format is None else log_format
+    return ["--quiet", "beat", *rest] if fmt.strip().lower() == "json" else ["beat", *rest]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="june", description="june-worker: durable AI-agent turns")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             turns, processes, celery_args = many
             return supervise(CELERY_APP, turns=turns, processes=processes, rest=celery_args)
         return _celery(*worker_args(rest))
-    if args.command in ("beat", "flower"):
+    if args.command == "beat":
+        return _celery(*beat_args(rest))
+    if args.command == "flower":
         return _celery(args.command, *rest)
     if args.command == "migrate":
         from .stores.postgres import PostgresStore

@@ -21,6 +21,7 @@
     ├── StoreError                    the store refused an operation
     │   ├── LeaseLostError            a commit was fenced off: another worker holds the session
     │   ├── TurnEndedError            a commit would change the status of a turn that has ended
+    │   ├── MessageIndexTakenError    a commit's transcript index was taken: another runner committed first
     │   ├── CancelRequestedError      the opening commit found a stored cancel request
     │   ├── ResetNotSupportedError    the store has no reset operation
     │   ├── StoreLockedError          another open SQLiteStore (another process) serves the file
@@ -57,6 +58,7 @@ __all__ = [
     "InvalidAnswerError",
     "JuneError",
     "LeaseLostError",
+    "MessageIndexTakenError",
     "ModelProviderError",
     "ModelStepError",
     "ModelStreamError",
@@ -198,6 +200,11 @@ class LeaseLostError(StoreError):
 
 class TurnEndedError(StoreError):
     """A commit would change the status of a turn that already ended; nothing was written."""
+
+
+class MessageIndexTakenError(StoreError):
+    """A commit's transcript index holds a message already: another runner of the session committed there first
+    (a lost race: the in-process runtime takes no lease); nothing was written."""
 
 
 class CancelRequestedError(StoreError):

@@ -34,13 +34,10 @@ from typing import Any
 
 import redis
 from amqp.exceptions import MessageNacked, PreconditionFailed  # py-amqp, kombu's RabbitMQ client
-from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from kombu.entity import Queue
 from kombu.exceptions import OperationalError
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
+from ._apps import QUEUE_TYPES, is_amqp, producer_app
 from ._durable import DurableRecorder, check_event, check_storable, turn_payload
 from ._follow import FollowState, safe_block_ms
 from ._gaps import SCAN, judge_start, queue_start_check
@@ -62,17 +59,21 @@ _SESSION_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
 _TURN_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 _STREAM_ID_RE = re.compile(r"^(\d+(-\d+)?|\$)$")
 _MAX_TEXT = 200_000
-_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^@/\s]*@")
+# The user-info up to the authority's last "@" (a password may hold one), and a password given in the query.
+_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/;\s]*@")
+_QUERY_PASSWORD = re.compile(r"(?P<key>[?&](?:password|passwd|pass)=)[^&#;\s]*", re.IGNORECASE)
 # MessageNacked: RabbitMQ refused to confirm a publish.
 _SEND_ERRORS = (OperationalError, OSError, redis.RedisError, MessageNacked)
-_QUEUE_TYPES = ("quorum", "classic")
+
+_ANSWER_GRACE_S = 5.0
 
 log = logging.getLogger("producers")
 
 
 def redact(url: str) -> str:
-    """``url`` with its user-info (``user:password@``) replaced by ``***@``: safe for logs and errors."""
-    return _USERINFO.sub(r"\g<scheme>***@", url)
+    """``url`` with its user-info (``user:password@``) replaced by ``***@`` and a ``password=`` in its query by
+    ``password=***``: safe for logs and errors."""
+    return _QUERY_PASSWORD.sub(r"\g<key>***", _USERINFO.sub(r"\g<scheme>***@", url))
 
 
 def _check_name(value: object, pattern: re.Pattern[str], what: str, expected: str) -> str:
@@ -132,18 +133,10 @@ def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
         raise ProducerConfigError(f"{name}={raw!r} is not a number") from None
 
 
-def _is_amqp(url: str) -> bool:
-    return url.split("://", 1)[0].lower() in ("amqp", "amqps", "pyamqp")
-
-
-def _is_redis(url: str) -> bool:
-    """A Redis broker URL, as the worker's broker settings tell them apart (``june_worker/worker/broker.py``)."""
-    return url.split("://", 1)[0].lower() in ("redis", "rediss", "sentinel", "unix")
-
-
-def _sentinel_bounds(timeout_s: float) -> dict[str, Any]:
-    """kombu's ``sentinel_kwargs``: how long one question to a sentinel may take, asked once (worker: broker.py)."""
-    return {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "retry": Retry(NoBackoff(), 0)}
+def _expiry_s(timeout_s: float) -> float:
+    """When a waited message expires, in seconds after it was sent: before the wait ends by a quarter of it, at
+    most ``_ANSWER_GRACE_S``, which a worker that began it just in time has to answer."""
+    return timeout_s - min(_ANSWER_GRACE_S, timeout_s / 4)
 
 
 def _cause(exc: BaseException) -> str:
@@ -159,7 +152,8 @@ class JuneProducer:
     """Sends ``june.*`` tasks by name and follows session streams; see the module docstring.
 
     ``redis_url`` is where the event streams are (``JUNE_REDIS_URL``); ``broker_url`` and
-    ``result_backend`` default to it, as on the worker. ``queue`` / ``control_queue`` /
+    ``result_backend`` default to it, as on the worker. These are the ones used: Celery's variables in
+    the process's environment (``CELERY_BROKER_URL``...) do not override them (:mod:`._apps`). ``queue`` / ``control_queue`` /
     ``key_prefix`` must match the worker's ``JUNE_QUEUE`` / ``JUNE_CONTROL_QUEUE`` /
     ``JUNE_KEY_PREFIX``. ``broker_transport_options`` must match the worker's when it sets
     any that change key names (e.g. kombu's ``global_keyprefix``); on RabbitMQ,
@@ -202,10 +196,8 @@ class JuneProducer:
         for name, url in (("redis_url", redis_url), ("broker_url", broker_url), ("result_backend", result_backend)):
             if url is not None and (not isinstance(url, str) or "://" not in url):
                 raise ProducerConfigError(f"invalid {name}: expected a URL such as redis://host:6379/0")
-        if broker_queue_type not in _QUEUE_TYPES:
-            raise ProducerConfigError(
-                f"invalid broker_queue_type {broker_queue_type!r}: expected one of {_QUEUE_TYPES}"
-            )
+        if broker_queue_type not in QUEUE_TYPES:
+            raise ProducerConfigError(f"invalid broker_queue_type {broker_queue_type!r}: expected one of {QUEUE_TYPES}")
         if not publish_timeout_s > 0 or not isinstance(publish_retries, int) or publish_retries < 0:
             raise ProducerConfigError(
                 f"invalid publish_timeout_s={publish_timeout_s!r} / publish_retries={publish_retries!r}: "
@@ -240,13 +232,23 @@ class JuneProducer:
         options = dict(broker_transport_options or {})
         # Turns are fire-and-forget: an app without a result backend does not subscribe to
         # every turn's result channel. Control calls wait, so their app has one.
-        self._turn_app = self._celery("june-producer", None, options)
-        self._control_app = self._celery("june-producer-control", self.result_backend, options)
+        self._turn_app = self._app("june-producer", None, options)
+        self._control_app = self._app("june-producer-control", self.result_backend, options)
         self.redis: RedisClient = connect(
             redis_url,
             decode_responses=True,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=connect_timeout_s,
+        )
+        # Where this producer sends: the broker it was given, never one Celery's variables name (see _apps).
+        log.info(
+            "producer: turns to queue %r, control to %r, on broker %s; results from %s; events on %s (prefix %r)",
+            queue,
+            control_queue,
+            redact(self.broker_url),
+            redact(self.result_backend),
+            redact(redis_url),
+            key_prefix,
         )
 
     @classmethod
@@ -291,57 +293,25 @@ class JuneProducer:
         settings.update(overrides)
         return cls(**settings)
 
-    def _celery(self, main: str, backend: str | None, transport_options: dict[str, Any]) -> Any:
-        app = Celery(main, broker=self.broker_url, backend=backend, set_as_current=False, fixups=[])
-        options = dict(transport_options)
-        queue_arguments = None
-        if _is_redis(self.broker_url):  # Redis behind Sentinel too
-            options.setdefault("socket_connect_timeout", self.publish_timeout_s)
-            options.setdefault("socket_timeout", self.publish_timeout_s)  # a broker that never answers must not hang
-            if self.broker_url.lower().startswith("sentinel"):
-                # redis-py retries each question to a sentinel 3 times with a backoff of its own (9 s for a silent
-                # one): one try each, the publish retry policy being the one retry policy, as on the worker
-                options.setdefault("sentinel_kwargs", _sentinel_bounds(self.publish_timeout_s))
-        elif _is_amqp(self.broker_url):
-            options.setdefault("confirm_publish", True)  # a send returns once the broker has the message
-            queue_arguments = {"x-queue-type": self.broker_queue_type}
-        app.conf.update(
-            # The queues as the workers declare them (june_worker/worker/broker.py): RabbitMQ refuses a
-            # declaration of an existing queue with other arguments, and drops a message sent to no queue.
-            task_queues=[
-                Queue(name, routing_key=name, durable=True, queue_arguments=queue_arguments)  # type: ignore[no-untyped-call]
-                for name in (self.queue, self.control_queue)
-            ],
-            task_default_delivery_mode="persistent",
-            task_publish_retry=True,
-            task_publish_retry_policy={
-                "max_retries": self.publish_retries,
-                "interval_start": 0,
-                "interval_step": 0.2,
-                "interval_max": 1.0,
-            },
-            task_serializer="json",
-            result_serializer="json",
-            accept_content=["json"],
-            result_accept_content=["json"],
-            task_default_queue=self.queue,
-            # Flower shows a task from the moment it is sent; the event carries argsrepr, not the payload.
-            task_send_sent_event=True,
-            broker_transport_options=options,
-            broker_connection_timeout=self.publish_timeout_s,
-            redis_socket_connect_timeout=self.connect_timeout_s,
-            # Celery's default is 20 reconnects a second apart: a caller would wait 20 s to learn
-            # that the result backend is down. Fail within about a second instead.
-            result_backend_transport_options={
-                "retry_policy": {"max_retries": 3, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
-            },
+    def _app(self, main: str, backend: str | None, transport_options: dict[str, Any]) -> Any:
+        return producer_app(
+            main,
+            broker_url=self.broker_url,
+            result_backend=backend,
+            queues=(self.queue, self.control_queue),
+            default_queue=self.queue,
+            transport_options=transport_options,
+            queue_type=self.broker_queue_type,
+            publish_timeout_s=self.publish_timeout_s,
+            publish_retries=self.publish_retries,
+            connect_timeout_s=self.connect_timeout_s,
         )
-        return app
 
     def __repr__(self) -> str:
         return (
             f"JuneProducer(redis={redact(self.redis_url)!r}, broker={redact(self.broker_url)!r}, "
-            f"queue={self.queue!r}, control_queue={self.control_queue!r}, key_prefix={self.key_prefix!r})"
+            f"result_backend={redact(self.result_backend)!r}, queue={self.queue!r}, "
+            f"control_queue={self.control_queue!r}, key_prefix={self.key_prefix!r})"
         )
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -607,7 +577,15 @@ class JuneProducer:
         return parse_cancel(result)
 
     def reset(self, agent: str, session: str, *, timeout_s: float = 60) -> ResetOutcome:
-        """Retire the session's history under its current generation (``june.reset``)."""
+        """Retire the session's history under its current generation (``june.reset``).
+
+        Returns once a worker has recorded the reset: ``reset`` (done) or ``pending`` (the session is busy; the
+        worker running it resets it when its turn ends). Either way, a turn sent after this returns runs on the
+        new generation, also on a parked session (S90), whichever queue a worker serves first. No answer within
+        ``timeout_s`` is a :class:`ResultTimeout` with ``withdrawn``: the message expired a little before the
+        wait ended, and a worker that takes it later discards it, so the reset will not happen behind turns
+        sent since.
+        """
         payload: dict[str, Any] = {"agent": _agent(agent), "session": _session(session)}
         result = self._call(
             "june.reset",
@@ -615,6 +593,7 @@ class JuneProducer:
             what=f"session {agent}:{session}",
             argsrepr=_summary(agent=agent, session=session),
             timeout_s=timeout_s,
+            expiring=True,
         )
         return parse_reset(result)
 
@@ -756,10 +735,13 @@ class JuneProducer:
         queue: str,
         argsrepr: str,
         headers: dict[str, str] | None = None,
+        expires: float | None = None,
     ) -> Any:
         options: dict[str, Any] = {}
-        if _is_amqp(self.broker_url):  # a socket write and the broker's confirm wait this long at most
+        if is_amqp(self.broker_url):  # a socket write and the broker's confirm wait this long at most
             options = {"timeout": self.publish_timeout_s, "confirm_timeout": self.publish_timeout_s}
+        if expires is not None:  # seconds from now; the message carries the instant, the worker's clock judges it
+            options["expires"] = expires
         if headers:
             options["headers"] = headers
         try:
@@ -784,17 +766,33 @@ class JuneProducer:
                 f"({_cause(exc.__cause__)}), so nothing was sent; is it running, and is CELERY_RESULT_BACKEND right?"
             ) from exc
 
-    def _call(self, task: str, payload: dict[str, Any], *, what: str, argsrepr: str, timeout_s: float) -> Any:
-        """Send a control task and wait for its summary."""
+    def _call(
+        self,
+        task: str,
+        payload: dict[str, Any],
+        *,
+        what: str,
+        argsrepr: str,
+        timeout_s: float,
+        expiring: bool = False,
+    ) -> Any:
+        """Send a control task and wait for its summary.
+
+        ``expiring``: the message expires a little before the wait ends (:func:`_expiry_s`), so a task no
+        worker began in time never runs later; the timeout then says so (``ResultTimeout.withdrawn``).
+        """
         timeout_s = _timeout(timeout_s)
-        result = self._send(self._control_app, task, payload, queue=self.control_queue, argsrepr=argsrepr)
+        expires = _expiry_s(timeout_s) if expiring else None
+        result = self._send(
+            self._control_app, task, payload, queue=self.control_queue, argsrepr=argsrepr, expires=expires
+        )
         try:
             # disable_sync_subtasks=False: a service may call this from its own Celery task; the wait
             # is on june's control queue, never on the caller's own pool, so it cannot deadlock it.
             value = result.get(timeout=timeout_s, propagate=False, disable_sync_subtasks=False)
         except CeleryTimeoutError:
             self._abandon(result)
-            raise ResultTimeout(task, what, timeout_s, self.control_queue, str(result.id)) from None
+            raise ResultTimeout(task, what, timeout_s, self.control_queue, str(result.id), withdrawn=expiring) from None
         except (*_SEND_ERRORS, RuntimeError) as exc:
             cause = exc.__cause__ if isinstance(exc, RuntimeError) else exc
             if not isinstance(cause, _SEND_ERRORS):
@@ -806,6 +804,8 @@ class JuneProducer:
         if not result.successful():
             state = result.state
             self._abandon(result)
+            if expiring and state == "REVOKED":  # a worker took it after it expired, and discarded it
+                raise ResultTimeout(task, what, timeout_s, self.control_queue, str(result.id), withdrawn=True)
             error = f"{type(value).__name__}: {value}" if isinstance(value, BaseException) else repr(value)
             raise TaskFailed(task, what, f"{state} {error}")
         self._abandon(result)  # the summary was read: do not leave it in the backend for a day

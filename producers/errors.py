@@ -61,16 +61,30 @@ class ResultUnavailable(ProducerError, ConnectionError):
 
 
 class ResultTimeout(ProducerError, TimeoutError):
-    """A task's result did not arrive within the wait; the message stays queued and may still run."""
+    """A task's result did not arrive within the wait; the message stays queued and may still run.
 
-    def __init__(self, task: str, what: str, timeout_s: float, queue: str, task_id: str) -> None:
-        super().__init__(task, what, timeout_s, queue, task_id)
+    ``withdrawn`` (``reset``): the message expired before the wait ended, so a worker that takes it
+    later discards it instead of running it behind what was sent since.
+    """
+
+    def __init__(
+        self, task: str, what: str, timeout_s: float, queue: str, task_id: str, withdrawn: bool = False
+    ) -> None:
+        super().__init__(task, what, timeout_s, queue, task_id, withdrawn)
         self.task, self.what, self.timeout_s, self.queue, self.task_id = task, what, timeout_s, queue, task_id
+        self.withdrawn = withdrawn
 
     def __str__(self) -> str:
-        return (
+        asked = (
             f"{self.task} for {self.what} got no result within {self.timeout_s:g}s (task id {self.task_id}): "
-            f"is a june worker consuming queue {self.queue!r}? The message stays queued and may still run."
+            f"is a june worker consuming queue {self.queue!r}?"
+        )
+        if not self.withdrawn:
+            return f"{asked} The message stays queued and may still run."
+        return (
+            f"{asked} It was withdrawn: it expired unanswered, and a worker that takes it later discards it, "
+            "so it did not happen and will not (unless a worker began it just before it expired: what that "
+            "worker recorded stands; read the session to know). Send it again once a worker serves the queue."
         )
 
 

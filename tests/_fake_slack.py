@@ -3,7 +3,9 @@
 ``slack_sdk`` is pointed at it with ``base_url`` (``JUNE_SLACK_API_URL`` for workers). It keeps
 the messages it was asked to post, stream and update, so a test can read the thread as a person
 would see it, and it can be told to fail: a method answering ``{"ok": false, "error": ...}``,
-every method failing (``fail_all``), or a 429 with ``Retry-After`` for the next n calls of a method.
+every method failing (``fail_all``), every call carrying Block Kit ``blocks`` failing
+(``refuse_blocks``, as Slack answers ``invalid_blocks``), or a 429 with ``Retry-After`` for the
+next n calls of a method.
 
 Also: :func:`signed` builds the headers Slack signs a request with (``v0:<ts>:<body>``, HMAC-SHA256
 under the signing secret), for requests to the gateway.
@@ -49,6 +51,7 @@ class FakeSlack:
         self.messages: dict[str, Message] = {}
         self.errors: dict[str, str] = {}
         self.fail_all: str | None = None
+        self.refuse_blocks: str | None = None
         self.rate_limit: dict[str, int] = {}
         self.retry_after_s = 1
         self.limited = threading.Event()
@@ -99,7 +102,7 @@ class FakeSlack:
                 self.calls.append(Call(method, body, 429, False))
                 self.limited.set()
                 return 429, {"ok": False, "error": "ratelimited"}, {"Retry-After": str(self.retry_after_s)}
-            error = self.fail_all or self.errors.get(method)
+            error = self.fail_all or self.errors.get(method) or (self.refuse_blocks if body.get("blocks") else None)
             if error:
                 self.calls.append(Call(method, body, 200, False))
                 return 200, {"ok": False, "error": error}, {}
@@ -163,6 +166,7 @@ class FakeSlack:
             self.messages.clear()
             self.errors.clear()
             self.fail_all = None
+            self.refuse_blocks = None
             self.rate_limit.clear()
 
 

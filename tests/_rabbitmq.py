@@ -4,7 +4,8 @@ The machine's own broker (a service, ``/etc/rabbitmq``, its node name, its data)
 touched: each instance here has its own node name, AMQP port, distribution port, ``epmd`` (on a
 port of its own, stopped with the instance), config file, data and log dirs and ``HOME`` (so its
 Erlang cookie), all under the test run's temp dir (:mod:`tests._services`), and no plugin
-(no management UI). A boot takes about 5 s.
+(no management UI). A boot takes about 5 s alone, over a minute on a busy machine
+(``tests._budgets.SERVER_START_S``).
 
 ``stop()`` is a clean shutdown (SIGTERM: what a confirmed publish wrote to disk survives
 ``start()``), ``kill()`` a SIGKILL of the node, ``wipe()`` a broker that lost everything (its
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 from tests import _services
-from tests._services import ServiceUnavailable
+from tests._services import ServiceStartFailed
 
 __all__ = ["RabbitMQServer", "amqp_answers", "find_binaries"]
 
@@ -150,13 +151,17 @@ class RabbitMQServer:
                 start_new_session=True,  # the node and its helpers in one group: kill() takes them all
             )
         (self.workdir / "rabbitmq.pid").write_text(str(self._proc.pid))
-        deadline = time.monotonic() + _services._START_TIMEOUT_S
+        budget_s = _services._START_TIMEOUT_S
+        deadline = time.monotonic() + budget_s
         while not amqp_answers(self.url, timeout_s=1.0):
-            if self._proc.poll() is not None or time.monotonic() > deadline:
+            code = self._proc.poll()
+            if code is not None or time.monotonic() > deadline:
                 tail = self.logfile.read_text(errors="replace").strip().splitlines()[-5:]
                 self.kill()
-                raise ServiceUnavailable(
-                    f"throwaway RabbitMQ on port {self.port} did not start (log: {self.logfile}): {' | '.join(tail)}"
+                why = f"exited with {code}" if code is not None else f"no AMQP handshake in {budget_s:.0f} s"
+                raise ServiceStartFailed(
+                    f"throwaway RabbitMQ on port {self.port} did not start ({why}; log: {self.logfile}): "
+                    + _services._one_line(tail)
                 )
             time.sleep(0.1)
 

@@ -9,10 +9,16 @@ The test command gets both services on its own, in this order, per service:
    run as root) and ``pg_ctl start`` on a free loopback port, fsync off (a killed server still
    keeps every commit it acknowledged: only an OS crash could lose them); Redis is
    ``redis-server --port <free> --save '' --appendonly no``; RabbitMQ is a node of its own
-   started from the machine's ``rabbitmq-server`` (:mod:`tests._rabbitmq`, ~5 s). They start in
-   parallel, in the background, as soon as collection shows a test needs them (see
+   started from the machine's ``rabbitmq-server`` (:mod:`tests._rabbitmq`, ~5 s alone, over 60 s on a busy
+   machine). They start in parallel, in the background, as soon as collection shows a test needs them (see
    ``tests/conftest.py``);
 3. otherwise the run fails with ONE line saying what to install. It never skips.
+
+Every start of a throwaway server (shared or private) has :data:`tests._budgets.SERVER_START_S` (180 s by default)
+and is **tried twice**: a start that fails or runs out of time is cleaned up (its processes stopped; its dir, with its
+log, stays until the run ends) and made again from scratch, in a new dir, on fresh ports. If the second one fails too, :class:`ServiceStartFailed` says so in one
+line, with the end of that attempt's log and the first attempt's reason; the tests that need the service fail with
+that line and the rest of the run goes on (a missing binary still stops the run: nothing would start it).
 
 The chosen URLs are exported to ``os.environ`` (``JUNE_DATABASE_URL``, ``JUNE_REDIS_URL``,
 ``JUNE_TEST_AMQP_URL``) so subprocesses started by tests (Celery workers) inherit them.
@@ -41,6 +47,7 @@ Knobs: ``JUNE_PG_BIN`` (a directory holding ``initdb`` and ``pg_ctl``), ``JUNE_R
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import glob
 import os
@@ -58,7 +65,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from tests._budgets import SERVER_START_S
 
 if TYPE_CHECKING:
     from tests._rabbitmq import RabbitMQServer
@@ -67,6 +76,7 @@ __all__ = [
     "PostgresServer",
     "RedisClusterServer",
     "RedisServer",
+    "ServiceStartFailed",
     "ServiceUnavailable",
     "amqp_url",
     "describe",
@@ -78,11 +88,12 @@ __all__ = [
     "redis_url",
     "shutdown",
     "start_in_background",
+    "wait_for_services",
 ]
 
 _PREFIX = "june-test-"
 _OWNER_PID = os.getpid()
-_START_TIMEOUT_S = 60.0
+_START_TIMEOUT_S = SERVER_START_S
 _ORPHAN_AGE_S = 120.0
 
 _INSTALL_PG = (
@@ -97,6 +108,14 @@ _INSTALL_REDIS = (
 
 class ServiceUnavailable(RuntimeError):
     """No server for a service the tests need; the message is one line saying what to do."""
+
+
+class ServiceStartFailed(ServiceUnavailable):
+    """A throwaway server did not start (twice); the message is one line with the end of its log."""
+
+
+def _one_line(lines: list[str]) -> str:
+    return " | ".join(line.strip() for line in lines if line.strip())
 
 
 # --- small helpers ------------------------------------------------------------------------------------
@@ -291,10 +310,13 @@ def _initdb(bindir: Path, datadir: Path) -> Path:
         "--encoding=UTF8",
         "--locale=C",
     ]
-    done = subprocess.run(_as_postgres(cmd), capture_output=True, text=True, timeout=_START_TIMEOUT_S)
+    try:
+        done = subprocess.run(_as_postgres(cmd), capture_output=True, text=True, timeout=_START_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ServiceStartFailed(f"initdb ({bindir}) did not finish in {_START_TIMEOUT_S:.0f} s") from None
     if done.returncode != 0:
-        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-        raise ServiceUnavailable(f"initdb failed ({bindir}): {tail}")
+        tail = _one_line((done.stderr or done.stdout).strip().splitlines()[-3:])
+        raise ServiceStartFailed(f"initdb failed ({bindir}): {tail}")
     return datadir
 
 
@@ -408,18 +430,27 @@ class PostgresServer:
         )
         deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
-            done = self._pg_ctl("start", "-w", "-t", "60", "-s", "-l", str(self.logfile), "-o", options)
-            if done.returncode == 0:
-                self._started_once = True
-                return
-            if not self._started_once and any("could not bind" in line for line in self._log_tail()):
-                self.port = _free_port()  # lost the race for the free port; the URL is not out yet
-                continue
+            wait_s = max(1, int(deadline - time.monotonic()))
+            try:
+                done = self._pg_ctl(
+                    "start", "-w", "-t", str(wait_s), "-s", "-l", str(self.logfile), "-o", options, timeout_s=wait_s
+                )
+            except subprocess.TimeoutExpired:
+                said = f"pg_ctl start did not return in {wait_s} s"
+            else:
+                if done.returncode == 0:
+                    self._started_once = True
+                    return
+                if not self._started_once and any("could not bind" in line for line in self._log_tail()):
+                    self.port = _free_port()  # lost the race for the free port; the URL is not out yet
+                    continue
+                said = _one_line((done.stderr or done.stdout).strip().splitlines()[-2:])
             # After a SIGKILL the old backends may still hold shared memory for a moment.
             if time.monotonic() > deadline:
-                raise ServiceUnavailable(
-                    f"throwaway Postgres on port {self.port} did not start (log: {self.logfile}): "
-                    + " | ".join(self._log_tail())
+                self.kill()  # pg_ctl gave up waiting; the postmaster may still be on its way up
+                raise ServiceStartFailed(
+                    f"throwaway Postgres on port {self.port} did not start in {_START_TIMEOUT_S:.0f} s ({said}; "
+                    f"log: {self.logfile}): {_one_line(self._log_tail())}"
                 )
             time.sleep(0.1)
 
@@ -520,13 +551,15 @@ class RedisServer:
         (self.workdir / "redis.pid").write_text(str(self._proc.pid))
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not _redis_ping(self.port):
-            if self._proc.poll() is not None or time.monotonic() > deadline:
+            code = self._proc.poll()
+            if code is not None or time.monotonic() > deadline:
                 tail = (
                     self.logfile.read_text(errors="replace").strip().splitlines()[-3:] if self.logfile.exists() else []
                 )
                 self.kill()
-                raise ServiceUnavailable(
-                    f"throwaway Redis on port {self.port} did not start (log: {self.logfile}): {' | '.join(tail)}"
+                why = f"exited with {code}" if code is not None else f"no PONG in {_START_TIMEOUT_S:.0f} s"
+                raise ServiceStartFailed(
+                    f"throwaway Redis on port {self.port} did not start ({why}; log: {self.logfile}): {_one_line(tail)}"
                 )
             time.sleep(0.01)
 
@@ -575,20 +608,24 @@ class RedisClusterServer:
 
     def create(self, redis_cli: str) -> None:
         addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        done = subprocess.run(
-            [redis_cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
-            capture_output=True,
-            text=True,
-            timeout=_START_TIMEOUT_S,
-        )
-        if done.returncode != 0:
-            raise ServiceUnavailable(
-                f"redis-cli --cluster create failed: {(done.stderr or done.stdout).strip()[-300:]}"
+        try:
+            done = subprocess.run(
+                [redis_cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+                capture_output=True,
+                text=True,
+                timeout=_START_TIMEOUT_S,
             )
+        except subprocess.TimeoutExpired:
+            raise ServiceStartFailed(f"redis-cli --cluster create did not return in {_START_TIMEOUT_S:.0f} s") from None
+        if done.returncode != 0:
+            said = _one_line((done.stderr or done.stdout).strip()[-300:].splitlines())
+            raise ServiceStartFailed(f"redis-cli --cluster create failed: {said}")
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not all(_cluster_ok(n.port, len(self.nodes)) for n in self.nodes):
             if time.monotonic() > deadline:
-                raise ServiceUnavailable(f"the Redis Cluster on {addresses} did not come up (cluster_state not ok)")
+                raise ServiceStartFailed(
+                    f"the Redis Cluster on {addresses} did not come up in {_START_TIMEOUT_S:.0f} s (cluster_state not ok)"
+                )
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -680,38 +717,71 @@ def _install_sigterm_handler() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
+Server = TypeVar("Server", "PostgresServer", "RedisServer", "RabbitMQServer")
+
+
+def _start_twice(make: Callable[[], Server]) -> Server:
+    """``make()`` a server (registered, not started) and start it; when that fails, stop what it left running and do
+    both once more (a new dir, new ports). Raises :class:`ServiceStartFailed`: the second attempt's reason with the end of
+    its log, and the first attempt's reason."""
+    failures: list[str] = []
+    for _ in range(2):
+        server: Server | None = None
+        try:
+            server = make()
+            server.start()
+            return server
+        except ServiceStartFailed as exc:
+            failures.append(str(exc))
+        except (OSError, subprocess.SubprocessError) as exc:  # one line, not a traceback per test
+            failures.append(f"could not start a throwaway server: {exc!r}")
+        if server is not None:  # its dir stays, for its log, until the run's workspace is removed
+            _unregister(server)
+            _stop_quietly(server)
+    raise ServiceStartFailed(f"{failures[-1]} [tried twice; the first attempt: {failures[0]}]")
+
+
 def _start_postgres(*, private: bool) -> PostgresServer:
     """The shared instance runs on its own ``initdb``; a private one on a copy of the template (cheaper)."""
     bindir = _find_pg_bin()
     if bindir is None:
         raise ServiceUnavailable(f"no PostgreSQL for the tests: {_INSTALL_PG}")
-    parent = _workspace.new_dir("pg")
-    _chown_to_postgres(parent)
-    if private:
-        template = _workspace.pg_template(bindir)
-        done = subprocess.run(_as_postgres(["cp", "-a", str(template), str(parent / "data")]), capture_output=True)
-        if done.returncode != 0:
-            raise ServiceUnavailable(f"could not copy the Postgres template: {done.stderr.decode(errors='replace')}")
-    else:
-        _initdb(bindir, parent / "data")
-    server = PostgresServer(bindir, parent)
-    _register(server)
-    server.start()
-    return server
+
+    def make() -> PostgresServer:
+        parent = _workspace.new_dir("pg")
+        _chown_to_postgres(parent)
+        server = PostgresServer(bindir, parent)
+        _register(server)  # from here on, a failure cleans it up (_start_twice) and an exit stops it
+        if private:
+            template = _workspace.pg_template(bindir)
+            cmd = _as_postgres(["cp", "-a", str(template), str(parent / "data")])
+            done = subprocess.run(cmd, capture_output=True, timeout=_START_TIMEOUT_S)
+            if done.returncode != 0:
+                raise ServiceStartFailed(
+                    f"could not copy the Postgres template: {_one_line(done.stderr.decode(errors='replace').splitlines())}"
+                )
+        else:
+            _initdb(bindir, parent / "data")
+        return server
+
+    return _start_twice(make)
 
 
 def _start_redis(*, persistent: bool = False) -> RedisServer:
     binary = _find_redis_server()
     if binary is None:
         raise ServiceUnavailable(f"no Redis for the tests: {_INSTALL_REDIS}")
-    server = RedisServer(binary, _workspace.new_dir("redis"), persistent=persistent)
-    _register(server)
-    server.start()
-    return server
+
+    def make() -> RedisServer:
+        server = RedisServer(binary, _workspace.new_dir("redis"), persistent=persistent)
+        _register(server)
+        return server
+
+    return _start_twice(make)
 
 
 def _start_redis_cluster(nodes: list[RedisServer], size: int = 3) -> RedisClusterServer:
-    """Start ``size`` cluster nodes (each appended to ``nodes`` as soon as it exists, for the caller to stop) and
+    """Start ``size`` cluster nodes (each appended to ``nodes`` as soon as it runs, for the caller to stop) and
     join them into one cluster."""
     binary = _find_redis_server()
     if binary is None:
@@ -721,11 +791,14 @@ def _start_redis_cluster(nodes: list[RedisServer], size: int = 3) -> RedisCluste
         redis_cli = shutil.which("redis-cli") or ""
     if not redis_cli:
         raise ServiceUnavailable(f"no redis-cli next to {binary} to create a Redis Cluster: {_INSTALL_REDIS}")
-    for _ in range(size):
+
+    def make() -> RedisServer:
         node = RedisServer(binary, _workspace.new_dir("redis-cluster"), cluster_port=_free_port())
         _register(node)
-        nodes.append(node)
-        node.start()
+        return node
+
+    for _ in range(size):
+        nodes.append(_start_twice(make))
     cluster = RedisClusterServer(nodes)
     cluster.create(redis_cli)
     return cluster
@@ -737,10 +810,13 @@ def _start_rabbitmq() -> RabbitMQServer:
     found = _rabbitmq.find_binaries()
     if found is None:
         raise ServiceUnavailable(f"no RabbitMQ for the tests: {_rabbitmq.INSTALL}")
-    server = _rabbitmq.RabbitMQServer(*found, _workspace.new_dir("rabbitmq"))
-    _register(server)
-    server.start()
-    return server
+
+    def make() -> RabbitMQServer:
+        server = _rabbitmq.RabbitMQServer(*found, _workspace.new_dir("rabbitmq"))
+        _register(server)
+        return server
+
+    return _start_twice(make)
 
 
 def _amqp_answers(url: str) -> bool:
@@ -777,10 +853,10 @@ class _Service:
             server = self._start()
         except ServiceUnavailable as exc:
             if given:
-                raise ServiceUnavailable(f"{exc} ({self.env}={given} did not answer)") from None
+                raise type(exc)(f"{exc} ({self.env}={given} did not answer)") from None
             raise
         except (OSError, subprocess.SubprocessError) as exc:  # one line, not a traceback per test
-            raise ServiceUnavailable(f"could not start a throwaway server for {self.env}: {exc}") from exc
+            raise ServiceStartFailed(f"could not start a throwaway server for {self.env}: {exc}") from exc
         self.source = f"throwaway server (pid {server.pid}) at {server.url}" + (
             f"; {self.env}={given} did not answer" if given else ""
         )
@@ -791,6 +867,11 @@ class _Service:
         with self._lock:
             if self._future is None:
                 self._future = executor.submit(self._resolve)
+
+    @property
+    def future(self) -> Future[str] | None:
+        with self._lock:
+            return self._future
 
     def url(self, executor: ThreadPoolExecutor) -> str:
         self.start(executor)
@@ -819,6 +900,16 @@ def start_in_background(
         bindir = _find_pg_bin()
         if bindir is not None:
             _executor.submit(_workspace.pg_template, bindir)  # errors resurface when a test asks
+
+
+def wait_for_services(*, postgres: bool = False, redis: bool = False, amqp: bool = False) -> None:
+    """Wait until those of the services named that have begun to start are up or have failed (raises nothing: the URL
+    functions raise). A test that needs them waits here before its timer starts (``tests/conftest.py``): a server's
+    start has budgets of its own, and may need more than a test's."""
+    wanted = [s for s, yes in ((_postgres, postgres), (_redis, redis), (_amqp, amqp)) if yes]
+    futures = [f for f in (s.future for s in wanted) if f is not None]
+    if futures:
+        concurrent.futures.wait(futures)
 
 
 def postgres_url() -> str:

@@ -13,6 +13,8 @@ from .base import (
     RenderContext,
     Renderer,
     RenderState,
+    is_receiving_only,
+    receiving_only,
 )
 from .view import Segment, fold
 
@@ -27,4 +29,6 @@ __all__ = [
     "Renderer",
     "Segment",
     "fold",
+    "is_receiving_only",
+    "receiving_only",
 ]

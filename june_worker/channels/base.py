@@ -22,6 +22,10 @@ takes as its ``deliver`` hook (``Agent(deliver=Channels([...]))``); the worker r
 renders live, with state in Postgres. The engine knows none of this: a channel is wired in through
 the turn's ``target`` and the agent's ``deliver`` hook, which the engine already had.
 
+A process that only receives (the gateway) builds the agents to learn their names and hooks, inside
+:func:`receiving_only`: a channel built there need not hold what posting takes (a bot token), and
+never renders.
+
 The rule a reader must not break: **a renderer never raises into the turn**. Live rendering
 failures are logged and left to ``finish``; ``finish`` raises only for a failure worth another
 attempt (:class:`~june_worker.errors.ChannelError` with ``retryable``), which keeps the delivery due.
@@ -31,7 +35,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -48,7 +54,27 @@ __all__ = [
     "RenderContext",
     "RenderState",
     "Renderer",
+    "is_receiving_only",
+    "receiving_only",
 ]
+
+
+_RECEIVING_ONLY: ContextVar[bool] = ContextVar("june_channels_receiving_only", default=False)
+
+
+@contextmanager
+def receiving_only() -> Iterator[None]:
+    """Build agents for a process that only receives and enqueues (the gateway): their channels will not post."""
+    token = _RECEIVING_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _RECEIVING_ONLY.reset(token)
+
+
+def is_receiving_only() -> bool:
+    """Whether channels are being built inside :func:`receiving_only` (a missing bot token is then no error)."""
+    return _RECEIVING_ONLY.get()
 
 
 _MEMORY_TURNS = 10_000

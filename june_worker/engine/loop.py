@@ -37,6 +37,7 @@ from .cancel import NO_CANCEL, CancelProbe
 from .children import ChildLauncher, Delegator, child_session_id, parse_child_input
 from .context import Compaction, Due, compaction_due, plan_compaction, refused_due, request_view
 from .crash import CrashHook
+from .cutoff import CUT_OFF_FINISHES, without_cut_calls
 from .endings import error_info, reject_turn
 from .events import (
     ActionCompleted,
@@ -57,10 +58,11 @@ from .events import (
     TurnResult,
     TurnStarted,
 )
-from .failures import DEFAULT_MAX_ATTEMPTS, STEP_RETRIES, Failure, backoff_s, classify
+from .failures import DEFAULT_MAX_ATTEMPTS, RACE_STALL_S, STEP_RETRIES, Failure, backoff_s, classify
 from .hooks import NO_HOOKS, TurnHooks
 from .inputs import InputBroker
 from .model import Done, Model, ModelRequest, ReasoningChunk, TextChunk
+from .races import winners_outcome
 from .secrets import StreamScrubber, scrub, scrub_json, scrubbed_logger
 from .signals import CrashInjected, ParkSignal, SyncParkError
 from .sink import EventSink
@@ -197,6 +199,10 @@ class TurnRunner:
     ``hooks``: how the host watches the run (:mod:`.hooks`): each step is wrapped in
     ``hooks.step``, each accepted commit goes to ``hooks.committed``. Nothing else.
 
+    ``race_stall_s``: a run whose commit was refused because another runner committed that step first (two
+    in-process runtimes on one database) reports that runner's outcome; it waits this long for the turn to move
+    before it takes the other for dead and runs the turn on (:mod:`.races`).
+
     ``counted``: the host counted this start in the statement that picked the turn (a worker does, so that
     a process that dies before the runner's first commit, however often, still uses up the turn's
     attempts); ``record.attempts`` is the count before it. The runner then writes no count of its own.
@@ -221,6 +227,7 @@ class TurnRunner:
         hooks: TurnHooks = NO_HOOKS,
         children: ChildLauncher | None = None,
         counted: bool = False,
+        race_stall_s: float = RACE_STALL_S,
         blocking: Blocking = inline,
     ) -> None:
         self.agent = agent
@@ -273,6 +280,9 @@ class TurnRunner:
         )
         self._counted = False
         self._counted_by_host = counted
+        self.race_stall_s = race_stall_s
+        self.raced = False
+        """This run lost a race for the turn (another runner committed a step first): its result is the winner's."""
         self._settled: dict[str, tuple[JsonValue, str | None]] = {}
         """Outcomes of async tool calls this run got but may not have committed (a transient fault)."""
         self._at: tuple[str | None, str] = (None, "turn:open")
@@ -297,7 +307,13 @@ class TurnRunner:
                     raise
                 return ended.result
             except Exception as exc:
-                if classify(exc, phase="store") is not Failure.TRANSIENT:
+                kind = classify(exc, phase="store")
+                if kind is Failure.LOST_RACE:
+                    won = await self._lost_race(exc)
+                    if won is not None:
+                        return won
+                    continue  # the winner stopped moving: run the turn on from what the store holds
+                if kind is not Failure.TRANSIENT:
                     return await self._failed_outside_step(exc)
                 if retry >= self.step_retries:
                     await self._note_error(exc)
@@ -316,6 +332,19 @@ class TurnRunner:
                 await asyncio.sleep(delay)
                 self._snapshot = None  # a commit whose outcome is unknown may have landed: read it back
                 self.attempt += 1  # the try's deltas are told apart from the failed one's
+
+    async def _lost_race(self, exc: Exception) -> TurnResult | None:
+        """Another runner committed this turn's step first: report its outcome (:mod:`.races`), writing nothing."""
+        self.raced = True
+        log.info("turn %s of %s: %s; another runner has it, waiting for its outcome", self.turn_id, self.ref, exc)
+        won = await winners_outcome(
+            self.store, self.ref, self.turn_id, stall_s=self.race_stall_s, blocking=self._blocking
+        )
+        if won is None:
+            log.warning("turn %s of %s: the runner that won it stopped moving; running it on", self.turn_id, self.ref)
+            self._snapshot = None
+            self.attempt += 1
+        return won
 
     async def _attempt(self) -> TurnResult:
         snap = self._snapshot if self._snapshot is not None else await self._blocking(lambda: self.store.load(self.ref))
@@ -605,13 +634,20 @@ class TurnRunner:
         if finish is not None and finish.abnormal:
             provider = f" (provider: {finish.raw})" if finish.raw and finish.raw != finish.reason else ""
             stopped = f"model stopped abnormally — {finish.reason}{provider}"
+            cut: list[ToolCall] = []
+            if reply.tool_calls and finish.reason in CUT_OFF_FINISHES:
+                # A call's input may be cut short yet parse (a qty of 1 for 12): only whole calls stay (.cutoff).
+                reply, cut = without_cut_calls(reply, done.complete_calls, self.tools)
+            names = ", ".join(dict.fromkeys(c.name for c in cut))
+            if reply.empty and cut:
+                why = f"{stopped} while writing a tool call ({names}); its input was cut off, so nothing was run"
+                raise _StepFailure(ModelStepError(why), "model", step)
             if reply.empty:
                 raise _StepFailure(ModelStepError(f"{stopped} — and returned an empty reply"), "model", step)
-            if reply.tool_calls and finish.reason in ("max_tokens", "malformed_tool_call"):
-                # The last call's input may be cut short yet parse (a qty of 1 for 12): never run it.
-                names = ", ".join(dict.fromkeys(c.name for c in reply.tool_calls))
-                cut = f"{stopped} while writing a tool call ({names}); its input may be cut off, so nothing was run"
-                raise _StepFailure(ModelStepError(cut), "model", step)
+            if cut:
+                log.warning(
+                    "turn %s at %s: %s; dropped the call(s) it was writing (%s)", self.turn_id, step, stopped, names
+                )
         usage = done.usage
         if usage is not None:
             self.usage = self.usage + usage

@@ -66,6 +66,11 @@ class Done(BaseModel):
     went on). ``window_tokens``: then, how full the context window is with the reply in it, the last
     request's input (cached or not) plus its output; a sum over requests would count the transcript once
     per request. None (left out of a dump) for a reply of one request: its ``usage`` says it.
+
+    ``complete_calls``: the ids of the reply's tool calls whose input the model saw written whole (a provider
+    that streams a call's JSON knows whether it was closed). It matters only after a cut-off stop
+    (``max_tokens``): a call not named here may have been cut short, yet parse, so the engine never runs it.
+    None (left out of a dump): the model does not say, and after such a stop no call counts as whole.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -74,6 +79,7 @@ class Done(BaseModel):
     finish: Finish | None = None
     usage: Usage | None = None
     window_tokens: int | None = None
+    complete_calls: list[str] | None = None
 
     @model_serializer(mode="wrap")
     def _without_missing_finish(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -82,6 +88,8 @@ class Done(BaseModel):
             data.pop("finish", None)
         if self.window_tokens is None:
             data.pop("window_tokens", None)
+        if self.complete_calls is None:
+            data.pop("complete_calls", None)
         return data
 
 

@@ -48,7 +48,7 @@ from .children import (
     refuse_reserved,
 )
 from .events import Cancelled, Completed, Failed, Rejected, Suspended, TurnResult
-from .failures import DEFAULT_MAX_ATTEMPTS, Failure, backoff_s, classify
+from .failures import DEFAULT_MAX_ATTEMPTS, RACE_STALL_S, Failure, backoff_s, classify
 from .fanout import FanoutSink, Observer
 from .ids import new_turn_id, validate_session_id
 from .loop import CrashHook, TurnRunner, reject_turn
@@ -127,14 +127,20 @@ class Runtime:
         sink: EventSink | None = None,
         crash: CrashHook | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        race_stall_s: float = RACE_STALL_S,
     ) -> None:
         """``max_attempts``: starts of one turn (each after a crash or a transient fault it could not outlast)
-        before it is given up and ends ``failed`` (the failure policy, :mod:`~june_worker.engine.failures`)."""
+        before it is given up and ends ``failed`` (the failure policy, :mod:`~june_worker.engine.failures`).
+
+        ``race_stall_s``: this runtime takes no lease, so another one on the same database may run a turn at the
+        same time; the one whose commit is refused reports the other's outcome, and runs the turn on itself when
+        the turn shows no progress for this long (the other died)."""
         self.agents = {a.name: a for a in agents}
         self.store = store
         self.fanout = FanoutSink(sink)
         self.crash = crash
         self.max_attempts = max_attempts
+        self.race_stall_s = race_stall_s
         self._sessions: dict[SessionRef, AgentSession] = {}
 
     def agent(self, name: str) -> Agent:
@@ -502,6 +508,7 @@ class AgentSession:
                 runtime=self.runtime,
                 max_attempts=self.runtime.max_attempts,
                 children=self.runtime,
+                race_stall_s=self.runtime.race_stall_s,
             )
             try:
                 result = await runner.run()
@@ -534,7 +541,8 @@ class AgentSession:
             finally:
                 self._cancels.pop(rec.turn_id, None)
             transient = 0
-            if rec.payload.target is not None and not isinstance(result, Rejected):
+            if rec.payload.target is not None and not isinstance(result, Rejected) and not runner.raced:
+                # (a run that lost the race for the turn reports the winner's result; the winner delivers it)
                 try:
                     events = self.store.events(self.ref, turn_id=rec.turn_id)
                     await deliver_result(

@@ -11,6 +11,8 @@ Cluster hash tag: only the text between them picks the slot)::
     june:events:all:<n>                       stream   firehose partition n: every session's structural events
     june:firehose:relayed:{june:events:all:<n>}  hash  session key -> highest seq appended to partition n
     june:firehose:seen:{june:events:all:<n>}     zset  session key -> when it last appended there (ms)
+    june:epoch:{<n>}                          string   run_id of the server that wrote it (one per cluster primary)
+    june:rebuild                              string   the rebuild pass after a data loss: its id, how far it got
 
 On a Redis broker (``CELERY_BROKER_URL``), kombu keeps the messages a worker took and has not
 acknowledged under names june gives it (:func:`broker_unacked_keys`), not kombu's database-wide
@@ -123,6 +125,20 @@ class EventKeys:
 
     def firehose_streams(self) -> list[str]:
         return [self.firehose_stream(p) for p in range(self.firehose_partitions)]
+
+    # --- noticing a data loss (see :mod:`.losses`) ---------------------------------------------
+
+    def epoch(self, n: int) -> str:
+        """An epoch key: the ``run_id`` of the Redis (cluster node) that wrote it, gone or another run's once that
+        Redis may have lost data (:mod:`.losses`). ``n`` only picks the hash slot: on a cluster each primary
+        keeps the one of the first ``n`` whose slot it serves."""
+        if n < 0:
+            raise ValueError(f"an epoch key's number is not negative, not {n}")
+        return f"{self.prefix}:epoch:{{{n}}}"
+
+    def rebuild_pass(self) -> str:
+        """The pass that rebuilds the streams after a data loss: its id and the last session it checked (JSON)."""
+        return f"{self.prefix}:rebuild"
 
     def _check_partition(self, partition: int) -> None:
         if not 0 <= partition < self.firehose_partitions:

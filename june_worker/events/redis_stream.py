@@ -40,7 +40,9 @@ Limits, all of them the price of keeping the markers in Redis beside the streams
 
 * Redis loses a session's keys (restart without persistence, FLUSHALL, eviction): the next
   publish finds no marker, sees a gap, and rebuilds the stream from the store, whole
-  history, trimmed as usual. A reader resuming from an id of the old stream with ``last_seq``
+  history, trimmed as usual. A session that publishes no more (its turns all finished) has it
+  rebuilt by the sweeper, which notices a Redis that lost its data by its epoch keys
+  (:mod:`.losses`; a key evicted alone is not noticed). A reader resuming from an id of the old stream with ``last_seq``
   gets what it lacks of that history (repeats dropped by ``seq``); without it, it is told a gap
   unless the new copy starts at seq 1, then gets that history again (new ids are newer), so a
   reader across calls must dedupe by ``seq``.

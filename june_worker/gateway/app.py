@@ -87,6 +87,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def timeout(request: Request, exc: Exception) -> JSONResponse:
         log.warning("%s %s: %s", request.method, request.url.path, exc)
+        if isinstance(exc, ResultTimeout) and exc.withdrawn:  # a reset: it expired unanswered, no worker runs it
+            return _error(504, "no june worker answered in time; the message was withdrawn and will not run")
         return _error(504, "no june worker answered in time; the message stays queued and may still run")
 
     async def upstream(request: Request, exc: Exception) -> JSONResponse:

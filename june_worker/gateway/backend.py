@@ -59,6 +59,13 @@ select turn_id, payload->'parent'->>'agent', payload->'parent'->>'session', payl
 """
 """A child session's link to its parent: on its first turn (every turn of a child session has the same one)."""
 
+_PARK_IN_THE_WAY = """
+select suspended::text, park_expires_at
+  from june_sessions
+ where agent = %(agent)s and session = %(session)s and suspended is not null and not reset_pending
+"""
+"""The park a new turn is refused for: none while a reset is pending (it ends the park; the turn queues behind: S90)."""
+
 
 class GatewayBackend:
     """The gateway's clients, made in :meth:`start` (the app's lifespan) and closed in :meth:`close`."""
@@ -215,6 +222,20 @@ class GatewayBackend:
         except psycopg.errors.UndefinedTable:
             return None
 
+    async def park_in_the_way(self, ref: SessionRef) -> SuspendedCheckpoint | None:
+        """The park a worker's intake would refuse a new turn for, as :meth:`pending` but None while a reset is
+        pending: that reset ends the park and the turn runs after it, on the new generation (S90)."""
+
+        def query() -> SuspendedCheckpoint | None:
+            with self.store.pool.connection() as conn:
+                row = conn.execute(_PARK_IN_THE_WAY, {"agent": ref.agent, "session": ref.session}).fetchone()
+            return SuspendedCheckpoint.model_validate_json(row[0]).with_expiry(row[1]) if row else None
+
+        try:
+            return await self.blocking(query)
+        except psycopg.errors.UndefinedTable:
+            return None
+
     async def tail(self, ref: SessionRef) -> str:
         """The id of the session stream's newest entry (``0-0`` when empty): follow from it to see what comes next."""
         last: Any = await self.redis.xrevrange(self.keys.session_stream(ref), count=1)
@@ -296,6 +317,6 @@ class GatewayBackend:
         )
 
     async def reset(self, ref: SessionRef) -> ResetOutcome:
-        # The worker waits up to 30 s for a busy session before answering "pending".
-        producer, timeout_s = self.producer, self.settings.control_timeout_s + 30
+        # Answered at once, "pending" for a busy session; unanswered in time, the reset is withdrawn (it expires).
+        producer, timeout_s = self.producer, self.settings.control_timeout_s
         return await self.blocking(lambda: producer.reset(ref.agent, ref.session, timeout_s=timeout_s), control=True)

@@ -225,7 +225,7 @@ async def start_turn(
     turn_id = body.turn_id or new_turn_id()
     existing = await backend.turn(ref, turn_id) if body.turn_id else None
     if existing is None:
-        parked = await backend.pending(ref)
+        parked = await backend.park_in_the_way(ref)  # none while a reset is pending: the turn runs after it (S90)
         if parked is not None and parked.turn_id != turn_id:
             raise HTTPException(
                 status_code=409,

@@ -57,6 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..channels.base import receiving_only
 from ..errors import ConfigError
 from ..events._redis_url import is_cluster_url
 from ..events.keys import default_firehose_partitions
@@ -110,23 +111,30 @@ def load_hook(path: str, variable: str) -> AuthorizeSession:
 
 def agent_names(paths: tuple[str, ...]) -> tuple[str, ...]:
     """The names of the agents at ``module:attribute`` paths (an Agent, a list, or a callable returning either)."""
-    names: list[str] = []
+    return tuple(built_agents(paths))
+
+
+def built_agents(paths: tuple[str, ...]) -> dict[str, Any]:
+    """The agents at ``module:attribute`` paths, by name, built as a process that only receives builds them
+    (:func:`~june_worker.channels.base.receiving_only`: their channels need no bot token here)."""
+    agents: dict[str, Any] = {}
     for path in paths:
         module_name, _, attr = path.partition(":")
         if not module_name or not attr:
             raise ConfigError(f"agent path {path!r} must look like 'package.module:attribute'")
-        try:
-            obj: Any = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"cannot load agent {path!r}: {exc}") from exc
-        if callable(obj) and not hasattr(obj, "name"):
-            obj = obj()
+        with receiving_only():
+            try:
+                obj: Any = getattr(importlib.import_module(module_name), attr)
+            except (ImportError, AttributeError) as exc:
+                raise ConfigError(f"cannot load agent {path!r}: {exc}") from exc
+            if callable(obj) and not hasattr(obj, "name"):
+                obj = obj()
         for agent in obj if isinstance(obj, (list, tuple)) else [obj]:
             name = getattr(agent, "name", None)
             if not isinstance(name, str):
                 raise ConfigError(f"{path!r} gave {type(agent).__name__}, not an Agent")
-            names.append(name)
-    return tuple(dict.fromkeys(names))
+            agents.setdefault(name, agent)
+    return agents
 
 
 @dataclass(frozen=True)
@@ -202,11 +210,13 @@ class GatewaySettings:
             if not env[name].strip():
                 raise ConfigError(f"{name} is set but empty; unset it for the default or give a value")
         names = env.get("JUNE_GATEWAY_AGENTS", "").strip()
+        built: dict[str, Any] | None = None  # the agents themselves, when built here (not named only)
         if names:
             agents = tuple(n.strip() for n in names.split(",") if n.strip())
         else:
             paths = tuple(p.strip() for p in env.get("JUNE_AGENTS", _DEFAULT_AGENTS).split(",") if p.strip())
-            agents = agent_names(paths)
+            built = built_agents(paths)
+            agents = tuple(built)
         redis_url = env.get("JUNE_REDIS_URL", cls.redis_url)
         for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
             if is_cluster_url(env.get(name, redis_url)):
@@ -242,7 +252,7 @@ class GatewaySettings:
             metrics_public=_flag(env, "JUNE_GATEWAY_METRICS_PUBLIC", False),
             max_body_bytes=int(_number(env, "JUNE_GATEWAY_MAX_BODY_BYTES", cls.max_body_bytes, low=1024)),
             authorize_session=load_hook(hook_path, "JUNE_GATEWAY_AUTHORIZE_SESSION") if hook_path else None,
-            slack=slack_from_env(env, agents),
+            slack=slack_from_env(env, agents, built),
         )
 
     def __repr__(self) -> str:

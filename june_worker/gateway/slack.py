@@ -1,10 +1,12 @@
 """Slack's Events API and interactivity endpoints: verify, enqueue, answer 200 within Slack's 3 seconds.
 
 ``POST /slack/events`` and ``POST /slack/interactivity`` (turned on by ``SLACK_SIGNING_SECRET``,
-:mod:`.slack_settings`). Each request's signature is checked first with ``slack_sdk``'s
-:class:`~slack_sdk.signature.SignatureVerifier` (HMAC-SHA256 of ``v0:<timestamp>:<body>`` under the
-signing secret, compared in constant time, a timestamp older than five minutes refused): a bad or
-old one is a 401 and nothing else happens. Then:
+:mod:`.slack_settings`). Each request's signature is checked first, as Slack documents it:
+HMAC-SHA256 of ``v0:<timestamp>:<body>`` over the body's raw bytes under the signing secret,
+compared in constant time, a timestamp more than five minutes away refused. A missing, garbled, bad
+or old signature is a 401 and nothing else happens (never a 500: ``slack_sdk``'s
+``SignatureVerifier`` raises on a missing or non-numeric timestamp and on a body that is not UTF-8,
+so it is not used); a signed body that is not UTF-8 is a 400. Then:
 
 * ``url_verification`` answers its challenge;
 * an event that starts a turn (:func:`~june_worker.channels.slack.inbound.parse_event`) is sent as
@@ -21,25 +23,28 @@ and holds no bot token: rendering is the worker's. The Slack app is a principal 
 (``slack``, confined to ``slack:`` sessions of one agent) and goes through :mod:`.access` like
 every other caller. Why not ``slack_bolt``: its app wants the bot token (or an authorize
 function) in the process that receives requests and dispatches to listeners of its own, while
-this process only verifies and enqueues; ``slack_sdk`` gives the verifier Bolt itself uses.
+this process only verifies and enqueues.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import inspect
 import json
 import logging
+import re
+import time
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
-from slack_sdk.signature import SignatureVerifier
 
-from ..channels.slack.inbound import SlackPayloadError, parse_actions, parse_event
+from ..channels.slack.inbound import SlackPayloadError, clicker_team, parse_actions, parse_event, speaker_team
 from ..engine.types import Principal as EventPrincipal
 from .auth import Principal
 from .deps import get_backend, get_settings, use_session
@@ -79,19 +84,57 @@ def _slack(request: Request) -> SlackGatewaySettings:
     return slack
 
 
+_MAX_AGE_S = 300
+"""A request signed longer ago than this is refused (Slack's own rule: a replayed request is stale)."""
+_TIMESTAMP = re.compile(r"[0-9]{1,12}")
+_SIGNATURE = re.compile(r"v0=[0-9a-f]{64}")
+
+
+def _signature_problem(
+    secret: str, body: bytes, timestamp: str | None, signature: str | None, now: float
+) -> str | None:
+    """What is wrong with a request's Slack signature, or None when Slack signed ``body`` within five minutes.
+
+    Slack signs ``v0:<timestamp>:<body>`` over the body's raw bytes (HMAC-SHA256 under the signing secret). Checked
+    here on bytes, never decoded first: a body that is not UTF-8 is still signed or not, and a missing or garbled
+    header is a refusal, never an exception (``slack_sdk``'s verifier raises on both).
+    """
+    if not timestamp:
+        return "no X-Slack-Request-Timestamp header"
+    if not _TIMESTAMP.fullmatch(timestamp):
+        return "X-Slack-Request-Timestamp is not a number of seconds"
+    if not signature:
+        return "no X-Slack-Signature header"
+    if not _SIGNATURE.fullmatch(signature):
+        return "X-Slack-Signature is not 'v0=' and 64 hex digits"
+    if abs(now - int(timestamp)) > _MAX_AGE_S:
+        return "the signature's timestamp is more than five minutes away"
+    expected = hmac.new(secret.encode(), b"v0:" + timestamp.encode() + b":" + body, hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(f"v0={expected}".encode(), signature.encode()):
+        return "the signature does not match the body"
+    return None
+
+
 async def _verified(request: Request) -> bytes:
     """The request's body, if Slack signed it within the last five minutes; else 401 (nothing else happens)."""
     body = await request.body()
-    verifier = SignatureVerifier(_slack(request).signing_secret)
-    if not verifier.is_valid(
-        body=body,
-        timestamp=request.headers.get("X-Slack-Request-Timestamp", ""),
-        signature=request.headers.get("X-Slack-Signature", ""),
-    ):
+    problem = _signature_problem(
+        _slack(request).signing_secret, body, request.headers.get("X-Slack-Request-Timestamp"),
+        request.headers.get("X-Slack-Signature"), time.time(),
+    )  # fmt: skip
+    if problem is not None:
         client = request.client.host if request.client else "?"
-        log.warning("refused %s from %s: bad or expired Slack signature", request.url.path, client)
+        log.warning("refused %s from %s: %s", request.url.path, client, problem)
         raise HTTPException(status_code=401, detail="invalid or expired Slack request signature")
     return body
+
+
+def _text(body: bytes) -> str:
+    """A verified body as text; 400 when it is not UTF-8 (Slack sends UTF-8 only)."""
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _bad(f"the body is not UTF-8 (byte {exc.start})") from None
 
 
 def _bad(detail: str) -> HTTPException:
@@ -102,18 +145,25 @@ def _principal(slack: SlackGatewaySettings) -> Principal:
     return Principal(id="slack", agents=frozenset({slack.agent}), session_prefixes=("slack:",))
 
 
-async def _resolve(request: Request, user: str, team: str | None) -> EventPrincipal | None:
-    """The app's principal for a Slack user; None (anonymous, the turn still runs) when the hook fails or is slow."""
+async def _resolve(
+    request: Request, user: str, team: str | None, *, user_team: str | None, channel: str | None
+) -> EventPrincipal | None:
+    """The app's principal for a Slack user; None (anonymous, the turn still runs) when the hook fails or is slow.
+
+    ``team``: the workspace that received the request; ``user_team``: the sender's own (Slack Connect).
+    """
     slack = _slack(request)
     hook = slack.resolve_identity
     if hook is None:
         return None
+    extra = slack.resolver_arguments(user_team, channel)  # only the keywords the hook names: old ones take two
     try:
         if inspect.iscoroutinefunction(hook):
-            found: Any = await asyncio.wait_for(hook(user, team), slack.resolve_timeout_s)
+            found: Any = await asyncio.wait_for(hook(user, team, **extra), slack.resolve_timeout_s)
         else:
             backend = get_backend(request)
-            found = await asyncio.wait_for(backend.blocking(lambda: hook(user, team)), slack.resolve_timeout_s)
+            found = await asyncio.wait_for(backend.blocking(lambda: hook(user, team, **extra)),
+                                           slack.resolve_timeout_s)  # fmt: skip
         if found is None:
             return None
         if not isinstance(found, Mapping) or not isinstance(found.get("id"), str):
@@ -126,9 +176,9 @@ async def _resolve(request: Request, user: str, team: str | None) -> EventPrinci
 
 @router.post("/events", summary="Slack Events API (signed by Slack)", response_model=None)
 async def events(request: Request) -> Response:
-    body = await _verified(request)
+    text = _text(await _verified(request))
     try:
-        payload = json.loads(body)
+        payload = json.loads(text)
     except ValueError:
         raise _bad("the body is not JSON") from None
     if not isinstance(payload, dict):
@@ -144,6 +194,7 @@ async def events(request: Request) -> Response:
     slack = _slack(request)
     try:
         turn = parse_event(payload, respond_to=slack.respond_to, replace_in_flight=slack.replace_in_flight)
+        user_team = speaker_team(payload) if turn is not None else None
     except SlackPayloadError as exc:
         raise _bad(str(exc)) from None
     if turn is None:
@@ -165,8 +216,9 @@ async def events(request: Request) -> Response:
         return JSONResponse({"ok": False, "error": "the same event is being sent; retry later"}, status_code=503)
     try:
         user = turn.event.user.id if turn.event.user else ""
-        team = turn.target.get("team_id")
-        principal = await _resolve(request, user, team if isinstance(team, str) else None)
+        team, channel = turn.target.get("team_id"), turn.target.get("channel_id")
+        principal = await _resolve(request, user, team if isinstance(team, str) else None, user_team=user_team,
+                                   channel=channel if isinstance(channel, str) else None)  # fmt: skip
         event = turn.event.model_copy(update={"principal": principal}) if principal else turn.event
         await backend.start_turn(
             ref, turn.turn_id, turn.text, event=event.model_dump(mode="json", exclude_none=True),
@@ -183,16 +235,17 @@ async def events(request: Request) -> Response:
 
 @router.post("/interactivity", summary="Slack interactivity: Approve / Deny clicks (signed by Slack)")
 async def interactivity(request: Request) -> Response:
-    body = await _verified(request)
+    text = _text(await _verified(request))
     try:
-        form = urllib.parse.parse_qs(body.decode("utf-8"), strict_parsing=True)
+        form = urllib.parse.parse_qs(text, strict_parsing=True)
         payload = json.loads(form["payload"][0])
-    except (ValueError, KeyError, UnicodeDecodeError):
+    except (ValueError, KeyError):
         raise _bad("expected a form with a JSON payload field") from None
     if not isinstance(payload, dict):
         raise _bad("the payload is not a JSON object")
     try:
         answers = parse_actions(payload)
+        user_team = clicker_team(payload) if answers else None
     except SlackPayloadError as exc:
         raise _bad(str(exc)) from None
     slack = _slack(request)
@@ -200,7 +253,9 @@ async def interactivity(request: Request) -> Response:
     for answer in answers:
         ref = await use_session(request, _principal(slack), slack.agent, answer.session, "resume")
         team = payload.get("team", {}).get("id") if isinstance(payload.get("team"), dict) else None
-        principal = await _resolve(request, answer.by, team if isinstance(team, str) else None)
+        channel = answer.reply_to.get("channel_id")
+        principal = await _resolve(request, answer.by, team if isinstance(team, str) else None, user_team=user_team,
+                                   channel=channel if isinstance(channel, str) else None)  # fmt: skip
         await backend.send_resume(
             ref, answer.turn_id, answer.input_id, answer.value, by=answer.by,
             principal=principal.model_dump(mode="json") if principal else None, reply_to=dict(answer.reply_to),

@@ -9,8 +9,9 @@ JUNE_SLACK_AGENT                  the agent Slack talks to                      
 JUNE_SLACK_RESPOND_TO             event types that start a turn                     message,app_mention
 JUNE_SLACK_REPLACE_IN_FLIGHT      a new message in a thread cancels the thread's    0
                                   running turn (never a parked approval)
-JUNE_SLACK_RESOLVE_IDENTITY       ``module:function(user_id, team_id)`` returning   none
-                                  a principal ``{"id": ..., claims}`` or None
+JUNE_SLACK_RESOLVE_IDENTITY       ``module:function(user_id, team_id, *,            none
+                                  user_team_id, channel_id)`` returning a
+                                  principal ``{"id": ..., claims}`` or None
 JUNE_SLACK_RESOLVE_TIMEOUT_S      the resolver's time; past it the turn is          1
                                   anonymous (it still runs)
 ================================  ================================================  ====================
@@ -19,18 +20,24 @@ JUNE_SLACK_RESOLVE_TIMEOUT_S      the resolver's time; past it the turn is      
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
+from ..channels.base import Channels
 from ..errors import ConfigError
 
-__all__ = ["EVENT_TYPES", "ResolveIdentity", "SlackGatewaySettings", "slack_from_env"]
+__all__ = ["EVENT_TYPES", "RESOLVER_KEYWORDS", "ResolveIdentity", "SlackGatewaySettings", "slack_from_env"]
 
-ResolveIdentity: TypeAlias = Callable[
-    [str, "str | None"], "Mapping[str, Any] | None | Awaitable[Mapping[str, Any] | None]"
-]
-"""``resolve(user_id, team_id)``: the app's principal for a Slack user (``{"id": ..., **claims}``), or None."""
+ResolveIdentity: TypeAlias = Callable[..., "Mapping[str, Any] | None | Awaitable[Mapping[str, Any] | None]"]
+"""``resolve(user_id, team_id, *, user_team_id, channel_id)``: the app's principal for a Slack user
+(``{"id": ..., **claims}``), or None. ``team_id`` is the workspace that received the request (the app's
+install), ``user_team_id`` the sender's own workspace (another one in a Slack Connect channel; else the same),
+``channel_id`` where they wrote or clicked. A resolver takes whichever of the keywords it names (all of them with
+``**kwargs``): one written as ``resolve(user_id, team_id)`` is called with those two only."""
+
+RESOLVER_KEYWORDS = ("user_team_id", "channel_id")
 
 EVENT_TYPES = ("message", "app_mention", "reaction_added")
 
@@ -45,6 +52,8 @@ class SlackGatewaySettings:
     resolve_timeout_s: float = 1.0
     dedupe_ttl_s: int = 86_400
     """How long an event's turn id is remembered, so a retried delivery is not sent again."""
+    resolver_keywords: frozenset[str] = field(init=False, default=frozenset(), repr=False, compare=False)
+    """Which of :data:`RESOLVER_KEYWORDS` ``resolve_identity`` takes (read from its signature once, here)."""
 
     def __post_init__(self) -> None:
         if not self.signing_secret.strip():
@@ -54,6 +63,36 @@ class SlackGatewaySettings:
             raise ConfigError(f"JUNE_SLACK_RESPOND_TO: {unknown or 'nothing'} (known: {', '.join(EVENT_TYPES)})")
         if self.resolve_timeout_s <= 0:
             raise ConfigError("JUNE_SLACK_RESOLVE_TIMEOUT_S must be positive")
+        if self.resolve_identity is not None:
+            object.__setattr__(self, "resolver_keywords", _keywords_of(self.resolve_identity))
+
+    def resolver_arguments(self, user_team_id: str | None, channel_id: str | None) -> dict[str, str | None]:
+        """The keyword arguments the identity resolver is called with: those of its signature only."""
+        given = {"user_team_id": user_team_id, "channel_id": channel_id}
+        return {k: v for k, v in given.items() if k in self.resolver_keywords}
+
+
+def _keywords_of(hook: ResolveIdentity) -> frozenset[str]:
+    """The :data:`RESOLVER_KEYWORDS` ``hook`` names (all with ``**kwargs``); a ConfigError if it cannot be called
+    as ``hook(user_id, team_id, ...)``."""
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin or C function without a signature: called the old way
+        return frozenset()
+    params = signature.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        takes = frozenset(RESOLVER_KEYWORDS)
+    else:
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        takes = frozenset(p.name for p in params if p.name in RESOLVER_KEYWORDS and p.kind in kinds)
+    try:
+        signature.bind("U0", "T0", **dict.fromkeys(takes, "x"))
+    except TypeError as exc:
+        raise ConfigError(
+            f"JUNE_SLACK_RESOLVE_IDENTITY: {getattr(hook, '__name__', hook)!r} cannot be called as "
+            f"resolve(user_id, team_id, *, {', '.join(RESOLVER_KEYWORDS)}): {exc}"
+        ) from None
+    return takes
 
 
 def _load(path: str) -> ResolveIdentity:
@@ -69,14 +108,35 @@ def _load(path: str) -> ResolveIdentity:
     return hook  # type: ignore[no-any-return]
 
 
-def slack_from_env(env: Mapping[str, str], agents: tuple[str, ...]) -> SlackGatewaySettings | None:
-    """The Slack settings when ``SLACK_SIGNING_SECRET`` is set; None (no Slack routes) otherwise."""
+def _check_reachable(agent: str, built: Any) -> None:
+    """A ConfigError unless the agent's turns can be answered in Slack: a Slack turn carries a thread as its target,
+    and a worker rejects a target its agent has no ``deliver`` hook for (the person in Slack would see nothing)."""
+    deliver = getattr(built, "deliver", None)
+    fix = "give it deliver=Channels([SlackChannel.from_env()]) (docs/slack.md)"
+    if deliver is None:
+        raise ConfigError(f"JUNE_SLACK_AGENT={agent!r}: agent {agent} has no deliver hook, so nothing could answer "
+                          f"in Slack; {fix}")  # fmt: skip
+    if isinstance(deliver, Channels) and "slack" not in deliver.channels:
+        raise ConfigError(f"JUNE_SLACK_AGENT={agent!r}: agent {agent} is reached through {sorted(deliver.channels)}, "
+                          f"not slack; {fix}")  # fmt: skip
+
+
+def slack_from_env(
+    env: Mapping[str, str], agents: tuple[str, ...], built: Mapping[str, Any] | None = None
+) -> SlackGatewaySettings | None:
+    """The Slack settings when ``SLACK_SIGNING_SECRET`` is set; None (no Slack routes) otherwise.
+
+    ``built``: the agents by name, when the gateway built them (``JUNE_AGENTS``): the Slack agent must then have a
+    deliver hook that reaches Slack. Named only (``JUNE_GATEWAY_AGENTS``), the gateway has no agent to check.
+    """
     secret = env.get("SLACK_SIGNING_SECRET", "")
     if not secret:
         return None
     agent = env.get("JUNE_SLACK_AGENT", "").strip()
     if agent not in agents:
         raise ConfigError(f"JUNE_SLACK_AGENT={agent!r} must name one of the gateway's agents {list(agents)}")
+    if built is not None:
+        _check_reachable(agent, built[agent])
     raw_timeout = env.get("JUNE_SLACK_RESOLVE_TIMEOUT_S", "1")
     try:
         timeout_s = float(raw_timeout)

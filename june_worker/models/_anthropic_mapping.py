@@ -13,7 +13,7 @@ replay.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..engine.model import ToolSpec
@@ -38,6 +38,7 @@ __all__ = [
     "EMPTY_MESSAGE_NOTE",
     "STOP_REASONS",
     "SUMMARY_NOTE",
+    "complete_call_ids",
     "continuation_param",
     "finish_for",
     "reply_from",
@@ -80,6 +81,9 @@ STOP_REASONS: dict[str, FinishReason] = {
 """Every documented ``stop_reason``; anything else maps to ``other`` (``raw`` keeps the value).
 
 ``pause_turn`` reaches the engine only past the adapter's bound on continuations."""
+
+CUT_OFF_STOPS = frozenset({"max_tokens", "model_context_window_exceeded"})
+"""The ``stop_reason`` values that may end a reply inside a tool call's input."""
 
 _UNCACHEABLE = frozenset({"thinking", "redacted_thinking"})
 _TOOL_USE_KEYS = frozenset({"type", "id", "name", "input", "cache_control"})
@@ -240,6 +244,30 @@ def reply_from(*messages: Any) -> ModelReply:
         else:
             log.debug("anthropic reply: ignoring a %s block", kind)
     return ModelReply(text="".join(texts), tool_calls=calls, reasoning=reasoning)
+
+
+def complete_call_ids(messages: Sequence[Any], streamed_inputs: Sequence[Mapping[int, str]]) -> list[str]:
+    """The ids of the ``tool_use`` blocks written whole (:attr:`~june_worker.engine.model.Done.complete_calls`).
+
+    ``streamed_inputs``: per message, the ``input_json_delta`` text each content block index streamed. Every call
+    of a message that stopped on its own is whole; of one cut off (``max_tokens``), those whose streamed input is
+    complete JSON, an object. The SDK parses a call's input leniently as it streams, so its assembled input
+    cannot tell ``{"qty": 1`` (cut) from ``{"qty": 1}``; the streamed text can.
+    """
+    out: list[str] = []
+    for message, streamed in zip(messages, streamed_inputs, strict=True):
+        cut_off = getattr(message, "stop_reason", None) in CUT_OFF_STOPS
+        for index, block in enumerate(getattr(message, "content", None) or []):
+            if getattr(block, "type", None) == "tool_use" and (not cut_off or _json_object(streamed.get(index))):
+                out.append(block.id)
+    return out
+
+
+def _json_object(text: str | None) -> bool:
+    try:
+        return isinstance(json.loads(text or ""), dict)
+    except ValueError:
+        return False
 
 
 def continuation_param(messages: Sequence[MessageParam], paused: Sequence[Any]) -> list[MessageParam]:

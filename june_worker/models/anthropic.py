@@ -7,15 +7,15 @@ SDK's final assembled message(s) are the authoritative reply, yielded once as ``
 engine still commits one checkpoint per model step. The transcript mapping lives in
 :mod:`._anthropic_mapping`.
 
-Retries happen before the engine commits anything, and never yield ``Done`` twice:
-
-* HTTP-level failures (overloaded 529, rate limit 429, 5xx, connection errors) are retried
-  by the SDK itself, with its exponential backoff (honouring ``retry-after``), at most
-  ``max_retries`` times.
-* An error that arrives *inside* the stream (an SSE ``error`` event such as
-  ``overloaded_error``, or the connection dropping mid-body) restarts the request, at most
-  ``stream_retries`` times, but only while nothing has been forwarded yet: a delta already
-  shown to a subscriber is never shown twice.
+Retries happen before the engine commits anything, and never yield ``Done`` twice. A model call has
+one retry budget (:mod:`._anthropic_retries`; the SDK's own retries are off): a request that failed
+before any delta was forwarded (overloaded 529, rate limit 429, 5xx, a connection error, an SSE
+``error`` event such as ``overloaded_error``, the connection dropping mid-body) is sent again at most
+``max_retries`` times, after the server's ``retry-after`` or an exponential backoff. Once the budget
+is spent the error is raised as not retryable, so that neither the engine's step retries nor the
+host's attempts send the request again. An error after a delta was forwarded is not retried here (a
+delta shown is never shown twice): it is raised as the provider's error says, and the engine may run
+the step again, its deltas then carrying the next attempt number.
 
 Anything else raises :class:`ModelProviderError` with the provider's own message, or
 :class:`~june_worker.errors.ModelStreamError` for a stream that broke the protocol.
@@ -38,6 +38,7 @@ from ..engine.secrets import register_secret, scrub, scrubbed_logger
 from ..errors import ConfigError, ContextWindowExceededError, ModelProviderError, ModelStreamError
 from ._anthropic_mapping import (
     DEFAULT_TRIGGER_NOTE,
+    complete_call_ids,
     continuation_param,
     finish_for,
     reply_from,
@@ -46,6 +47,7 @@ from ._anthropic_mapping import (
     transcript_param,
     usage_from,
 )
+from ._anthropic_retries import RETRYABLE_STREAM_ERRORS, RetryBudget, transport_errors, worth_retrying
 
 if TYPE_CHECKING:
     from anthropic import AsyncAnthropic
@@ -57,13 +59,9 @@ log = scrubbed_logger("june_worker.models.anthropic")
 DEFAULT_MODEL = "claude-sonnet-4-6"
 INSTALL_HINT = "pip install 'june-worker[anthropic]'"
 
-RETRYABLE_STREAM_ERRORS = frozenset({"overloaded_error", "api_error", "rate_limit_error", "timeout_error"})
-"""``error.type`` values of an in-stream ``error`` event that a fresh request may not hit again."""
-
 _TOO_LONG = ("prompt is too long", "exceed context limit")
 """How the API's 400 ``invalid_request_error`` says a request is longer than the model's context window."""
 
-_MAX_STREAM_RETRY_DELAY_S = 8.0
 _MIN_THINKING_BUDGET = 1024
 
 
@@ -73,17 +71,6 @@ def _sdk() -> ModuleType:
     except ImportError as exc:
         raise ConfigError(f"AnthropicModel needs the Anthropic SDK, which is not installed: {INSTALL_HINT}") from exc
     return anthropic
-
-
-def _transport_errors() -> tuple[type[BaseException], ...]:
-    """The HTTP library's transport errors (a connection dropped mid-body is raised unwrapped)."""
-    found: list[type[BaseException]] = []
-    for name in ("httpx2", "httpx"):
-        module = sys.modules.get(name)
-        error = getattr(module, "TransportError", None) if module is not None else None
-        if isinstance(error, type) and issubclass(error, BaseException):
-            found.append(error)
-    return tuple(found)
 
 
 def _register_credentials(client: Any) -> None:
@@ -106,6 +93,23 @@ def _chunk(event: Any) -> TextChunk | ReasoningChunk | None:
     return None
 
 
+def _collect_input(event: Any, streamed: dict[int, str]) -> None:
+    """Add a raw ``input_json_delta``'s text to its block's (what tells a whole call from a cut one)."""
+    if getattr(event, "type", None) != "content_block_delta":
+        return
+    delta = event.delta
+    if getattr(delta, "type", None) == "input_json_delta":
+        streamed[event.index] = streamed.get(event.index, "") + (delta.partial_json or "")
+
+
+def _not_retryable(error: Exception, spent: str | None) -> Exception:
+    """``error`` marked not retryable (its retries were this call's), saying why the retries ended if they did."""
+    if not isinstance(error, ModelProviderError) or (not error.retryable and spent is None):
+        return error
+    message = error.message if spent is None else scrub(f"{error.message}; {spent}")
+    return type(error)(message, error.status_code, error.error_type, error.request_id, False)
+
+
 class AnthropicModel:
     """The Model seam on Anthropic's Messages API.
 
@@ -126,8 +130,14 @@ class AnthropicModel:
 
     ``client``: an ``AsyncAnthropic`` (or a look-alike) to use as is; otherwise one is made per
     event loop from ``api_key`` / ``base_url`` (the SDK reads ``ANTHROPIC_API_KEY`` when no key
-    is given; :meth:`from_env` reads it explicitly). ``max_retries`` bounds the SDK's HTTP retries; ``stream_retries`` and
-    ``stream_retry_delay_s`` bound the restarts after an in-stream error.
+    is given; :meth:`from_env` reads it explicitly). The SDK's own retries are turned off, an injected client's
+    too (``with_options(max_retries=0)``), so that one budget governs a call's requests.
+
+    ``max_retries``: how often one model call sends a failed request again (every cause before any output:
+    HTTP 408/409/429/5xx/529, connection errors, in-stream errors), after the server's ``retry-after`` or a
+    backoff from ``retry_delay_s`` doubling up to 8 s. A ``retry-after`` over ``max_retry_wait_s`` ends the
+    retries at once. Spent, the error is raised not retryable: the turn fails in its model step. So a call
+    against an overloaded API makes at most ``max_retries + 1`` requests over at most ``max_retries`` waits.
 
     ``max_pause_continuations``: a reply that stops on ``pause_turn`` (the API paused a long
     server-tool run) is continued by sending its content back, at most this many times within one
@@ -151,9 +161,9 @@ class AnthropicModel:
         client: AsyncAnthropic | Any | None = None,
         api_key: str | None = None,
         base_url: str | None = None,
-        max_retries: int | None = None,
-        stream_retries: int = 2,
-        stream_retry_delay_s: float = 1.0,
+        max_retries: int = 4,
+        retry_delay_s: float = 1.0,
+        max_retry_wait_s: float = 60.0,
         max_pause_continuations: int = 5,
         context_window_tokens: int = 200_000,
     ) -> None:
@@ -165,8 +175,11 @@ class AnthropicModel:
                     f"thinking budget must be at least {_MIN_THINKING_BUDGET} tokens and below max_tokens "
                     f"({max_tokens}), got {thinking}; or pass thinking=True for adaptive thinking"
                 )
-        if stream_retries < 0 or (max_retries is not None and max_retries < 0):
-            raise ConfigError("max_retries and stream_retries must be 0 or more")
+        if max_retries < 0 or retry_delay_s < 0 or max_retry_wait_s < 0:
+            raise ConfigError(
+                f"max_retries, retry_delay_s and max_retry_wait_s must be 0 or more, got {max_retries}, "
+                f"{retry_delay_s} and {max_retry_wait_s}"
+            )
         if max_pause_continuations < 0:
             raise ConfigError(f"max_pause_continuations must be 0 or more, got {max_pause_continuations}")
         if context_window_tokens <= max_tokens:
@@ -175,8 +188,8 @@ class AnthropicModel:
             )
         if client is None:
             _sdk()  # a missing extra is a deployment mistake: say so when the model is built
-        elif max_retries is not None and callable(getattr(client, "with_options", None)):
-            client = client.with_options(max_retries=max_retries)
+        elif callable(getattr(client, "with_options", None)):
+            client = client.with_options(max_retries=0)  # the budget is ours: SDK retries would multiply it
         self.model = model
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -184,8 +197,8 @@ class AnthropicModel:
         self.cache = cache
         self.trigger_note = trigger_note
         self.max_retries = max_retries
-        self.stream_retries = stream_retries
-        self.stream_retry_delay_s = stream_retry_delay_s
+        self.retry_delay_s = retry_delay_s
+        self.max_retry_wait_s = max_retry_wait_s
         self.max_pause_continuations = max_pause_continuations
         self.context_window_tokens = context_window_tokens
         self._client = client
@@ -261,9 +274,7 @@ class AnthropicModel:
             # An SDK client's connection pool belongs to the loop it was used on; a worker that runs
             # each task in a fresh loop gets a fresh client.
             sdk = _sdk()
-            options: dict[str, Any] = {"api_key": self._api_key, "base_url": self._base_url}
-            if self.max_retries is not None:
-                options["max_retries"] = self.max_retries
+            options: dict[str, Any] = {"api_key": self._api_key, "base_url": self._base_url, "max_retries": 0}
             self._owned = (loop, sdk.AsyncAnthropic(**options))
             _register_credentials(self._owned[1])  # the SDK may have read them from the environment
         return self._owned[1]
@@ -278,8 +289,10 @@ class AnthropicModel:
         client = self._client_for_this_loop()
         params = self.build_params(request)
         finals: list[Any] = []
+        inputs: list[dict[int, str]] = []  # per request, the tool-input JSON each content block streamed
+        budget = RetryBudget(self.max_retries, self.retry_delay_s, self.max_retry_wait_s)
         while True:
-            async for chunk in self._call(client, params, finals):
+            async for chunk in self._call(client, params, finals, inputs, budget):
                 yield chunk
             if finals[-1].stop_reason != "pause_turn" or len(finals) > self.max_pause_continuations:
                 break
@@ -293,16 +306,26 @@ class AnthropicModel:
             finish=finish_for(finals[-1].stop_reason),
             usage=usage_from(*finals),
             window_tokens=None if last is None else last.context_tokens + last.output_tokens,
+            complete_calls=complete_call_ids(finals, inputs),
         )
 
-    async def _call(self, client: Any, params: dict[str, Any], finals: list[Any]) -> AsyncIterator[ModelDelta]:
-        """One streamed request: forward its deltas, then append its final message to ``finals``."""
-        restarts = 0
+    async def _call(
+        self,
+        client: Any,
+        params: dict[str, Any],
+        finals: list[Any],
+        inputs: list[dict[int, str]],
+        budget: RetryBudget,
+    ) -> AsyncIterator[ModelDelta]:
+        """One streamed request, sent again while ``budget`` allows: forward its deltas, then append its final
+        message to ``finals`` and the tool-input JSON its content blocks streamed (by block index) to ``inputs``."""
         while True:
             forwarded = False
+            streamed: dict[int, str] = {}
             try:
                 async with client.messages.stream(**params) as events:
                     async for event in events:
+                        _collect_input(event, streamed)
                         chunk = _chunk(event)
                         if chunk is not None:
                             forwarded = True
@@ -310,36 +333,30 @@ class AnthropicModel:
                     final = await events.get_final_message()
             except Exception as exc:
                 error = self._translate(exc)
-                if forwarded or restarts >= self.stream_retries or not self._restartable(exc):
+                wait = None if forwarded else budget.next_wait(exc)
+                if wait is None:
+                    if not forwarded:  # the budget decided: nobody above sends it again
+                        error = _not_retryable(error, budget.spent() if worth_retrying(exc) else None)
                     if error is exc:
                         raise
                     # a cause whose text held a secret is not chained: a traceback would print it
                     raise error from (None if scrub(str(exc)) != str(exc) else exc)
-                restarts += 1
-                delay = min(self.stream_retry_delay_s * 2 ** (restarts - 1), _MAX_STREAM_RETRY_DELAY_S)
                 log.warning(
-                    "anthropic stream failed before any output (%s); restart %d/%d in %.2fs",
+                    "anthropic request failed before any output (%s); retry %d/%d in %.2fs",
                     error,
-                    restarts,
-                    self.stream_retries,
-                    delay,
+                    budget.used,
+                    budget.max_retries,
+                    wait,
                 )
-                await asyncio.sleep(delay)
+                await asyncio.sleep(wait)
                 continue
             break
         if getattr(final, "stop_reason", None) is None:
             raise ModelStreamError("the Anthropic stream ended before the model finished (no stop_reason)")
         finals.append(final)
+        inputs.append(streamed)
 
     # --- errors -------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _restartable(exc: BaseException) -> bool:
-        """An error from inside a stream that a fresh request may not hit (HTTP errors: the SDK retried)."""
-        sdk = sys.modules.get("anthropic")
-        if sdk is not None and isinstance(exc, sdk.APIStatusError):
-            return exc.status_code < 400 and getattr(exc, "type", None) in RETRYABLE_STREAM_ERRORS
-        return isinstance(exc, _transport_errors())
 
     def _translate(self, exc: Exception) -> Exception:
         """The error the engine sees: the provider's message, never the key; unknown errors pass through."""
@@ -360,7 +377,7 @@ class AnthropicModel:
                 getattr(exc, "request_id", None),
                 retryable or exc.status_code >= 500,
             )
-        if (sdk is not None and isinstance(exc, sdk.APIConnectionError)) or isinstance(exc, _transport_errors()):
+        if (sdk is not None and isinstance(exc, sdk.APIConnectionError)) or isinstance(exc, transport_errors()):
             return ModelProviderError(
                 scrub(f"Anthropic connection failed: {exc or type(exc).__name__}"), retryable=True
             )

@@ -22,10 +22,12 @@ __all__ = ["Reply", "ScriptedModel"]
 
 @dataclass(frozen=True)
 class Reply:
-    """One scripted model reply."""
+    """One scripted model reply. ``cut``: ids of its calls to report as cut short (not written whole), as a
+    provider does for the call it was writing when the reply hit ``max_tokens``; every other call is whole."""
 
     text: str = ""
     calls: Sequence[ToolCall | dict[str, Any]] = ()
+    cut: Sequence[str] = ()
     finish: Finish | str | None = None
     reasoning: str | None = None
     usage: Usage | None = None
@@ -96,4 +98,6 @@ class ScriptedModel:
                 yield TextChunk(text=word)
         elif reply.text:
             yield TextChunk(text=reply.text)
-        yield Done(reply=reply.to_reply(), finish=reply.to_finish(), usage=reply.usage)
+        message = reply.to_reply()
+        whole = [c.id for c in message.tool_calls if c.id not in reply.cut]
+        yield Done(reply=message, finish=reply.to_finish(), usage=reply.usage, complete_calls=whole)

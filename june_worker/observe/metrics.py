@@ -84,7 +84,7 @@ class Metrics:
         )  # fmt: skip
         self.sweeps = Counter(
             "june_sweeper_actions", "What the sweeper did: redispatched, expired_parks, resets, relayed, "
-            "pruned_events, pruned_turns, pruned_archived.", ["action"], registry=None,
+            "rebuilt, pruned_events, pruned_turns, pruned_archived.", ["action"], registry=None,
         )  # fmt: skip
         self.rejected_messages = Counter(
             "june_messages_rejected",
@@ -117,10 +117,11 @@ class Metrics:
             self.turns.labels(self.agent(agent), status).inc()
 
     def sweep(self, summary: dict[str, Any]) -> None:
-        """Count a sweeper run's summary dict (``redispatched``, ``expired_parks``, ``resets``, ``relayed``, ``pruned``)."""
+        """Count a sweeper run's summary dict (``redispatched``, ``expired_parks``, ``resets``, ``relayed``, ``rebuilt``,
+        ``pruned``)."""
         if not self.enabled:
             return
-        for action in ("redispatched", "expired_parks", "resets", "relayed"):
+        for action in ("redispatched", "expired_parks", "resets", "relayed", "rebuilt"):
             if summary.get(action):
                 self.sweeps.labels(action).inc(summary[action])
         for kind, n in (summary.get("pruned") or {}).items():

@@ -35,7 +35,14 @@ from ..engine.store import (
 )
 from ..engine.tools import NoTransactionHandle
 from ..engine.types import Message
-from ..errors import CancelRequestedError, LeaseLostError, ResumeConflictError, StoreError, TurnEndedError
+from ..errors import (
+    CancelRequestedError,
+    LeaseLostError,
+    MessageIndexTakenError,
+    ResumeConflictError,
+    StoreError,
+    TurnEndedError,
+)
 
 __all__ = ["MemoryStore"]
 
@@ -144,6 +151,8 @@ class MemoryStore:
                 raise ResumeConflictError(f"session {ref}: input {input_id!r} has not expired")
         expected = len(s.messages)
         for index, _ in commit.messages:
+            if index < expected:
+                raise MessageIndexTakenError(f"session {ref}: message index {index} is taken (next is {expected})")
             if index != expected:
                 raise StoreError(
                     f"session {ref}: message index {index} is taken or out of order (next is {len(s.messages)})"

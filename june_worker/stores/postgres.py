@@ -72,6 +72,7 @@ from ..engine.types import Message
 from ..errors import (
     CancelRequestedError,
     LeaseLostError,
+    MessageIndexTakenError,
     ResumeConflictError,
     StoreError,
     StoreUnavailableError,
@@ -1125,7 +1126,7 @@ class PostgresStore:
                 row = cur.execute(sql, params).fetchone()
             except pg_errors.UniqueViolation as exc:
                 if _names_messages_key(exc.diag.constraint_name, exc.diag.table_name):
-                    raise StoreError(
+                    raise MessageIndexTakenError(
                         f"session {ref}: a message index of this commit is taken ({exc.diag.message_detail})"
                     ) from exc
                 raise StoreError(f"session {ref}: the commit broke a unique constraint: {exc}") from exc

@@ -39,7 +39,13 @@ from ..engine.store import (
     park_expiry,
     parked_on,
 )
-from ..errors import CancelRequestedError, LeaseLostError, ResumeConflictError, StoreError, TurnEndedError
+from ..errors import (
+    CancelRequestedError,
+    LeaseLostError,
+    MessageIndexTakenError,
+    ResumeConflictError,
+    TurnEndedError,
+)
 from ._filelock import FileLock
 from ._sql import dumps, event_rows, message_body, message_from_row
 
@@ -364,7 +370,7 @@ class SQLiteStore:
                     [(*key, idx, m.turn_id, m.role, message_body(m)) for idx, m in commit.messages],
                 )
             except sqlite3.IntegrityError as exc:
-                raise StoreError(f"session {ref}: a message index of this commit is taken ({exc})") from exc
+                raise MessageIndexTakenError(f"session {ref}: a message index of this commit is taken ({exc})") from exc
             conn.executemany(
                 "insert or ignore into june_steps (agent, session, step_id, turn_id, data) values (?, ?, ?, ?, ?)",
                 [(*key, s.step_id, s.turn_id, dumps(s.data)) for s in commit.steps],

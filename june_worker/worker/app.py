@@ -14,9 +14,10 @@ from typing import Any
 
 from celery import Celery
 from celery.concurrency import get_implementation
-from celery.signals import after_setup_logger, after_setup_task_logger, worker_init, worker_ready
+from celery.signals import worker_init, worker_ready
 
 from ..engine.secrets import scrubbed_logger
+from . import logformat  # noqa: F401  (connects the log-format hooks: scrubbed always, JSON on request)
 
 __all__ = ["SUPPORTED_POOLS", "app", "kill_worker"]
 
@@ -146,19 +147,3 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
         broker_url=settings.broker_url,
         queues=(settings.queue, settings.control_queue),
     )
-
-
-@after_setup_logger.connect  # type: ignore[untyped-decorator]
-@after_setup_task_logger.connect  # type: ignore[untyped-decorator]
-def _log_format(logger: Any = None, **_: Any) -> None:
-    """Every record the worker (or beat) writes is scrubbed of secrets, whoever logged it (Celery's own
-    task-failure lines, a library); JUNE_LOG_FORMAT=json: each is one JSON object per line."""
-    from ..engine.secrets import scrub_handlers
-    from ..observe.logs import use_json_logs
-    from .settings import WorkerSettings
-
-    if logger is None:
-        return
-    scrub_handlers(logger)
-    if WorkerSettings.from_env().log_format == "json":
-        use_json_logs(logger)

@@ -654,6 +654,16 @@ class SessionQueue:
             ).fetchall()
         return [(SessionRef(a, s), int(seq)) for a, s, seq in rows]
 
+    def outbox_sessions(self, *, limit: int, after: SessionRef | None = None) -> list[tuple[SessionRef, int]]:
+        """Sessions with events in the outbox, held or not, with their committed event count: the ones whose streams
+        a rebuild after a Redis data loss refills. In key order, from past ``after``; found along the outbox's
+        primary key one session at a time (a skip scan), so a page costs ``limit`` index probes however many
+        sessions have no events left."""
+        params = {"limit": limit, "agent": after.agent if after else "", "session": after.session if after else ""}
+        with pooled(self.pool) as conn:
+            rows = conn.execute(_OUTBOX_SESSIONS, params).fetchall()
+        return [(SessionRef(a, s), int(seq)) for a, s, seq in rows]
+
     def mark_relayed(self, marks: list[tuple[SessionRef, int]]) -> None:
         """Record that each session's stream holds its events up to the given seq (never moves a mark back)."""
         if not marks:
@@ -665,6 +675,25 @@ class SessionQueue:
 _BEAT = f"""
     insert into june_workers (owner, alive_until) values (%(o)s, {_NOW} + %(l)s)
     on conflict (owner) do update set alive_until = excluded.alive_until
+"""
+
+# The distinct sessions of june_events past a key, by its primary key (agent, session, seq): each step of the
+# recursion jumps to the next session's first row, so no session's rows are read one by one. The recursion is
+# lazy: it stops once the outer limit is met.
+_OUTBOX_SESSIONS = """
+    with recursive outbox(agent, session) as (
+        (select e.agent, e.session from june_events e
+          where (e.agent, e.session) > (%(agent)s, %(session)s)
+          order by e.agent, e.session limit 1)
+        union all
+        select n.agent, n.session from outbox o, lateral (
+            select e.agent, e.session from june_events e
+             where (e.agent, e.session) > (o.agent, o.session)
+             order by e.agent, e.session limit 1) n
+    )
+    select o.agent, o.session, coalesce(s.event_seq, 0) from (select * from outbox limit %(limit)s) o
+      left join june_sessions s on s.agent = o.agent and s.session = o.session
+     order by o.agent, o.session
 """
 
 # Marks only move forward: two writers (the holder's heartbeat, a sweeper) may mark one session in either order.

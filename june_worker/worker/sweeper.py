@@ -12,7 +12,12 @@ It finds, in Postgres:
   it answers them with the child's result (:mod:`.children`);
 * sessions whose stream may miss events (a worker died between commit and publish, Redis was
   unreachable when they were published), however long ago: it relays them from the outbox.
-  Only sessions nobody holds, so it never races a holder.
+  Only sessions nobody holds, so it never races a holder;
+* streams Redis lost with its data (a restart without persistence, a failover, a flush), also
+  those of sessions whose turns all finished, which nothing would publish to again: an epoch key
+  gone or written by another run of its server tells it (one read per sweep,
+  :mod:`~june_worker.events.losses`), and it then refills from the outbox every stream behind it,
+  held sessions' too, a page of sessions at a time, all in that sweep.
 
 Recovery time is therefore bounded by the liveness window (3 s by default; never more than
 the lease length) plus one sweep period.
@@ -30,12 +35,14 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import redis
+from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
 
 from ..engine.endings import reject_turn
 from ..engine.secrets import scrubbed_logger
 from ..engine.storable import storable_text
 from ..engine.store import TurnPayload, TurnRecord
 from ..errors import StoreUnavailableError
+from ..events import losses
 from .children import wake_parents
 from .host import WorkerHost
 from .queue import Stranded
@@ -60,12 +67,16 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
     # goes out again; its intake delivers it.
     redispatched += _step("re-sending undelivered turns", lambda: _resend_undelivered(host, dispatch, grace, limit), 0)
     relayed = _step("relaying", lambda: _relay(host, limit=limit), 0)
+    # after the relay: the streams it fills (and marks), the pass after a loss finds complete
+    rebuilt = _step("rebuilding streams Redis lost", lambda: _rebuild(host, limit=limit), 0)
     pruned = _step("pruning", lambda: prune(host.store.pool, host.sink, host.settings), Pruned())
     _step("forgetting dead workers", lambda: host.queue.forget_dead_workers(older_than_s=24 * 3600), 0)
     if rejected:
         log.warning("sweep: %d queued turns rejected: their stored records cannot be used", rejected)
     if woken:
         log.info("sweep: %d parents answered by their ended child turns", woken)
+    if rebuilt:
+        log.info("sweep: %d events put back on streams Redis had lost", rebuilt)
     if redispatched or expired or relayed or resets:
         log.info(
             "sweep: %d turns re-sent, %d parks expired, %d resets performed, %d events relayed",
@@ -82,6 +93,7 @@ def sweep(host: WorkerHost, dispatch: Callable[[TurnRecord], None], *, limit: in
         "woken_parents": woken,
         "rejected": rejected,
         "relayed": relayed,
+        "rebuilt": rebuilt,
         "pruned": {"events": pruned.events, "turns": pruned.turns, "archived": pruned.archived},
     }
 
@@ -157,6 +169,58 @@ def _resend_undelivered(host: WorkerHost, dispatch: Callable[[TurnRecord], None]
         dispatch(turn)
         sent += 1
     return sent
+
+
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError, RedisClusterException)
+"""Redis errors that end a rebuild pass for this sweep (the next one goes on from its last page)."""
+
+
+def _rebuild(host: WorkerHost, *, limit: int) -> int:
+    """After Redis lost its data, refill every session's stream from what the outbox still holds; the events
+    appended.
+
+    Nothing to do (one read of the epoch keys) unless a key is gone or stale, or a pass is unfinished. A pass reads
+    the outbox's sessions a page of ``limit`` at a time, in key order, held ones too (an append is idempotent,
+    and a holder that published everything before the loss may never publish again), reads their markers in
+    one round trip and relays those behind; after each page it records how far it got. A session whose relay
+    fails for its own reason is left to its next publish; Redis going away ends the pass until the next sweep.
+    """
+    try:
+        rebuild = losses.pending_pass(host.redis, host.keys)
+    except _REDIS_DOWN:
+        log.warning("cannot read the epoch keys; the next sweep looks again", exc_info=True)
+        return 0
+    if rebuild is None:
+        return 0
+    if rebuild.began:
+        log.warning(
+            "Redis may have lost data (an epoch key is gone, or its server restarted): refilling every stream the "
+            "outbox can fill"
+        )
+    appended, after = 0, rebuild.after
+    try:
+        while True:
+            page = host.queue.outbox_sessions(limit=limit, after=after)
+            reached = host.sink.relayed_seqs([ref for ref, _ in page]) if page else []
+            for (ref, committed), seen in zip(page, reached, strict=True):
+                if seen >= committed:
+                    continue
+                try:
+                    appended += host.sink.relay(host.store, ref)
+                except (StoreUnavailableError, *_REDIS_DOWN):
+                    raise
+                except Exception:
+                    log.exception("rebuilding the stream of %s failed; its next publish refills it", ref)
+            if len(page) < limit:
+                if losses.finish_pass(host.redis, host.keys, rebuild):
+                    log.info("rebuilt the streams Redis lost: %d events put back", appended)
+                return appended
+            after = page[-1][0]
+            if not losses.move_pass(host.redis, host.keys, rebuild, after):
+                return appended  # Redis lost its data again meanwhile: a new pass began, and goes on
+    except _REDIS_DOWN:
+        log.warning("Redis failed during the rebuild of its streams; the next sweep goes on", exc_info=True)
+        return appended
 
 
 def _relay(host: WorkerHost, *, limit: int) -> int:

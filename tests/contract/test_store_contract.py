@@ -51,7 +51,13 @@ from june_worker.engine.types import (
     ToolMessage,
     UserMessage,
 )
-from june_worker.errors import FatalToolError, LeaseLostError, ResumeConflictError, StoreError, StoreUnavailableError
+from june_worker.errors import (
+    FatalToolError,
+    LeaseLostError,
+    MessageIndexTakenError,
+    ResumeConflictError,
+    StoreUnavailableError,
+)
 from june_worker.stores import MemoryStore, PostgresStore, SQLiteStore
 from june_worker.stores._sql import message_from_row, message_text, qmark_to_format
 
@@ -378,7 +384,7 @@ def test_a_taken_message_index_fails_the_commit_and_writes_nothing(kit: Kit, ref
         turn_status="completed",
         turn_result=Completed(turn_id="t1", text="second writer"),
     )
-    with pytest.raises(StoreError, match="message index .*taken"):  # said so, partitioned or not
+    with pytest.raises(MessageIndexTakenError, match="message index .*taken"):  # said so, partitioned or not
         kit.store.commit(ref, clash)
     assert state(kit.store, ref, ("t1",)) == before
 
@@ -886,7 +892,7 @@ def test_a_fenced_off_builder_commit_rolls_back_the_tool_writes(sql_kit: Kit, re
 
 def test_a_builder_commit_with_a_taken_index_rolls_back_the_tool_writes(sql_kit: Kit, ref: SessionRef) -> None:
     sql_kit.store.commit(ref, Commit(messages=[(0, UserMessage(turn_id="t1", text="first"))]))
-    with pytest.raises(StoreError):
+    with pytest.raises(MessageIndexTakenError):
         sql_kit.store.commit(ref, _writing(ref, "widget", _tool_commit("widget", index=0)))
     assert sql_kit.orders(ref) == [] and len(sql_kit.store.load(ref).messages) == 1
 

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from june_worker.gateway.backend import GatewayBackend
 from june_worker.gateway.client import SSEMessage, parse_sse
+from tests._budgets import PROCESS_START_S
 from tests.integration.conftest import Stack, wait_for
 
 TERMINAL = {"turn.completed", "turn.failed", "turn.cancelled", "input.requested"}
@@ -41,7 +42,11 @@ class ServedApp:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        wait_for(lambda: self.server.started or not self.thread.is_alive(), timeout_s=30, what="uvicorn to start")
+        wait_for(
+            lambda: self.server.started or not self.thread.is_alive(),
+            timeout_s=PROCESS_START_S,
+            what="uvicorn to start",
+        )
         if not self.server.started:
             raise AssertionError("uvicorn did not start; see the log")
         self._sock = sock

@@ -16,6 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
+from june_worker.engine.store import SessionRef
+from june_worker.stores.postgres import PostgresStore
+from june_worker.worker.queue import SessionQueue
 from tests.integration.conftest import wait_for
 
 from .kit import Gateway, read_events, sse_headers, wait_event
@@ -420,6 +423,27 @@ def test_reset_archives_the_session_and_ends_its_park(gateway: Gateway) -> None:
     assert last.event == "turn.cancelled" and last.json()["reason"] == "reset"
     after = client.post(gateway.path("ops", session, "/turns"), json={"text": "hello again"}, params={"wait": 1})
     assert after.json()["status"] == "completed"
+
+
+def test_s90_a_turn_started_while_a_reset_of_its_parked_session_is_pending_is_accepted_and_runs_after_it(
+    gateway: Gateway,
+) -> None:
+    # Given a parked session whose reset a worker recorded but has not performed (its answer was "pending")
+    session, parked_turn = park(gateway)
+    store = PostgresStore(gateway.stack.db_url, migrate=False)
+    try:
+        SessionQueue(store.pool, lease_s=2).request_reset(SessionRef("ops", session))
+    finally:
+        store.close()
+    # When a turn is started there
+    r = gateway.client().post(gateway.path("ops", session, "/turns"), json={"text": "hello"}, params={"wait": 1})
+    # Then it is not refused for the park the reset ends: it runs on the new generation
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "completed"
+    assert gateway.stack.sql("select generation, reset_pending from june_sessions where session = %s", session) == [
+        (1, False)
+    ]
+    assert wait_event(gateway, "ops", session, parked_turn, "turn.cancelled")["reason"] == "reset"
 
 
 # --- the rest of the surface ------------------------------------------------------------------------

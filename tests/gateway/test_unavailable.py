@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -52,3 +53,24 @@ def test_the_console_feed_says_the_event_store_is_unavailable_when_redis_does_no
         assert feed.status_code == 200
         lines = list(feed.iter_lines())
     assert ": event store unavailable; reconnect" in lines
+
+
+def test_a_reset_no_control_worker_answers_in_time_is_504_saying_it_was_withdrawn(gateway: Gateway) -> None:
+    # Given a session, and a gateway whose control queue no worker serves
+    session = f"s-{uuid.uuid4().hex[:12]}"
+    made = gateway.client().post(gateway.path("ops", session, "/turns"), json={"text": "hello"}, params={"wait": 1})
+    assert made.status_code == 200, made.text
+    unserved = f"{gateway.stack.control_queue}.unserved-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(
+        gateway.stack, gateway.app.state.settings.tokens, control_queue=unserved, control_timeout_s=2.0
+    )
+    served = ServedApp(create_app(settings))
+    try:
+        # When it is asked to reset the session
+        r = httpx.post(f"{served.url}{gateway.path('ops', session, '/reset')}", headers=gateway.auth(), timeout=30)
+    finally:
+        served.stop()
+        gateway.stack.redis.delete(unserved)
+    # Then it answers 504: the reset expired unanswered and will not happen later
+    assert r.status_code == 504
+    assert r.json() == {"detail": "no june worker answered in time; the message was withdrawn and will not run"}

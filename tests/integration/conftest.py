@@ -34,6 +34,7 @@ import psycopg
 import pytest
 
 from june_worker.events._redis_url import connect
+from tests._budgets import PROCESS_START_S
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -259,7 +260,7 @@ class Stack:
                 raise AssertionError(f"worker {proc.name} exited:\n{proc.tail()}")
             return False
 
-        wait_for(ready, timeout_s=60, every_s=0.1, what=f"worker {proc.name} to be ready")
+        wait_for(ready, timeout_s=PROCESS_START_S, every_s=0.1, what=f"worker {proc.name} to be ready")
 
     def beat(self, env: dict[str, str] | None = None) -> Proc:
         args = [
@@ -268,7 +269,9 @@ class Stack:
         ]  # fmt: skip
         proc = Proc("beat", args, {**self.env, **(env or {})}, self.tmp / "beat.log")
         self.procs.append(proc)
-        wait_for(lambda: "beat: Starting" in proc.log.read_text(errors="replace"), timeout_s=30, what="beat")
+        wait_for(
+            lambda: "beat: Starting" in proc.log.read_text(errors="replace"), timeout_s=PROCESS_START_S, what="beat"
+        )
         return proc
 
     def stop(self) -> None:

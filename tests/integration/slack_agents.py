@@ -14,6 +14,9 @@ from the transcript alone and speaks word by word (``JUNE_IT_SLACK_WORD_S`` apar
   (``slack_desk/``: Slack's turns are denied ``wire_money``); "wire": calls ``wire_money``;
 * anything else: "did: <text>".
 
+``bare`` (``slack_agents:BARE``, served by no worker here) has no ``deliver`` hook: a gateway must refuse to
+take Slack's events for it.
+
 A turn is held before its first model call while the file ``hold-<turn id>`` exists in
 ``JUNE_IT_SLACK_GATES`` (a test releases it by deleting the file).
 """
@@ -137,3 +140,7 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
             deliver=Channels([SlackChannel.from_env()]),
         )
     ]
+
+
+def BARE() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
+    return [Agent(name="bare", model=DeskModel(), instructions="Answer.", tools=[approve_refund])]

@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from producers import JuneProducer
+from tests._budgets import PROCESS_START_S
 
 from .kit import queue_keys, wait_until
 
@@ -108,7 +109,7 @@ def stub_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
                 raise AssertionError(f"stub worker exited with {process.returncode}:\n{log.read_text()}")
             return ready.exists()
 
-        wait_until(started, "the stub Celery worker to be ready", timeout_s=60)
+        wait_until(started, "the stub Celery worker to be ready", timeout_s=PROCESS_START_S)
         yield StubWorker(names, process, log)
     finally:
         if process.poll() is None:

@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -216,6 +217,19 @@ def test_cancel_and_reset_print_the_workers_answer(
     assert cancel == {"status": "cancelled", "turn_ids": ["t_7"]}
     assert pending["status"] == "pending"
     assert rejected["status"] == "rejected" and rejected["reason"]
+
+
+def test_a_reset_no_worker_answered_in_time_exits_5_and_its_message_expires_unrun(
+    env: Names, rclient: redis.Redis, session_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given no worker on the control queue
+    # When june-produce reset gives up waiting
+    assert main(["reset", "ops", session_id, "--json", "--wait", "1"]) == 5
+    # Then it says the reset was withdrawn, and the message left in the queue carries an expiry before now
+    assert "withdrawn" in capsys.readouterr().err
+    message = pop_message(rclient, env.control_queue)
+    assert message.task == "june.reset"
+    assert datetime.fromisoformat(message.headers["expires"]) < datetime.now(UTC)
 
 
 def test_a_bad_name_exits_2_with_the_reason(env: Names, capsys: pytest.CaptureFixture[str]) -> None:

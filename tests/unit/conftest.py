@@ -75,7 +75,7 @@ async def make_model(api: AnthropicAPI) -> AsyncIterator[Callable[..., Any]]:
     def make(**kwargs: Any) -> AnthropicModel:
         client = anthropic.AsyncAnthropic(api_key=KEY, base_url=api.url)
         clients.append(client)
-        kwargs.setdefault("stream_retry_delay_s", 0.0)
+        kwargs.setdefault("retry_delay_s", 0.0)
         return AnthropicModel("claude-sonnet-4-6", client=client, **kwargs)
 
     yield make

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from june_worker import Agent, Runtime, tool
-from june_worker.engine.events import Failed, TurnEvent
+from june_worker.engine.events import Completed, Failed, TurnEvent
 from june_worker.engine.model import Done, ModelRequest
 from june_worker.engine.store import SessionRef
 from june_worker.engine.types import AssistantMessage, UserMessage
@@ -20,7 +20,7 @@ from june_worker.models._anthropic_mapping import EMPTY_MESSAGE_NOTE
 from june_worker.models.anthropic import AnthropicModel
 from june_worker.stores import SQLiteStore
 
-from .._anthropic_api import AnthropicAPI, sse
+from .._anthropic_api import AnthropicAPI, api_error, sse
 
 
 def order_agent(model: AnthropicModel, runs: list[dict[str, Any]]) -> Agent:
@@ -33,12 +33,10 @@ def order_agent(model: AnthropicModel, runs: list[dict[str, Any]]) -> Agent:
     return Agent(name="ops", model=model, instructions="You take orders.", tools=[create_order])
 
 
-# --- a tool call cut off by max_tokens ------------------------------------------------------------------
+# --- a reply that stopped on max_tokens: whole tool calls run, cut ones are dropped ---------------------------
 
 
-async def test_a_tool_call_cut_off_by_max_tokens_never_runs_and_fails_the_model_step(
-    api: AnthropicAPI, make_model: Any
-) -> None:
+async def test_a_tool_call_cut_off_by_max_tokens_is_dropped_and_never_runs(api: AnthropicAPI, make_model: Any) -> None:
     # Given a reply that ran out of tokens inside a tool call's JSON ({"item": "widget", "qty": 1 ... of 12)
     api.serve(sse("tool_use_max_tokens.sse"))
     store = SQLiteStore(":memory:")
@@ -48,12 +46,72 @@ async def test_a_tool_call_cut_off_by_max_tokens_never_runs_and_fails_the_model_
     session.observe(events.append)
     # When the turn runs
     result = await session.result(await session.start("Order 12 widgets", turn_id="t1"))
-    # Then the call never ran, nothing of the reply was committed, and the turn failed in its model step
+    # Then the call never ran and was not committed: the reply's text is what the turn ends with
     assert runs == []
-    assert isinstance(result, Failed) and (result.phase, result.step) == ("model", "model:1")
-    assert "stopped abnormally — max_tokens" in result.error.message and "create_order" in result.error.message
-    assert not any(isinstance(m, AssistantMessage) for m in store.load(SessionRef("ops", "s1")).messages)
+    assert isinstance(result, Completed) and result.text == "Ordering twelve."
+    (reply,) = [m for m in store.load(SessionRef("ops", "s1")).messages if isinstance(m, AssistantMessage)]
+    assert reply.tool_calls == []
     assert [e.type for e in events if e.type.startswith("action.")] == []
+    store.close()
+
+
+async def test_a_tool_call_written_whole_before_max_tokens_runs_and_the_turn_goes_on(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given a reply that stopped on max_tokens right after a whole tool call ({"item": "widget", "qty": 12})
+    api.serve(sse("tool_use_whole_max_tokens.sse"), sse("final_answer.sse"))
+    store = SQLiteStore(":memory:")
+    runs: list[dict[str, Any]] = []
+    session = Runtime([order_agent(make_model(), runs)], store).session("ops", "s1")
+    # When the turn runs
+    result = await session.result(await session.start("Order 12 widgets", turn_id="t1"))
+    # Then the call ran with its input, and the model went on from its result
+    assert runs == [{"item": "widget", "qty": 12}]
+    assert isinstance(result, Completed) and result.text == "Done — order placed."
+    store.close()
+
+
+async def test_after_max_tokens_only_calls_of_complete_json_valid_for_their_tool_run(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given a reply that stopped on max_tokens after three calls: one whole, one whole JSON that its tool's schema
+    # refuses (no item), and one cut off inside its JSON
+    api.serve(sse("tool_use_whole_invalid_cut_max_tokens.sse"), sse("final_answer.sse"))
+    store = SQLiteStore(":memory:")
+    runs: list[dict[str, Any]] = []
+    session = Runtime([order_agent(make_model(), runs)], store).session("ops", "s1")
+    events: list[TurnEvent] = []
+    session.observe(events.append)
+    # When the turn runs
+    result = await session.result(await session.start("Order widgets, and gadgets", turn_id="t1"))
+    # Then only the whole, valid call was committed and ran; the turn went on without the other two
+    assert runs == [{"item": "widget", "qty": 3}]
+    assert isinstance(result, Completed) and result.text == "Done — order placed."
+    reply = next(m for m in store.load(SessionRef("ops", "s1")).messages if isinstance(m, AssistantMessage))
+    assert [c.id for c in reply.tool_calls] == ["toolu_01Whole3"]
+    assert [e.call.id for e in events if e.type == "action.requested"] == ["toolu_01Whole3"]
+    store.close()
+
+
+# --- one retry budget per model call --------------------------------------------------------------------------
+
+
+async def test_a_turn_against_an_overloaded_api_sends_its_model_call_max_retries_plus_one_times_then_fails(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given an API that answers every request with a 529 (and a retry-after), and a model allowed two retries
+    api.serve(*[api_error(529, "overloaded_529.json") for _ in range(60)])
+    store = SQLiteStore(":memory:")
+    session = Runtime([order_agent(make_model(max_retries=2), [])], store).session("ops", "s1")
+    # When a turn runs
+    result = await session.result(await session.start("Order 3 widgets", turn_id="t1"))
+    # Then its model call was sent three times in all (no step retry, no further attempt stacked on them), and
+    # the turn failed in its model step saying the retries were spent; the session serves its next turn
+    assert len(api.requests) == 3
+    assert isinstance(result, Failed) and (result.phase, result.step) == ("model", "model:1")
+    assert "529 overloaded_error" in result.error.message and "gave up after 2 of 2 retries" in result.error.message
+    rec = store.get_turn(SessionRef("ops", "s1"), "t1")
+    assert rec is not None and rec.status == "failed" and rec.attempts == 1
     store.close()
 
 

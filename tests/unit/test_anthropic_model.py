@@ -37,6 +37,7 @@ from june_worker.engine.types import (
     UserMessage,
 )
 from june_worker.errors import ConfigError, ModelStreamError
+from june_worker.models._anthropic_retries import RetryBudget
 from june_worker.models.anthropic import INSTALL_HINT, AnthropicModel, ModelProviderError
 from june_worker.stores import SQLiteStore
 
@@ -395,24 +396,65 @@ async def test_s53_iterating_without_the_sdk_says_to_install_the_extra(no_sdk: C
 # --- retries and errors -------------------------------------------------------------------------------------
 
 
-async def test_an_overloaded_529_is_retried_by_the_sdk_and_the_reply_is_yielded_once(
-    api: AnthropicAPI, make_model: Any
-) -> None:
+async def test_an_overloaded_529_is_retried_and_the_reply_is_yielded_once(api: AnthropicAPI, make_model: Any) -> None:
     api.serve(api_error(529, "overloaded_529.json"), sse("text_only.sse"))
     deltas = await collect(make_model())
     assert [type(d).__name__ for d in deltas] == ["TextChunk", "TextChunk", "TextChunk", "Done"]
-    assert [r.headers["x-stainless-retry-count"] for r in api.requests] == ["0", "1"]
-    assert api.bodies[0] == api.bodies[1]
+    assert len(api.requests) == 2 and api.bodies[0] == api.bodies[1]
 
 
-async def test_a_529_after_the_last_retry_raises_a_retryable_provider_error(api: AnthropicAPI, make_model: Any) -> None:
-    api.serve(api_error(529, "overloaded_529.json"), api_error(529, "overloaded_529.json"))
+async def test_a_529_after_the_last_retry_raises_a_provider_error_nobody_retries_again(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given an API that stays overloaded, and a model allowed one retry
+    api.serve(*[api_error(529, "overloaded_529.json") for _ in range(5)])
+    # When the model is called, Then it sends two requests and raises an error marked not retryable, saying so
     with pytest.raises(ModelProviderError) as raised:
         await collect(make_model(max_retries=1))
     assert len(api.requests) == 2
     err = raised.value
-    assert (err.status_code, err.error_type, err.retryable) == (529, "overloaded_error", True)
-    assert str(err) == "Anthropic API error 529 overloaded_error: Overloaded (request req_test)"
+    assert (err.status_code, err.error_type, err.retryable) == (529, "overloaded_error", False)
+    assert re.fullmatch(
+        r"Anthropic API error 529 overloaded_error: Overloaded \(request req_test\); "
+        r"gave up after 1 of 1 retries in \d+\.\ds",
+        str(err),
+    )
+
+
+async def test_the_sdks_own_retries_are_off_so_each_request_is_one_of_the_budget(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given an injected SDK client (its default: two retries of its own) and an API that stays overloaded
+    api.serve(*[api_error(529, "overloaded_529.json") for _ in range(10)])
+    # When a model with no retries of its own is called, Then exactly one request was sent
+    with pytest.raises(ModelProviderError):
+        await collect(make_model(max_retries=0))
+    assert len(api.requests) == 1
+
+
+async def test_a_529_is_retried_after_the_servers_retry_after(api: AnthropicAPI, make_model: Any) -> None:
+    # Given a 529 that says how soon to come back (retry-after-ms, then retry-after in seconds)
+    for headers, expected in (({"retry-after-ms": "250"}, 0.25), ({"retry-after": "3"}, 3.0)):
+        overloaded = api_error(529, "overloaded_529.json")
+        api.serve(Recorded(529, overloaded.body, {**overloaded.headers, "retry-after-ms": "", **headers}))
+        with pytest.raises(ModelProviderError) as raised:
+            await collect(make_model(max_retries=0))
+        # When the budget asks how long to wait before sending it again, Then it is the server's wait
+        cause = raised.value.__cause__
+        assert isinstance(cause, anthropic.APIStatusError)
+        assert RetryBudget(1, delay_s=0.0, max_wait_s=60.0).next_wait(cause) == expected
+
+
+async def test_a_retry_after_longer_than_the_budget_allows_ends_the_retries_at_once(
+    api: AnthropicAPI, make_model: Any
+) -> None:
+    # Given a 529 asking to come back in two minutes, and a budget that waits at most a minute
+    overloaded = api_error(529, "overloaded_529.json")
+    api.serve(*[Recorded(529, overloaded.body, {**overloaded.headers, "retry-after-ms": "120000"})] * 3)
+    # When the model is called, Then one request was sent, and the error says why no other was
+    with pytest.raises(ModelProviderError, match="asked to wait 120s, longer than max_retry_wait_s=60") as raised:
+        await collect(make_model(max_retries=3, max_retry_wait_s=60))
+    assert len(api.requests) == 1 and not raised.value.retryable
 
 
 async def test_an_in_stream_overloaded_error_before_any_output_restarts_the_request(
@@ -425,20 +467,21 @@ async def test_an_in_stream_overloaded_error_before_any_output_restarts_the_requ
     assert len(api.requests) == 2 and api.bodies[0] == api.bodies[1]
 
 
-async def test_in_stream_restarts_are_bounded(api: AnthropicAPI, make_model: Any) -> None:
-    api.serve(*[sse("overloaded_in_stream.sse") for _ in range(3)], sse("text_only.sse"))
+async def test_in_stream_restarts_use_the_same_budget(api: AnthropicAPI, make_model: Any) -> None:
+    api.serve(api_error(529, "overloaded_529.json"), *[sse("overloaded_in_stream.sse") for _ in range(3)])
     with pytest.raises(ModelProviderError, match="stream error overloaded_error: Overloaded") as raised:
-        await collect(make_model(stream_retries=2))
-    assert len(api.requests) == 3 and raised.value.retryable
+        await collect(make_model(max_retries=2))
+    assert len(api.requests) == 3 and not raised.value.retryable
 
 
 async def test_an_in_stream_error_after_text_was_forwarded_is_not_retried(api: AnthropicAPI, make_model: Any) -> None:
     api.serve(sse("error_after_text.sse"), sse("text_only.sse"))
     seen: list[ModelDelta] = []
-    with pytest.raises(ModelProviderError, match="overloaded_error"):
+    with pytest.raises(ModelProviderError, match="overloaded_error") as raised:
         async for delta in make_model().stream(ask()):
             seen.append(delta)
     assert seen == [TextChunk(text="Partial")] and len(api.requests) == 1
+    assert raised.value.retryable  # its budget untouched: the engine may run the step again (a new attempt)
 
 
 async def test_a_connection_dropped_mid_stream_before_any_output_restarts(api: AnthropicAPI, make_model: Any) -> None:
@@ -448,23 +491,22 @@ async def test_a_connection_dropped_mid_stream_before_any_output_restarts(api: A
     assert isinstance(deltas[-1], Done) and deltas[-1].reply.text == "Hello there!" and len(api.requests) == 2
 
 
-async def test_a_connection_that_never_answers_raises_a_retryable_provider_error_after_the_sdk_retries(
+async def test_a_connection_that_never_answers_is_sent_again_within_the_budget(
     api: AnthropicAPI, make_model: Any
 ) -> None:
     api.serve(HANG_UP, sse("text_only.sse"))
-    with pytest.raises(ModelProviderError, match="Anthropic connection failed") as raised:
-        await collect(make_model(max_retries=0))
-    assert raised.value.retryable and len(api.requests) == 1  # not restarted: the SDK owns connect retries
+    deltas = await collect(make_model(max_retries=1))
+    assert isinstance(deltas[-1], Done) and deltas[-1].reply.text == "Hello there!" and len(api.requests) == 2
 
 
-async def test_a_connection_that_never_opens_raises_a_retryable_provider_error() -> None:
-    client = anthropic.AsyncAnthropic(api_key=KEY, base_url=f"http://127.0.0.1:{closed_port()}", max_retries=0)
+async def test_a_connection_that_never_opens_raises_a_provider_error_once_the_budget_is_spent() -> None:
+    client = anthropic.AsyncAnthropic(api_key=KEY, base_url=f"http://127.0.0.1:{closed_port()}")
     try:
-        with pytest.raises(ModelProviderError, match="Anthropic connection failed") as raised:
-            await collect(AnthropicModel(client=client))
+        with pytest.raises(ModelProviderError, match="Anthropic connection failed.*gave up after 1 of 1") as raised:
+            await collect(AnthropicModel(client=client, max_retries=1, retry_delay_s=0.0))
     finally:
         await client.close()
-    assert raised.value.retryable
+    assert not raised.value.retryable
 
 
 async def test_a_non_retryable_error_raises_with_the_providers_message(api: AnthropicAPI, make_model: Any) -> None:

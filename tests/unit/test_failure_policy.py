@@ -23,6 +23,7 @@ from june_worker.engine.store import Commit, SessionRef, TurnPayload
 from june_worker.engine.types import ModelReply
 from june_worker.errors import (
     FatalToolError,
+    MessageIndexTakenError,
     ModelProviderError,
     PayloadError,
     PoisonTurnError,
@@ -61,6 +62,10 @@ def test_a_retryable_provider_error_is_transient_and_any_other_model_error_fatal
 
 def test_a_turn_given_up_is_poison() -> None:
     assert classify(PoisonTurnError("gave up"), phase="store") is Failure.POISON
+
+
+def test_a_commit_refused_for_a_taken_message_index_is_a_lost_race_not_a_failure() -> None:
+    assert classify(MessageIndexTakenError("message index 1 is taken"), phase="store") is Failure.LOST_RACE
 
 
 # --- values the store cannot hold (issue 10, item 3) ------------------------------------------------

@@ -267,11 +267,11 @@ async def test_an_empty_abnormal_stop_names_the_provider_value() -> None:
 
 
 @pytest.mark.parametrize("reason", ["max_tokens", "malformed_tool_call"])
-async def test_tool_calls_of_a_reply_cut_off_are_never_run_and_the_model_step_fails(reason: str) -> None:
-    # Given a reply that stopped on max_tokens while writing a call (its input parsed, but short)
+async def test_a_reply_cut_off_inside_its_only_tool_call_never_runs_it_and_the_model_step_fails(reason: str) -> None:
+    # Given a reply of nothing but a call it stopped inside (on max_tokens: its input parsed, but short)
     orders: list[dict[str, Any]] = []
     calls = [{"id": "c1", "name": "create_order", "input": {"item": "widget", "qty": 1}}]
-    cut = Reply("Ordering twelve.", calls=calls, finish=Finish(reason=reason, raw=reason))  # type: ignore[arg-type]
+    cut = Reply("", calls=calls, cut=["c1"], finish=Finish(reason=reason, raw=reason))  # type: ignore[arg-type]
     model = ScriptedModel([cut, Reply("Ordered.")])
     store = MemoryStore()
     rt = runtime_with(store, model, [list_order_tool(orders)])

@@ -94,9 +94,11 @@ def test_metric_labels_are_bounded_and_the_sweepers_summary_is_counted_by_action
     assert (m.agent("ops"), m.agent("t_01ANYTHING"), m.agent("s-123")) == ("ops", "_other", "_other")
     m.turn_ended("a-session-id", "completed")
     assert m.turns.labels("_other", "completed")._value.get() == 1
-    m.sweep({"redispatched": 2, "expired_parks": 0, "resets": 1, "relayed": 5, "pruned": {"events": 7, "turns": 0}})
-    counted = {a: m.sweeps.labels(a)._value.get() for a in ("redispatched", "resets", "relayed", "pruned_events")}
-    assert counted == {"redispatched": 2, "resets": 1, "relayed": 5, "pruned_events": 7}
+    summary = {"redispatched": 2, "expired_parks": 0, "resets": 1, "relayed": 5, "rebuilt": 4, "pruned": {"events": 7}}
+    m.sweep(summary)
+    actions = ("redispatched", "resets", "relayed", "rebuilt", "pruned_events")
+    counted = {a: m.sweeps.labels(a)._value.get() for a in actions}
+    assert counted == {"redispatched": 2, "resets": 1, "relayed": 5, "rebuilt": 4, "pruned_events": 7}
     m.message_rejected("not-a-task-name\n")
     assert m.rejected_messages.labels("_other")._value.get() == 1
 

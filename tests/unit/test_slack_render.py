@@ -324,6 +324,70 @@ def test_s189_post_once_mode_posts_the_completed_text_once(slack: FakeSlack) -> 
     ]
 
 
+def test_post_once_with_a_status_line_sets_it_while_the_run_goes_on_and_the_delivery_clears_it(
+    slack: FakeSlack,
+) -> None:
+    # Given post-once rendering with a status line: the renderer has a live part (the status line only)
+    s = Seq()
+    events = [s(started()), delta("Hel"), s(TurnCompleted(turn_id="t1", text="Hello"))]
+    state = MemoryRenderState()
+    r = renderer(slack, state, live=False, status="is thinking…")
+    assert r.live
+    # When the run goes on, then ends and is delivered
+    for event in events:
+        r.feed(event)
+        r.push()
+    assert [(c.method, c.body["status"]) for c in slack.calls] == [("assistant.threads.setStatus", "is thinking…")]
+    finish(slack, state, events, Completed(turn_id="t1", text="Hello"))
+    # Then the reply is posted once, and the status line cleared after it
+    assert [(c.method, c.body.get("status", c.body.get("text"))) for c in slack.calls] == [
+        ("assistant.threads.setStatus", "is thinking…"), ("chat.postMessage", "Hello"),
+        ("assistant.threads.setStatus", ""),
+    ]  # fmt: skip
+
+
+def test_a_prompt_slack_refuses_for_good_is_said_once_in_plain_text_and_the_status_line_is_cleared(
+    slack: FakeSlack, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a worker that died with the status line on while its turn parked, and Slack refusing the prompt's blocks
+    slack.refuse_blocks = "invalid_blocks"
+    state = MemoryRenderState({"status": {"on": True}})
+    # When the delivery converges the thread, twice (at least once)
+    with caplog.at_level(logging.ERROR, logger="june_worker.channels.slack"):
+        for _ in range(2):
+            finish(slack, state, parked_events(Seq()), Suspended(turn_id="t1", request=REQUEST))
+    # Then the buttons are tried once, a plain note says what waits and where to answer it, and the status is off
+    assert [(c.method, c.ok) for c in slack.calls] == [
+        ("chat.postMessage", False), ("chat.postMessage", True), ("assistant.threads.setStatus", True),
+    ]  # fmt: skip
+    note = slack.calls[1].body
+    assert "blocks" not in note and note["thread_ts"] == "1.1"
+    assert "Approve refund?" in note["text"] and "answered from the gateway or the console" in note["text"]
+    assert slack.calls[2].body["status"] == "" and state.get("status") == {"on": False}
+    assert "approval prompt approve-1 of turn t1 could not be shown in Slack (invalid_blocks)" in caplog.text
+
+
+def test_the_run_after_an_answer_to_a_refused_prompt_is_posted_as_a_message_of_its_own(slack: FakeSlack) -> None:
+    # Given a park whose prompt Slack refused (a plain note in its place), answered elsewhere
+    s = Seq()
+    first = parked_events(s)
+    slack.refuse_blocks = "invalid_blocks"
+    state = live(slack, first)
+    slack.refuse_blocks = None
+    resumed = s(TurnStarted(turn_id="t1", trigger=ResumeTrigger(call_id="c1", input_id="approve-1")))
+    before = len(slack.calls)
+    # When the run after the answer renders
+    r = renderer(slack, state, history=[*first, resumed])
+    for event in [s(TurnCompleted(turn_id="t1", text="Refund approved."))]:
+        r.feed(event)
+        r.push()
+    # Then it is a new message in the thread (the note is left as it is)
+    assert [(c.method, c.body["text"], "blocks" in c.body) for c in slack.calls[before:]] == [
+        ("chat.postMessage", "Refund approved.", False),
+    ]
+    assert [m.text for m in slack.thread("C1", "1.1")][-1] == "Refund approved."
+
+
 def test_s183_the_continuation_renders_into_the_prompt_message(slack: FakeSlack) -> None:
     s = Seq()
     first = parked_events(s)

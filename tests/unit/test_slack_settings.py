@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from june_worker import Agent
+from june_worker.channels import Channels, MemoryRenderState, RenderContext, receiving_only
 from june_worker.channels.slack import SlackChannel
+from june_worker.channels.webhook import WebhookChannel
 from june_worker.errors import ConfigError
 from june_worker.gateway import GatewaySettings
+from june_worker.gateway.slack_settings import ResolveIdentity, SlackGatewaySettings, slack_from_env
+from june_worker.models import ScriptedModel
 
 BASE = {"JUNE_GATEWAY_AGENTS": "desk,ops", "JUNE_GATEWAY_INSECURE_DEV": "1"}
 
@@ -56,3 +61,70 @@ def test_the_worker_channel_needs_the_bot_token_and_keeps_it_out_of_its_repr() -
     assert "xoxb-1-secret" not in repr(channel)
     with pytest.raises(ConfigError, match="JUNE_SLACK_LIVE"):
         SlackChannel.from_env({"SLACK_BOT_TOKEN": "xoxb-1", "JUNE_SLACK_LIVE": "sometimes"})
+
+
+def test_a_channel_built_for_a_process_that_only_receives_needs_no_token_and_never_posts() -> None:
+    # Given the gateway building the agents (receiving only), with no SLACK_BOT_TOKEN
+    with receiving_only():
+        channel = SlackChannel.from_env({"JUNE_SLACK_STATUS": "is thinking…"})
+    # Then the channel exists, but asking it to render or to tell someone names the missing token
+    ctx = RenderContext(agent="desk", session="slack:C1:1.1", turn_id="t1", state=MemoryRenderState())
+    target = {"channel": "slack", "channel_id": "C1", "thread_ts": "1.1", "user": "U1"}
+    with pytest.raises(ConfigError, match="SLACK_BOT_TOKEN"):
+        channel.renderer(target, ctx)
+    with pytest.raises(ConfigError, match="SLACK_BOT_TOKEN"):
+        channel.notify(target, "hello")
+
+
+def _old(user_id: str, team_id: str | None) -> None:
+    return None
+
+
+def _keywords(user_id: str, team_id: str | None, *, channel_id: str | None = None) -> None:
+    return None
+
+
+def _everything(user_id: str, team_id: str | None, **more: object) -> None:
+    return None
+
+
+async def _new(user_id: str, team_id: str | None, *, user_team_id: str | None, channel_id: str | None) -> None:
+    return None
+
+
+@pytest.mark.parametrize(
+    "resolver, called_with",
+    [
+        (_old, {}),
+        (_keywords, {"channel_id": "C1"}),
+        (_everything, {"user_team_id": "T2", "channel_id": "C1"}),
+        (_new, {"user_team_id": "T2", "channel_id": "C1"}),
+    ],
+)
+def test_the_identity_resolver_gets_only_the_keywords_its_signature_names(
+    resolver: ResolveIdentity, called_with: dict[str, str]
+) -> None:
+    # Given a resolver written for (user_id, team_id), or naming some or all of the newer keywords
+    settings = SlackGatewaySettings(signing_secret="x", agent="desk", resolve_identity=resolver)
+    # Then it is called with those keywords only (an old one with none, so it keeps working)
+    assert settings.resolver_arguments("T2", "C1") == called_with
+
+
+def _one_argument(user_id: str) -> None:
+    return None
+
+
+def test_an_identity_resolver_that_cannot_take_a_user_and_a_team_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigError, match="JUNE_SLACK_RESOLVE_IDENTITY: '_one_argument' cannot be called as"):
+        SlackGatewaySettings(signing_secret="x", agent="desk", resolve_identity=_one_argument)
+
+
+def test_a_slack_agent_reached_through_other_channels_only_is_refused() -> None:
+    # Given the gateway's built agents: the Slack agent's deliver hook has a webhook channel, not Slack
+    agent = Agent(
+        name="desk", model=ScriptedModel([]), deliver=Channels([WebhookChannel({"ops": "http://127.0.0.1:9/"})])
+    )
+    env = {"SLACK_SIGNING_SECRET": "x", "JUNE_SLACK_AGENT": "desk"}
+    # Then the Slack settings refuse it, naming what it is reached through
+    with pytest.raises(ConfigError, match=r"agent desk is reached through \['webhook'\], not slack"):
+        slack_from_env(env, ("desk",), {"desk": agent})

@@ -51,16 +51,22 @@ class Queue:
 
 @pytest.fixture
 def steps(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The steps that are not queue queries (waking parents, pruning), as they run."""
+    """The steps that are not queue queries (waking parents, looking for a Redis data loss, pruning), as they run."""
     ran: list[str] = []
     monkeypatch.setattr(sweeper, "wake_parents", lambda host, dispatch, *, limit: ran.append("wake_parents") or 0)
+    monkeypatch.setattr(sweeper.losses, "pending_pass", lambda client, keys: ran.append("pending_pass") or None)
     monkeypatch.setattr(sweeper, "prune", lambda pool, sink, settings: ran.append("prune") or Pruned(events=3))
     return ran
 
 
 def _host(queue: Queue) -> Any:
     return SimpleNamespace(
-        queue=queue, settings=SimpleNamespace(sweep_s=1.0), store=SimpleNamespace(pool=None), sink=None
+        queue=queue,
+        settings=SimpleNamespace(sweep_s=1.0),
+        store=SimpleNamespace(pool=None),
+        sink=None,
+        redis=None,
+        keys=None,
     )
 
 
@@ -79,7 +85,7 @@ def test_a_step_that_fails_is_logged_and_every_step_after_it_still_runs(
         "unrelayed",
         "forget_dead_workers",
     ]
-    assert steps == ["wake_parents", "prune"]
+    assert steps == ["wake_parents", "pending_pass", "prune"]
     assert summary["status"] == "swept" and summary["pruned"]["events"] == 3
     assert "sweep: expiring parks failed; the other steps go on" in caplog.text
     assert "sweep: re-sending stranded turns failed" in caplog.text and "bad row" in caplog.text

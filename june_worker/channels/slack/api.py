@@ -40,9 +40,11 @@ RETRYABLE_CODES = frozenset(
 class SlackApi:
     """A Web API client made lazily, again after a fork (a prefork worker's child makes its own)."""
 
+    DEFAULT_URL = WebClient.BASE_URL
+
     def __init__(self, token: str, *, base_url: str | None = None, timeout_s: float = 10.0, retries: int = 2) -> None:
         self._token = token
-        self.base_url = base_url or WebClient.BASE_URL
+        self.base_url = base_url or self.DEFAULT_URL
         self.timeout_s = timeout_s
         self.retries = retries
         self._client: WebClient | None = None

@@ -1,7 +1,10 @@
 """The Slack channel's outbound side, as a worker holds it: a bot token, rendering options, a renderer per run.
 
 Configured where the worker process starts (:meth:`SlackChannel.from_env`, in the function that
-builds the agents); the Web API client itself is made on first use in each process.
+builds the agents); the Web API client itself is made on first use in each process. The gateway
+builds the same agents to learn their names (inside :func:`~june_worker.channels.base.receiving_only`),
+and holds no bot token: there ``from_env`` without ``SLACK_BOT_TOKEN`` gives a channel that never
+posts (its :meth:`~SlackChannel.renderer` and :meth:`~SlackChannel.notify` raise ``ConfigError``).
 
 ==============================  ===================================================  ==================
 variable                        meaning                                              default
@@ -24,7 +27,7 @@ from collections.abc import Mapping
 
 from ...engine.types import JsonValue
 from ...errors import ChannelError, ConfigError
-from ..base import RenderContext
+from ..base import RenderContext, is_receiving_only
 from .api import SlackApi
 from .render import SlackOptions, SlackRenderer
 
@@ -50,17 +53,33 @@ class SlackChannel:
     def __init__(self, token: str, *, base_url: str | None = None, options: SlackOptions | None = None) -> None:
         if not token.strip():
             raise ConfigError("the Slack channel needs a bot token (SLACK_BOT_TOKEN)")
-        self.api = SlackApi(token.strip(), base_url=base_url)
+        self._api: SlackApi | None = SlackApi(token.strip(), base_url=base_url)
+        self.base_url = self._api.base_url
         self.options = options or SlackOptions()
 
     def __repr__(self) -> str:
-        return f"SlackChannel({self.api.base_url!r}, {self.options!r})"
+        return f"SlackChannel({self.base_url!r}, {self.options!r})"
+
+    @classmethod
+    def receiving(cls, *, base_url: str | None = None, options: SlackOptions | None = None) -> SlackChannel:
+        """The channel as a process that only receives holds it: no bot token, so it never posts."""
+        channel = cls.__new__(cls)  # not __init__: that one demands the token
+        channel._api = None
+        channel.base_url = base_url or SlackApi.DEFAULT_URL
+        channel.options = options or SlackOptions()
+        return channel
+
+    @property
+    def api(self) -> SlackApi:
+        if self._api is None:
+            raise ConfigError("SLACK_BOT_TOKEN is not set: the Slack channel cannot post without the bot token")
+        return self._api
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SlackChannel:
         env = os.environ if env is None else env
         token = env.get("SLACK_BOT_TOKEN", "")
-        if not token.strip():
+        if not token.strip() and not is_receiving_only():
             raise ConfigError("SLACK_BOT_TOKEN is not set: the Slack channel cannot post without the bot token")
         try:
             interval_s = float(env.get("JUNE_SLACK_INTERVAL_S", "0.6"))
@@ -73,7 +92,10 @@ class SlackChannel:
             approval_confirm=_flag(env, "JUNE_SLACK_APPROVAL_CONFIRM", False),
             interval_s=max(0.0, interval_s),
         )
-        return cls(token, base_url=env.get("JUNE_SLACK_API_URL") or None, options=options)
+        base_url = env.get("JUNE_SLACK_API_URL") or None
+        if not token.strip():  # a gateway building the agents for their names: the token is the workers' only
+            return cls.receiving(base_url=base_url, options=options)
+        return cls(token, base_url=base_url, options=options)
 
     def renderer(self, target: Mapping[str, JsonValue], ctx: RenderContext) -> SlackRenderer:
         return SlackRenderer(self.api, target, ctx, self.options)

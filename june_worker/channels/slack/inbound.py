@@ -15,6 +15,9 @@ action that is not ``june_input:yes`` / ``june_input:no``) is None or an empty l
   the thread's (finding the thread takes ``conversations.replies``, a Web API call with the bot
   token, which this side holds neither of nor the time for within Slack's 3 seconds).
 * The speaker is attested (Slack signed it), ``source`` is ``slack``; the target is the thread.
+* :func:`speaker_team` / :func:`clicker_team`: the sender's own workspace, for the identity resolver.
+  In a Slack Connect channel it is not the workspace that received the request (``team_id``):
+  Slack names it in the event's ``user_team`` (or ``team``), and in a click's ``user.team_id``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ...errors import PayloadError
 from ..base import InboundAnswer, InboundTurn
 from .blocks import ACTION_PREFIX
 
-__all__ = ["SlackPayloadError", "parse_actions", "parse_event", "session_id"]
+__all__ = ["SlackPayloadError", "clicker_team", "parse_actions", "parse_event", "session_id", "speaker_team"]
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,40}$")
 _LEADING_MENTION = re.compile(r"^\s*<@[A-Z0-9]+>[\s,:]*")
@@ -109,6 +112,28 @@ def parse_event(
     target = {"channel": "slack", "channel_id": channel, "thread_ts": thread, "team_id": team, "user": user}
     replace = replace_in_flight and normal in ("message", "mention")
     return InboundTurn(session=session, turn_id=turn_id, text=text, event=inbound, target=target, replace=replace)
+
+
+def _team(payload: Mapping[str, Any], *candidates: tuple[Any, str]) -> str | None:
+    for value, what in candidates:
+        if value:
+            return _id(value, what)
+    received = payload.get("team_id")
+    return received if isinstance(received, str) and _ID_RE.match(received) else None
+
+
+def speaker_team(payload: Mapping[str, Any]) -> str | None:
+    """The workspace of the person an ``event_callback`` is from (their own, in a Slack Connect channel)."""
+    event = _obj(payload.get("event"), "event")
+    return _team(payload, (event.get("user_team"), "event.user_team"), (event.get("team"), "event.team"))
+
+
+def clicker_team(payload: Mapping[str, Any]) -> str | None:
+    """The workspace of the person who clicked (``block_actions``: ``user.team_id``, else the payload's team)."""
+    user, team = payload.get("user"), payload.get("team")
+    own = user.get("team_id") if isinstance(user, Mapping) else None
+    received = team.get("id") if isinstance(team, Mapping) else None
+    return _team(payload, (own, "user.team_id"), (received, "team.id"))
 
 
 def parse_actions(payload: Mapping[str, Any]) -> list[InboundAnswer]:

@@ -5,8 +5,11 @@ with ``chat.startStream`` when streaming is on (later words go out with ``chat.a
 calls as ``task_update`` chunks on the stream's timeline, the end with ``chat.stopStream``), or
 with ``chat.postMessage`` then ``chat.update`` otherwise (or when the stream cannot start). An
 optional status line (``assistant.threads.setStatus``) is set when the run starts and always
-cleared. ``input.requested`` posts the prompt with Approve / Deny buttons; the run that follows
-the answer renders into that prompt message (``chat.update``). Nothing is posted for a run with
+cleared (post-once too: then it is all a run shows until its end). ``input.requested`` posts the
+prompt with Approve / Deny buttons; the run that follows the answer renders into that prompt
+message (``chat.update``). A prompt whose buttons Slack refuses for good (``invalid_blocks``) is
+said in plain text instead, and logged: the turn stays parked, answerable from the gateway or the
+console, and the run after the answer is a message of its own. Nothing is posted for a run with
 no words (an empty or tool-only turn); a failed run gets a failure note, a cancelled one a closing
 line ("superseded by a newer message" when it was replaced).
 
@@ -79,6 +82,10 @@ def _task_chunk(task: Task) -> dict[str, Any]:
     return chunk
 
 
+_NOTE_PROMPT = 2000
+"""How much of a prompt the plain note repeats when Slack refused its buttons."""
+
+
 class _Aborted(Exception):
     """The live render was stopped (:meth:`SlackRenderer.abort`): no more Slack calls from it."""
 
@@ -99,7 +106,8 @@ class SlackRenderer:
         # Slack wants the person a stream is for, and their team, when it streams into a channel's thread.
         self.recipient = {"recipient_user_id": user if isinstance(user, str) else None,
                           "recipient_team_id": team if isinstance(team, str) else None}  # fmt: skip
-        self.live = options.live
+        # Post-once still has a live part when there is a status line: it is set while the run goes on.
+        self.live = options.live or bool(options.status and self.thread_ts)
         self.interval_s = options.interval_s
         self.segments = fold(ctx.history)
         self._seen_seq = max((e.seq or 0 for e in ctx.history), default=0)
@@ -134,6 +142,8 @@ class SlackRenderer:
         seg = self.segments[-1]
         try:
             self._status(seg)
+            if not self.options.live:
+                return  # post-once: the status line only; finish() posts the run and clears it
             if seg.key is not None and seg.key.startswith("resume:"):
                 self._push_continuation(seg)
             else:
@@ -307,11 +317,32 @@ class SlackRenderer:
             return
         blocks = prompt_blocks(request, turn_id=self.ctx.turn_id, session=self.ctx.session,
                                confirm=self.options.approval_confirm)  # fmt: skip
-        data = self._call("chat.postMessage", channel=self.channel_id, text=request.prompt, blocks=blocks,
-                          thread_ts=self._prompt_thread())  # fmt: skip
+        try:
+            data = self._call("chat.postMessage", channel=self.channel_id, text=request.prompt, blocks=blocks,
+                              thread_ts=self._prompt_thread())  # fmt: skip
+        except ChannelError as exc:
+            if classify(exc, phase="channel") is Failure.TRANSIENT:
+                raise  # the delivery tries again
+            self._prompt_refused(request, exc)
+            return
         ts = data.get("ts")
         if isinstance(ts, str):
             self.ctx.state.put(f"prompt:{request.id}", {"ts": ts, "prompt": request.prompt})
+
+    def _prompt_refused(self, request: InputRequest, exc: ChannelError) -> None:
+        """Slack refused the prompt's buttons for good (``invalid_blocks``...): the thread is told in plain text, so
+        nobody waits on buttons that will never come; the turn stays parked, answerable from the gateway or the
+        console. Recorded without a ts: the run after the answer is posted as a message of its own."""
+        code = exc.code or "refused"
+        log.error("the approval prompt %s of turn %s could not be shown in Slack (%s); the turn waits for an answer "
+                  "from the gateway or the console", request.id, self.ctx.turn_id, code)  # fmt: skip
+        note = (f"This turn waits for an answer to: {request.prompt[:_NOTE_PROMPT]}\n"
+                f"_Its Approve / Deny buttons could not be shown here (Slack refused them: {code}); it can be "
+                "answered from the gateway or the console._")  # fmt: skip
+        data = self._call("chat.postMessage", channel=self.channel_id, text=note, thread_ts=self._prompt_thread())
+        ts = data.get("ts")
+        self.ctx.state.put(f"prompt:{request.id}", {"note": ts if isinstance(ts, str) else None,
+                                                    "prompt": request.prompt, "refused": code})  # fmt: skip
 
     def _push_continuation(self, seg: Segment) -> None:
         """The run after an answer, shown in the prompt message (buttons gone); its own message if none was shown."""
@@ -360,8 +391,27 @@ class SlackRenderer:
     # --- at least once --------------------------------------------------------------------------------
 
     def finish(self, events: Sequence[TurnEvent], result: TurnResult) -> None:
-        """Show every run of the turn as its stored events say, touching only what is not shown yet."""
+        """Show every run of the turn as its stored events say, touching only what is not shown yet; then clear the
+        status line, whatever happened (a delivery that failed must not leave "is thinking…" on for good)."""
         self._finishing = True
+        try:
+            self._converge(events)
+        except BaseException:
+            try:
+                self._clear_left_status()
+            except Exception as exc:  # the failure to report is the first one
+                log.warning("the status line of turn %s could not be cleared (%s)", self.ctx.turn_id,
+                            type(exc).__name__)  # fmt: skip
+            raise
+        self._clear_left_status()
+
+    def _clear_left_status(self) -> None:
+        status = self.ctx.state.get("status") or {}
+        if status.get("on") and self.thread_ts:
+            self._status_on = True
+            self._clear_status()
+
+    def _converge(self, events: Sequence[TurnEvent]) -> None:
         segments = fold(events)
         for seg in segments:
             if seg.key is None or not seg.ended:
@@ -381,7 +431,3 @@ class SlackRenderer:
                     self._push_reply(seg)
             if seg.ending == "parked":
                 self._post_prompt(seg)
-        status = self.ctx.state.get("status") or {}
-        if status.get("on") and self.thread_ts:
-            self._status_on = True
-            self._clear_status()
