@@ -149,13 +149,7 @@ def measure(stack: BenchStack, worker: Proc, mode: str, turns: int, wait_s: floa
 def start(stack: BenchStack, mode: str, turns: int, prefork_c: int) -> Proc:
     env = {"JUNE_LEASE_S": "30", "JUNE_ALIVE_S": "3", "JUNE_TASK_EVENTS": "1"}
     if mode == "threads":
-        args = [
-            sys.executable, "-m", "june_worker.cli", "worker", "--turns-per-process", str(turns), "-I", "bench.tasks",
-            "-n", f"{stack.tag}-inflight@%h", "-Q", stack.queue,
-            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING",
-        ]  # fmt: skip
-        proc = Proc("inflight", args, {**stack.env, **env}, stack.tmp / "inflight.log")
-        stack.procs.append(proc)
+        proc = stack.worker("inflight", pool="threads", concurrency=turns, queues=stack.queue, env=env)
     else:
         proc = stack.worker("prefork", concurrency=prefork_c, queues=stack.queue, env=env)
     stack.wait_ready(proc, timeout_s=120)
