@@ -120,14 +120,26 @@ class BodyLimit:
 
 
 def _clip(value: Any) -> Any:
-    """``value`` if its JSON is short, else the first :data:`ECHO_CHARS` characters of it, marked as cut."""
+    """What a 422 may echo of ``value``: itself if its JSON is short, else the first :data:`ECHO_CHARS`
+    characters of its text, marked as cut. Always something the answer's JSON can hold: a value that
+    JSON cannot (bytes, NaN, an object) is echoed as its text, so the 422 is never a 500."""
     try:
-        text = value if isinstance(value, str) else json.dumps(value, default=str, ensure_ascii=False)
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, allow_nan=False)
+        safe = value
     except (TypeError, ValueError, RecursionError):
-        text = repr(type(value))
+        safe = text = _text(value)
     if len(text) <= ECHO_CHARS:
-        return value
+        return safe
     return text[:ECHO_CHARS] + f"… ({len(text)} characters)"
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", errors="replace")  # at most max_body_bytes (BodyLimit)
+    try:
+        return json.dumps(value, default=str, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        return repr(type(value))
 
 
 async def validation_error(request: Request, exc: Exception) -> JSONResponse:
