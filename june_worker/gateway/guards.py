@@ -70,7 +70,7 @@ QUERY_SHAPES: dict[str, Callable[[str], bool]] = {
     "after": _pattern(r"\d{1,20}(-\d{1,20})?|\$"),
     "after_seq": _pattern(r"\d{1,20}"),
     "limit": _pattern(r"\d{1,4}"),
-    "status": _pattern(r"new|running|suspended|done"),
+    "status": _pattern(r"new|running|suspended|done|rejected"),
     "cursor": _console_cursor,
 }
 """Every query parameter of the gateway's routes, and the shape of a value the access log may show.
