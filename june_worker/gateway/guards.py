@@ -122,9 +122,11 @@ class BodyLimit:
 def _clip(value: Any) -> Any:
     """What a 422 may echo of ``value``: itself if its JSON is short, else the first :data:`ECHO_CHARS`
     characters of its text, marked as cut. Always something the answer's JSON can hold: a value that
-    JSON cannot (bytes, NaN, an object) is echoed as its text, so the 422 is never a 500."""
+    JSON cannot (bytes, NaN, an object) or UTF-8 cannot (a lone surrogate) is echoed as its text, escaped,
+    so the 422 is never a 500."""
     try:
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")  # a lone surrogate ("\ud800" in the JSON sent) has no UTF-8: UnicodeEncodeError
         safe = value
     except (TypeError, ValueError, RecursionError):
         safe = text = _text(value)
@@ -137,9 +139,10 @@ def _text(value: Any) -> str:
     if isinstance(value, bytes | bytearray):
         return bytes(value).decode("utf-8", errors="replace")  # at most max_body_bytes (BodyLimit)
     try:
-        return json.dumps(value, default=str, ensure_ascii=False)
+        text = value if isinstance(value, str) else json.dumps(value, default=str, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
         return repr(type(value))
+    return text.encode("utf-8", errors="backslashreplace").decode("utf-8")  # "\ud800" stays readable
 
 
 async def validation_error(request: Request, exc: Exception) -> JSONResponse:

@@ -3,7 +3,8 @@
 The routes that take a body (``POST .../turns`` and ``POST .../turns/{turn_id}/resume``) read JSON
 only. A body sent as anything else (``text/plain``, XML, a form, no ``Content-Type``) is a 415
 naming what was sent, the kept-alive connection serves the next request, and the gateway logs
-no traceback. A JSON body whose wrong value JSON cannot echo back (``NaN``) is the ordinary 422.
+no traceback. A JSON body whose wrong value the answer cannot echo as it came (``NaN``, a lone
+surrogate) is the ordinary 422, and an answer JSON has no value for (``NaN``) is a 422 naming ``value``.
 A derandomized fuzz of media types and bytes checks that no body at all gets a 5xx.
 """
 
@@ -120,6 +121,41 @@ def test_a_json_body_with_a_value_json_cannot_echo_is_the_ordinary_422(gateway: 
     assert r.status_code == 422, r.text
     (error,) = r.json()["detail"]
     assert (error["loc"], error["type"], error["input"]) == (["body", "text"], "string_type", value.decode())
+
+
+def test_a_json_body_with_a_lone_surrogate_is_the_ordinary_422(gateway: Gateway) -> None:
+    # Given a JSON body whose text holds a lone surrogate (valid JSON, yet no UTF-8 string)
+    body = b'{"text": "\\ud800 hi"}'
+
+    # When a turn is started with it
+    r = gateway.client().post(route(gateway, "/turns"), content=body, headers={"Content-Type": "application/json"})
+
+    # Then it is the 422 naming the field, echoing the value escaped
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert (error["loc"], error["type"], error["input"]) == (["body", "text"], "string_unicode", "\\ud800 hi")
+
+
+def test_an_answer_json_has_no_value_for_is_422_naming_value_and_the_turn_stays_parked(gateway: Gateway) -> None:
+    # Given a turn parked on an approval
+    client, session, turn_id = gateway.client(), f"s-{uuid.uuid4().hex[:12]}", f"t_{uuid.uuid4().hex}"
+    parked = client.post(
+        gateway.path("ops", session, "/turns"), json={"text": "refund", "turn_id": turn_id}, params={"wait": "true"}
+    )
+    assert parked.json()["status"] == "suspended", parked.text
+
+    # When it is answered with NaN (Python's JSON parser takes it; JSON has no such value)
+    r = client.post(
+        gateway.path("ops", session, f"/turns/{turn_id}/resume"),
+        content=b'{"input_id": "approve-refund", "value": NaN}',
+        headers={"Content-Type": "application/json"},
+    )
+
+    # Then it is a 422 naming value, and the turn still waits for its answer
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["body", "value"] and "NaN and Infinity are not JSON values" in error["msg"]
+    assert client.get(gateway.path("ops", session, "/pending")).json()["pending"]["turn_id"] == turn_id
 
 
 MEDIA_TYPES = st.one_of(
