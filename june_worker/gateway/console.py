@@ -2,9 +2,15 @@
 
 Every list is a page of at most ``limit`` rows in a fixed order, and the next page starts after
 the last row of this one (keyset pagination: a cursor, never an offset), along an index of its
-own (migrations 9 and 10): ``june_sessions_activity`` (newest activity first), ``june_sessions_parked``
+own (migrations 9, 12 and 15): ``june_sessions_activity`` (newest activity first), ``june_sessions_parked``
 (longest waiting first, by ``parked_at``), ``june_turns_failed`` (latest first). So a page costs the same at the
 10,000th session as at the first (bench/console.py). Lists show the agents the caller sees only.
+
+Failed turns include the **rejected** ones (refused at intake: an unknown agent, a payload no worker
+can use, a parked session), with ``status: "rejected"``, phase ``intake`` and their reason as the
+error. A session is shown ``rejected`` when every turn of its generation was rejected (and it has
+one): its row stays ``new``, which the engine and the store read as "nothing opened it", so its
+next turn runs as in any new session; the rule is ``june_turns_all_rejected`` (migration 15).
 
 A cursor is the last row's sort key, as base64url JSON: opaque to clients, checked when read
 (a cursor that does not parse is a 422 naming it).
@@ -39,25 +45,50 @@ __all__ = [
     "timeline",
 ]
 
-SESSION_STATUSES = ("new", "running", "suspended", "done")
+SESSION_STATUSES = ("new", "running", "suspended", "done", "rejected")
+"""The statuses the console shows a session in: the row's, and ``rejected`` (see the module docstring)."""
 
 # --- the statements, whole -----------------------------------------------------------------------------
 
-_SESSIONS_FIRST = """
-select s.agent, s.session, s.status, s.updated_at, s.suspended is not null, s.lease_owner is not null, s.generation,
-       s.reset_pending
+_SESSION_COLUMNS = """s.agent, s.session,
+       case when s.status = 'new' and june_turns_all_rejected(s.agent, s.session, s.generation) then 'rejected'
+            else s.status end,
+       s.updated_at, s.suspended is not null, s.lease_owner is not null, s.generation, s.reset_pending"""
+
+_SESSIONS_FIRST = f"""
+select {_SESSION_COLUMNS}
   from june_sessions s
- where s.agent = any(%(agents)s::text[]) and s.status = any(%(statuses)s::text[])
+ where s.agent = any(%(agents)s::text[])
  order by s.updated_at desc, s.agent desc, s.session desc
  limit %(limit)s
 """
 
-_SESSIONS_AFTER = """
-select s.agent, s.session, s.status, s.updated_at, s.suspended is not null, s.lease_owner is not null, s.generation,
-       s.reset_pending
+_SESSIONS_AFTER = f"""
+select {_SESSION_COLUMNS}
   from june_sessions s
  where (s.updated_at, s.agent, s.session) < (%(at)s::float8, %(agent)s::text, %(session)s::text)
-   and s.agent = any(%(agents)s::text[]) and s.status = any(%(statuses)s::text[])
+   and s.agent = any(%(agents)s::text[])
+ order by s.updated_at desc, s.agent desc, s.session desc
+ limit %(limit)s
+"""
+
+# One status: the row's (`stored`: `new` for new and rejected), and for a new row whether its turns were all
+# rejected (`rejected`); the rule is read for new rows only, so the other statuses cost what the row's status does.
+_SESSIONS_BY_STATUS_FIRST = f"""
+select {_SESSION_COLUMNS}
+  from june_sessions s
+ where s.agent = any(%(agents)s::text[]) and s.status = %(stored)s::text
+   and (s.status <> 'new' or june_turns_all_rejected(s.agent, s.session, s.generation) = %(rejected)s::boolean)
+ order by s.updated_at desc, s.agent desc, s.session desc
+ limit %(limit)s
+"""
+
+_SESSIONS_BY_STATUS_AFTER = f"""
+select {_SESSION_COLUMNS}
+  from june_sessions s
+ where (s.updated_at, s.agent, s.session) < (%(at)s::float8, %(agent)s::text, %(session)s::text)
+   and s.agent = any(%(agents)s::text[]) and s.status = %(stored)s::text
+   and (s.status <> 'new' or june_turns_all_rejected(s.agent, s.session, s.generation) = %(rejected)s::boolean)
  order by s.updated_at desc, s.agent desc, s.session desc
  limit %(limit)s
 """
@@ -80,13 +111,14 @@ select s.agent, s.session, s.parked_at, s.suspended::text, s.park_expires_at, s.
  limit %(limit)s
 """
 
-_FAILED_COLUMNS = """t.agent, t.session, t.turn_id, t.finished_at, t.attempts, t.result->>'phase', t.result->>'step',
-       t.result->'error'->>'type', t.result->'error'->>'message'"""
+_FAILED_COLUMNS = """t.agent, t.session, t.turn_id, t.status, t.finished_at, t.attempts,
+       case when t.status = 'rejected' then 'intake' else t.result->>'phase' end, t.result->>'step',
+       t.result->'error'->>'type', coalesce(t.result->'error'->>'message', t.result->>'reason')"""
 
 _FAILED_FIRST = f"""
 select {_FAILED_COLUMNS}
   from june_turns t
- where t.status = 'failed' and t.agent = any(%(agents)s::text[])
+ where t.status in ('failed', 'rejected') and t.agent = any(%(agents)s::text[])
  order by t.finished_at desc, t.agent desc, t.session desc, t.turn_id desc
  limit %(limit)s
 """
@@ -94,7 +126,7 @@ select {_FAILED_COLUMNS}
 _FAILED_AFTER = f"""
 select {_FAILED_COLUMNS}
   from june_turns t
- where t.status = 'failed'
+ where t.status in ('failed', 'rejected')
    and (t.finished_at, t.agent, t.session, t.turn_id) < (%(at)s::float8, %(agent)s::text, %(session)s::text, %(turn)s::text)
    and t.agent = any(%(agents)s::text[])
  order by t.finished_at desc, t.agent desc, t.session desc, t.turn_id desc
@@ -111,7 +143,8 @@ select t.turn_id, t.position, t.status, t.created_at, t.finished_at, t.attempts
 
 _TURN = """
 select t.turn_id, t.position, t.status, t.created_at, t.finished_at, t.attempts, t.last_error, t.cancel_reason,
-       t.result->>'phase', t.result->>'step', t.result->'error'->>'type', t.result->'error'->>'message',
+       case when t.status = 'rejected' then 'intake' else t.result->>'phase' end, t.result->>'step',
+       t.result->'error'->>'type', coalesce(t.result->'error'->>'message', t.result->>'reason'),
        extract(epoch from now())
   from june_turns t
  where t.agent = %(agent)s and t.session = %(session)s and t.turn_id = %(turn)s
@@ -167,22 +200,26 @@ def _page(rows: list[Any], limit: int, key: Any) -> tuple[list[Any], str | None]
 
 
 def sessions_page(
-    conn: Any, agents: list[str], statuses: list[str], limit: int, cursor: str | None
+    conn: Any, agents: list[str], status: str | None, limit: int, cursor: str | None
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Sessions, most recent activity first (``updated_at``: the session's last commit)."""
-    params: dict[str, Any] = {"agents": agents, "statuses": statuses, "limit": limit + 1}
-    if cursor is None:
-        rows = conn.execute(_SESSIONS_FIRST, params).fetchall()
-    else:
+    """Sessions, most recent activity first (``updated_at``: the session's last commit); of one status if given."""
+    params: dict[str, Any] = {"agents": agents, "limit": limit + 1}
+    if status is not None:
+        params["stored"], params["rejected"] = ("new" if status == "rejected" else status), status == "rejected"
+    if cursor is not None:
         params["at"], params["agent"], params["session"] = decode_cursor(cursor, 3)
-        rows = conn.execute(_SESSIONS_AFTER, params).fetchall()
+    statement = {
+        (False, False): _SESSIONS_FIRST, (False, True): _SESSIONS_AFTER,
+        (True, False): _SESSIONS_BY_STATUS_FIRST, (True, True): _SESSIONS_BY_STATUS_AFTER,
+    }[(status is not None, cursor is not None)]  # fmt: skip
+    rows = conn.execute(statement, params).fetchall()
     rows, nxt = _page(rows, limit, lambda r: (r[3], r[0], r[1]))
     items = [
         {
-            "agent": a, "session": s, "status": status, "last_activity": at, "parked": parked, "held": held,
+            "agent": a, "session": s, "status": shown, "last_activity": at, "parked": parked, "held": held,
             "generation": generation, "reset_pending": reset_pending,
         }
-        for a, s, status, at, parked, held, generation, reset_pending in rows
+        for a, s, shown, at, parked, held, generation, reset_pending in rows
     ]  # fmt: skip
     return items, nxt
 
@@ -255,20 +292,21 @@ def inbox_page(
 def failed_page(
     conn: Any, agents: list[str], limit: int, cursor: str | None
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Failed turns, latest first, with the phase and step they failed at and their error."""
+    """Failed and rejected turns, latest first: the phase and step they failed at and their error (a
+    rejected turn's: phase ``intake``, no step, its reason)."""
     params: dict[str, Any] = {"agents": agents, "limit": limit + 1}
     if cursor is None:
         rows = conn.execute(_FAILED_FIRST, params).fetchall()
     else:
         params["at"], params["agent"], params["session"], params["turn"] = decode_cursor(cursor, 4)
         rows = conn.execute(_FAILED_AFTER, params).fetchall()
-    rows, nxt = _page(rows, limit, lambda r: (r[3], r[0], r[1], r[2]))
+    rows, nxt = _page(rows, limit, lambda r: (r[4], r[0], r[1], r[2]))
     items = [
         {
-            "agent": a, "session": s, "turn_id": t, "finished_at": at, "attempts": attempts, "phase": phase,
-            "step": step, "error_type": error_type, "error": error,
+            "agent": a, "session": s, "turn_id": t, "status": status, "finished_at": at, "attempts": attempts,
+            "phase": phase, "step": step, "error_type": error_type, "error": error,
         }
-        for a, s, t, at, attempts, phase, step, error_type, error in rows
+        for a, s, t, status, at, attempts, phase, step, error_type, error in rows
     ]  # fmt: skip
     return items, nxt
 

@@ -7,6 +7,7 @@ word for word, so a token cannot learn which agents exist; a session the caller 
 
 from __future__ import annotations
 
+import email.message
 import re
 from typing import Annotated
 
@@ -27,6 +28,7 @@ __all__ = [
     "SessionId",
     "TurnIdPath",
     "authenticate",
+    "json_body",
     "not_found",
     "stream_id",
     "use_session",
@@ -87,6 +89,33 @@ async def authenticate(  # async: a sync dependency would cost a thread hop on e
 
 
 Authenticated = Annotated[Principal, Depends(authenticate)]
+
+
+def is_json(content_type: str) -> bool:
+    """``application/json`` or ``application/<anything>+json``, whatever its parameters (what FastAPI parses)."""
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+async def json_body(request: Request, principal: Authenticated) -> None:
+    """415 for a body sent as anything but JSON (``text/plain``, XML, a form, or no ``Content-Type`` at all).
+
+    415, not 422: the body is not refused for what it says but for the format it declares, which
+    the route does not read; the client fixes its ``Content-Type``, not its content. An empty body
+    is left to the route (the 422 naming the missing body). After the caller is known: a 401 first.
+    """
+    content_type = request.headers.get("content-type", "")
+    if is_json(content_type) or not await request.body():
+        return
+    message = email.message.Message()
+    message["content-type"] = content_type
+    got = message.get_content_type() if content_type else "no Content-Type"
+    raise HTTPException(
+        status_code=415,
+        detail=f"the request body must be JSON, sent with Content-Type: application/json (got {got[:100]})",
+    )
 
 
 def not_found(what: str) -> HTTPException:

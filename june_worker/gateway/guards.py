@@ -6,17 +6,23 @@
   :data:`ECHO_CHARS` characters of what was sent (a 10 MB field is not sent back).
 * :func:`body_parse_error`: a body that is not UTF-8, or JSON nested too deep to parse, is the
   same 422 ``json_invalid`` as any other body that is not JSON (FastAPI says 400).
-* :class:`QueryRedaction`: the access log shows the values of the gateway's own query
-  parameters only, so a token sent as ``?access_token=...`` (and refused) is not written down.
+* :class:`QueryRedaction`: the access log shows a query parameter only where its name is one of
+  the gateway's own and its value has that parameter's shape (:data:`QUERY_SHAPES`); anything else
+  is ``[redacted]``, so a token sent as ``?access_token=...``, ``?<token>`` or ``?wait=true;<token>``
+  (and refused) is not written down.
 
 The rule a reader must not break: **nothing a client sent is echoed or logged unbounded**.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
+import re
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -28,17 +34,51 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = [
     "ECHO_CHARS",
+    "QUERY_SHAPES",
+    "REDACTED",
     "BodyLimit",
     "BodyTooLarge",
     "QueryRedaction",
     "body_parse_error",
     "install_query_redaction",
+    "redact_query",
     "validation_error",
 ]
 
 ECHO_CHARS = 200
-KNOWN_QUERY = frozenset({"wait", "after"})
-"""The gateway's own query parameters: the access log keeps their values, and redacts any other's."""
+REDACTED = "[redacted]"
+
+
+def _pattern(regex: str) -> Callable[[str], bool]:
+    compiled = re.compile(regex)
+    return lambda value: compiled.fullmatch(value) is not None
+
+
+def _console_cursor(value: str) -> bool:
+    """A cursor the console made: base64url of a JSON array (see ``console.encode_cursor``)."""
+    if len(value) > 2048 or re.fullmatch(r"[A-Za-z0-9_\-]+", value) is None:
+        return False
+    try:
+        key = json.loads(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
+    except (ValueError, binascii.Error):
+        return False
+    return isinstance(key, list)
+
+
+QUERY_SHAPES: dict[str, Callable[[str], bool]] = {
+    "wait": _pattern(r"(?i)(1|0|t|f|y|n|true|false|yes|no|on|off)"),  # what a bool query parameter accepts
+    "after": _pattern(r"\d{1,20}(-\d{1,20})?|\$"),
+    "after_seq": _pattern(r"\d{1,20}"),
+    "limit": _pattern(r"\d{1,4}"),
+    "status": _pattern(r"new|running|suspended|done|rejected"),
+    "cursor": _console_cursor,
+}
+"""Every query parameter of the gateway's routes, and the shape of a value the access log may show.
+
+A value of another shape (``wait=true;access_token=...``) and a parameter of another name are
+``[redacted]``: only what the gateway itself would accept is written down (a test checks that every
+route's query parameters are here).
+"""
 
 
 class BodyTooLarge(HTTPException):
@@ -80,14 +120,29 @@ class BodyLimit:
 
 
 def _clip(value: Any) -> Any:
-    """``value`` if its JSON is short, else the first :data:`ECHO_CHARS` characters of it, marked as cut."""
+    """What a 422 may echo of ``value``: itself if its JSON is short, else the first :data:`ECHO_CHARS`
+    characters of its text, marked as cut. Always something the answer's JSON can hold: a value that
+    JSON cannot (bytes, NaN, an object) or UTF-8 cannot (a lone surrogate) is echoed as its text, escaped,
+    so the 422 is never a 500."""
+    try:
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")  # a lone surrogate ("\ud800" in the JSON sent) has no UTF-8: UnicodeEncodeError
+        safe = value
+    except (TypeError, ValueError, RecursionError):
+        safe = text = _text(value)
+    if len(text) <= ECHO_CHARS:
+        return safe
+    return text[:ECHO_CHARS] + f"… ({len(text)} characters)"
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", errors="replace")  # at most max_body_bytes (BodyLimit)
     try:
         text = value if isinstance(value, str) else json.dumps(value, default=str, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
-        text = repr(type(value))
-    if len(text) <= ECHO_CHARS:
-        return value
-    return text[:ECHO_CHARS] + f"… ({len(text)} characters)"
+        return repr(type(value))
+    return text.encode("utf-8", errors="backslashreplace").decode("utf-8")  # "\ud800" stays readable
 
 
 async def validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -129,12 +184,20 @@ class QueryRedaction(logging.Filter):
 
 
 def redact_query(path: str) -> str:
-    """``/p?wait=1&access_token=abc`` → ``/p?wait=1&access_token=[redacted]``."""
+    """``/p?wait=1&access_token=abc&wait=x`` → ``/p?wait=1&[redacted]&wait=[redacted]``.
+
+    A parameter of a name the gateway does not take is ``[redacted]`` whole (its name may be the
+    secret: ``?<token>``); one it takes keeps its value only if the value has the parameter's shape.
+    """
     base, _, query = path.partition("?")
     parts = []
-    for name, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
-        shown = value if name in KNOWN_QUERY and len(value) <= 64 else "[redacted]"
-        parts.append(f"{urllib.parse.quote(name[:64], safe='')}={urllib.parse.quote(shown, safe='[]$')}")
+    for name, value in urllib.parse.parse_qsl(query, keep_blank_values=True, errors="replace"):
+        shape = QUERY_SHAPES.get(name)
+        if shape is None:
+            parts.append(REDACTED)
+            continue
+        shown = value if value == "" or shape(value) else REDACTED
+        parts.append(f"{name}={urllib.parse.quote(shown, safe='[]$')}")
     return f"{base}?{'&'.join(parts)}"
 
 

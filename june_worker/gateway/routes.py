@@ -7,8 +7,8 @@ terminal event; ``?wait=true`` answers with how the turn ended; otherwise 202 at
 Status codes (the seed's): 401 no or unknown token; 404 unknown agent (or one the token is
 not granted), session (or one the caller may not use, :mod:`.access`) or turn; 403 the principal
 may not answer; 409 wrong turn, wrong input id, not suspended, reset pending, or a parked session
-refusing another turn; 413 a body over JUNE_GATEWAY_MAX_BODY_BYTES; 422 a malformed request,
-naming the field; 500 the agent's ``authorize_answer`` failed (the answer was NOT applied);
+refusing another turn; 413 a body over JUNE_GATEWAY_MAX_BODY_BYTES; 415 a body not sent as JSON
+(:func:`~.deps.json_body`); 422 a malformed request, naming the field; 500 the agent's ``authorize_answer`` failed (the answer was NOT applied);
 502/503/504 the broker, a worker, Redis or Postgres did not answer.
 """
 
@@ -20,7 +20,7 @@ import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from producers import new_turn_id
@@ -50,6 +50,7 @@ from .deps import (
     Backend,
     SessionId,
     TurnIdPath,
+    json_body,
     stream_id,
     unknown_turn,
     use_session,
@@ -85,8 +86,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     },
     503: {"model": ErrorBody, "description": "The broker, Redis or Postgres is unavailable."},
 }
-TOO_LARGE: dict[int | str, dict[str, Any]] = {
-    413: {"model": ErrorBody, "description": "The body is larger than JUNE_GATEWAY_MAX_BODY_BYTES."}
+BODY_ERRORS: dict[int | str, dict[str, Any]] = {
+    413: {"model": ErrorBody, "description": "The body is larger than JUNE_GATEWAY_MAX_BODY_BYTES."},
+    415: {"model": ErrorBody, "description": "The body is not sent as JSON (Content-Type: application/json)."},
 }
 SSE_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "SSE: id = Redis stream id."}}}
 _ERROR_JSON = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
@@ -205,11 +207,12 @@ async def list_agents(request: Request, principal: Authenticated) -> AgentList:
 @router.post(
     SESSION + "/turns",
     status_code=202,
+    dependencies=[Depends(json_body)],
     response_model=TurnAccepted,
     summary="Start a turn",
     responses={
         **_ERRORS,
-        **TOO_LARGE,
+        **BODY_ERRORS,
         200: {"model": TurnOutcome, "content": SSE_DOC, "description": "With ?wait=true, or an SSE stream."},
         409: {"model": ErrorBody, "description": "The session is parked on another turn's input."},
         504: {"model": ErrorBody, "description": "?wait=true: the turn did not end in time (it goes on)."},
@@ -313,11 +316,12 @@ async def session_events(
 @router.post(
     TURN + "/resume",
     status_code=202,
+    dependencies=[Depends(json_body)],
     response_model=ResumeAccepted,
     summary="Answer a parked turn",
     responses={
         **_ERRORS,
-        **TOO_LARGE,
+        **BODY_ERRORS,
         200: {"model": TurnOutcome, "content": SSE_DOC, "description": "With ?wait=true, or an SSE stream."},
         403: {"model": ErrorBody, "description": "This principal may not answer the request."},
         409: {"model": ErrorBody, "description": "Wrong turn or input id, not suspended, or a reset is pending."},

@@ -88,13 +88,16 @@ async def _read(backend: GatewayBackend, fn: Callable[[Any], Any]) -> Any:
 @router.get("/sessions", response_model=ConsolePage, responses=_ERRORS, summary="Sessions, latest activity first")
 async def sessions(
     request: Request, principal: Authenticated, backend: Backend, limit: Limit = 50, cursor: Cursor = None,
-    status: Annotated[str | None, Query(pattern=r"^(new|running|suspended|done)$", description="Only this status.")]
-    = None,
+    status: Annotated[
+        str | None,
+        Query(pattern=f"^({'|'.join(console.SESSION_STATUSES)})$",
+              description="Only this status (rejected: every turn of the session was refused at intake)."),
+    ] = None,
 ) -> ConsolePage:  # fmt: skip
-    """Every session of the agents this operator sees, with its status and last activity (its last commit)."""
+    """Every session of the agents this operator sees, with its status and last activity (its last commit).
+    ``rejected``: every turn of the session was refused at intake (its stored status stays ``new``)."""
     agents = visible_agents(request, operator(principal))
-    statuses = [status] if status else list(console.SESSION_STATUSES)
-    page = await _read(backend, lambda c: console.sessions_page(c, agents, statuses, limit, cursor))
+    page = await _read(backend, lambda c: console.sessions_page(c, agents, status, limit, cursor))
     items, nxt = page or ([], None)
     return ConsolePage(items=items, next_cursor=nxt, now=time.time())
 
@@ -112,11 +115,12 @@ async def approvals(
     return ConsolePage(items=items, next_cursor=nxt, now=now)
 
 
-@router.get("/failed", response_model=ConsolePage, responses=_ERRORS, summary="Failed turns, latest first")
+@router.get("/failed", response_model=ConsolePage, responses=_ERRORS, summary="Failed and rejected turns, latest first")
 async def failed(
     request: Request, principal: Authenticated, backend: Backend, limit: Limit = 50, cursor: Cursor = None
 ) -> ConsolePage:
-    """Turns that ended ``failed``, with the phase and step they failed at and the error."""
+    """Turns that ended ``failed``, with the phase and step they failed at and the error, and turns refused at
+    intake (``status: rejected``: phase ``intake``, the reason as the error)."""
     agents = visible_agents(request, operator(principal))
     page = await _read(backend, lambda c: console.failed_page(c, agents, limit, cursor))
     items, nxt = page or ([], None)

@@ -6,9 +6,10 @@ naming the field, because who answers is the token's principal, never a field.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 __all__ = [
     "AgentList",
@@ -47,6 +48,16 @@ class ResumeRequest(_Body):
 
     input_id: str = Field(min_length=1, max_length=256, description="The id of the pending input request.")
     value: Any = Field(description="The answer: any JSON value the request's schema accepts (true / false to approve).")
+
+    @field_validator("value")
+    @classmethod
+    def _json(cls, value: Any) -> Any:
+        """Python's JSON parser takes ``NaN`` and ``Infinity``; JSON has no such values, and no worker could read one."""
+        try:
+            json.dumps(value, allow_nan=False)
+        except ValueError:
+            raise ValueError("the answer must be JSON: NaN and Infinity are not JSON values") from None
+        return value
 
 
 class ErrorBody(BaseModel):

@@ -586,6 +586,25 @@ _MIGRATIONS: list[str] = [
                 false) as valid) v
     $$;
     """,
+    # 15: the operator console (june_worker/gateway/console.py) lists rejected turns (refused at intake: an unknown
+    # agent, a bad payload, a parked session) among the failed ones, latest first along one index; and shows a
+    # `new` session whose turns of its generation were all rejected as `rejected`. Its row stays `new` (no turn
+    # opened it, and its next turn runs in it as in any new session): june_turns_all_rejected is the console's rule.
+    """
+    drop index june_turns_failed;
+    create index june_turns_failed on june_turns (finished_at, agent, session, turn_id)
+        where status in ('failed', 'rejected');
+
+    create function june_turns_all_rejected(p_agent text, p_session text, p_generation integer) returns boolean
+    language sql stable parallel safe as $$
+    select exists (select 1 from june_turns t
+                    where t.agent = p_agent and t.session = p_session and t.generation = p_generation
+                      and t.status = 'rejected')
+       and not exists (select 1 from june_turns t
+                        where t.agent = p_agent and t.session = p_session and t.generation = p_generation
+                          and t.status <> 'rejected')
+    $$;
+    """,
 ]
 
 _WHY_NOT = """

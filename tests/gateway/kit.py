@@ -25,6 +25,10 @@ class ServedApp:
     """An ASGI app served by a real uvicorn server in a thread, on a free loopback port."""
 
     def __init__(self, app: Any, *, access_log: bool = True) -> None:
+        # uvicorn with access_log=False cuts uvicorn.access off the root logger for the whole process: put it
+        # back on stop, so that a later test reading the access log (tests/gateway/test_edges.py) still can
+        access = logging.getLogger("uvicorn.access")
+        self._access = (access.propagate, list(access.handlers))
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
@@ -55,6 +59,8 @@ class ServedApp:
         self.server.should_exit = True
         self.thread.join(30)
         self._sock.close()
+        access = logging.getLogger("uvicorn.access")
+        access.propagate, access.handlers = self._access[0], list(self._access[1])
 
 
 class LogCapture(logging.Handler):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -129,6 +130,142 @@ def test_failed_turns_show_their_phase_step_and_error(console_gateway: Gateway) 
     t = timeline.json()
     assert (t["status"], t["phase"], t["step"], t["error"]) == ("failed", "model", "model:1", item["error"])
     assert [e["type"] for e in t["events"]] == ["turn.started", "turn.failed"]
+
+
+@pytest.fixture
+def ghost_gateway(console_gateway: Gateway) -> Iterator[httpx.Client]:
+    """An operator's client of a gateway that also offers ``ghost``, an agent no worker serves."""
+    from june_worker.gateway import create_app
+
+    from .conftest import AGENTS, settings_for
+    from .kit import ServedApp
+
+    gw = console_gateway
+    served = ServedApp(create_app(settings_for(gw.stack, gw.app.state.settings.tokens, agents=(*AGENTS, "ghost"))))
+    admin = httpx.Client(base_url=served.url, headers=gw.auth("admin"), timeout=60)
+    try:
+        yield admin
+    finally:
+        admin.close()
+        served.stop()
+
+
+def _failed_item(client: httpx.Client, session: str) -> dict[str, Any]:
+    items = client.get("/v1/console/failed", params={"limit": 200}).json()["items"]
+    (item,) = [i for i in items if i["session"] == session]
+    return dict(item)
+
+
+def test_a_turn_rejected_for_an_unknown_agent_is_listed_among_failed_turns_with_its_reason(
+    console_gateway: Gateway, ghost_gateway: httpx.Client
+) -> None:
+    # Given a turn a worker refused: its agent is one the gateway offers but no worker serves
+    session = _session()
+    r = ghost_gateway.post(f"/v1/agents/ghost/sessions/{session}/turns", json={"text": "hi"}, params={"wait": 1})
+    assert r.status_code == 200 and r.json()["status"] == "failed", r.text
+
+    # When an operator reads the failed turns
+    item = _failed_item(ghost_gateway, session)
+
+    # Then it is there, rejected at intake, with the worker's reason
+    assert (item["agent"], item["turn_id"], item["status"]) == ("ghost", r.json()["turn_id"], "rejected")
+    assert (item["phase"], item["step"], item["error_type"]) == ("intake", None, None)
+    assert "unknown agent 'ghost'" in item["error"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"text": ["not", "text"]}, "text: Input should be a valid string"),  # a malformed payload
+        ({"text": "hi", "target": "nowhere"}, "target: Input should be a valid dictionary"),  # no target to deliver to
+    ],
+    ids=["malformed-payload", "undeliverable-target"],
+)
+def test_a_turn_rejected_for_its_payload_is_listed_among_failed_turns_with_its_reason(
+    console_gateway: Gateway, fields: dict[str, Any], reason: str
+) -> None:
+    # Given a turn message a worker refused (sent by a producer, as another service would)
+    gw, session, turn_id = console_gateway, _session(), f"t_{uuid.uuid4().hex}"
+    gw.stack.send("june.turn", {"turn_id": turn_id, "agent": "ops", "session": session, **fields})
+    assert gw.stack.wait_terminal("ops", session, turn_id)["phase"] == "intake"
+
+    # When an operator reads the failed turns
+    item = _failed_item(gw.client("admin"), session)
+
+    # Then it is there, rejected at intake, with what was wrong
+    assert (item["turn_id"], item["status"], item["phase"]) == (turn_id, "rejected", "intake")
+    assert reason in item["error"]
+
+
+def test_a_rejected_turns_timeline_says_why_it_was_refused(console_gateway: Gateway) -> None:
+    # Given a turn a worker refused for its payload
+    gw, session, turn_id = console_gateway, _session(), f"t_{uuid.uuid4().hex}"
+    gw.stack.send("june.turn", {"turn_id": turn_id, "agent": "ops", "session": session, "text": 5})
+    gw.stack.wait_terminal("ops", session, turn_id)
+
+    # When an operator opens its timeline
+    t = gw.client("admin").get(f"/v1/console/agents/ops/sessions/{session}/turns/{turn_id}/timeline").json()
+
+    # Then it is rejected at intake, with the reason, and its one event is the turn.failed that ended its stream
+    assert (t["status"], t["phase"]) == ("rejected", "intake")
+    assert "text: Input should be a valid string" in t["error"]
+    assert [e["type"] for e in t["events"]] == ["turn.failed"]
+
+
+def _rejected_session(gw: Gateway) -> str:
+    """A session whose only turn a worker refused (a malformed payload)."""
+    session, turn_id = _session(), f"t_{uuid.uuid4().hex}"
+    gw.stack.send("june.turn", {"turn_id": turn_id, "agent": "ops", "session": session, "text": ["not", "text"]})
+    gw.stack.wait_terminal("ops", session, turn_id)
+    return session
+
+
+def _listed(gw: Gateway, session: str, **params: Any) -> list[str]:
+    items = gw.client("admin").get("/v1/console/sessions", params={"limit": 200, **params}).json()["items"]
+    return [i["status"] for i in items if i["session"] == session]
+
+
+def test_a_session_whose_only_turn_was_rejected_is_shown_rejected_and_its_row_stays_new(
+    console_gateway: Gateway,
+) -> None:
+    # Given a session whose only turn was refused at intake
+    gw = console_gateway
+    session = _rejected_session(gw)
+
+    # When an operator lists the sessions
+    shown = _listed(gw, session)
+
+    # Then the console shows it rejected, while the store keeps it new (nothing opened it)
+    assert shown == ["rejected"]
+    assert gw.stack.sql("select status from june_sessions where session = %s", session) == [("new",)]
+
+
+def test_the_rejected_filter_lists_sessions_whose_turns_were_all_rejected_and_new_does_not(
+    console_gateway: Gateway,
+) -> None:
+    # Given a session whose only turn was refused at intake, and one reset after a completed turn (new again)
+    gw = console_gateway
+    rejected, reset = _rejected_session(gw), _session()
+    _wait(gw, "admin", "ops", reset, "hello")
+    assert gw.client("admin").post(gw.path("ops", reset, "/reset")).json()["status"] == "reset"
+
+    # When an operator filters the sessions by status
+    # Then rejected lists the first only, and new the second only
+    assert (_listed(gw, rejected, status="rejected"), _listed(gw, reset, status="rejected")) == (["rejected"], [])
+    assert (_listed(gw, rejected, status="new"), _listed(gw, reset, status="new")) == ([], ["new"])
+
+
+def test_a_session_shown_rejected_runs_its_next_turn_as_a_new_session_would(console_gateway: Gateway) -> None:
+    # Given a session whose only turn was refused at intake
+    gw = console_gateway
+    session = _rejected_session(gw)
+
+    # When a good turn is started in it
+    done = _wait(gw, "admin", "ops", session, "hello")
+
+    # Then it runs, and the session is done
+    assert done["status"] == "completed"
+    assert _listed(gw, session) == ["done"]
 
 
 def test_session_pages_follow_their_cursor_newest_first_without_repeats_or_gaps(console_gateway: Gateway) -> None:

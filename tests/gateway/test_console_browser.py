@@ -3,7 +3,8 @@
 The inbox lists a parked approval with its prompt and who may answer; Approve by an operator the
 agent lets answer resumes the turn (and the live feed takes it out of the inbox); the same click by
 an operator the agent refuses shows the refusal and leaves the turn parked; a failed turn shows its
-error, and its timeline the failing event. A screenshot (a parked approval, a failed turn, a
+error, and its timeline the failing event; a turn refused at intake is listed among them with its
+reason, and a session whose only turn was refused is shown ``rejected``. A screenshot (a parked approval, a failed turn, a
 timeline) is saved in the test's temp dir, and to ``docs/console.png`` with
 ``JUNE_GATEWAY_SCREENSHOT=docs``. Console errors fail the test. All fail on main (d2b81ad): no console.
 """
@@ -118,6 +119,46 @@ def test_a_failed_turn_shows_its_error_and_its_timeline(
     page.screenshot(path=str(shot), full_page=True)
     if os.environ.get("JUNE_GATEWAY_SCREENSHOT") == "docs":
         shutil.copyfile(shot, ROOT / "docs" / "console.png")
+
+
+def _rejected(gw: Gateway) -> tuple[str, str]:
+    """A session whose only turn a worker refused at intake (its text is not a string)."""
+    session, turn_id = f"web-{uuid.uuid4().hex[:8]}", f"t_{uuid.uuid4().hex}"
+    gw.stack.send("june.turn", {"turn_id": turn_id, "agent": "ops", "session": session, "text": ["not", "text"]})
+    return session, turn_id
+
+
+def test_a_rejected_turn_is_listed_among_failed_turns_with_its_reason(
+    open_console: Callable[[str], Page], console_gateway: Gateway
+) -> None:
+    # Given the console open
+    page = open_console("admin")
+
+    # When a worker refuses a turn at intake
+    _, turn_id = _rejected(console_gateway)
+
+    # Then the live feed brings it into the failed turns, marked rejected, with the worker's reason
+    row = page.locator(f"#failed tr.failed[data-turn='{turn_id}']")
+    expect(row.locator(".error")).to_contain_text("rejected: ")
+    expect(row.locator(".error")).to_contain_text("text: Input should be a valid string")
+    expect(row.locator(".phase")).to_have_text("intake")
+
+
+def test_a_session_whose_only_turn_was_rejected_is_shown_rejected(
+    open_console: Callable[[str], Page], console_gateway: Gateway
+) -> None:
+    # Given the console open
+    page = open_console("admin")
+
+    # When a worker refuses the only turn of a new session
+    session, _ = _rejected(console_gateway)
+
+    # Then the sessions list shows it rejected, and so does the list filtered by that status
+    row = page.locator(f"#sessions tr.session[data-session='{session}'] .status")
+    expect(row).to_have_text("rejected")
+    with page.expect_response(lambda r: "/v1/console/sessions?" in r.url and "status=rejected" in r.url):
+        page.select_option("#status-filter", "rejected")
+    expect(row).to_have_text("rejected")
 
 
 def test_an_inbox_read_that_answers_after_a_newer_one_does_not_bring_back_what_is_gone(

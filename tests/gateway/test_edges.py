@@ -193,8 +193,63 @@ def test_a_token_in_a_query_string_is_refused_and_not_written_to_the_access_log(
     lines = wait_for(
         lambda: [line for line in gateway.logs.lines[mark:] if "GET /v1/agents?" in line], what="access log"
     )
-    assert "access_token=[redacted]" in lines[0] and "wait=true" in lines[0]
+    assert "?[redacted]&wait=true " in lines[0]  # a name the gateway does not take is redacted with its value
     assert token not in gateway.logs.text()
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "wait=true;access_token={token}",  # inside the value of a parameter the gateway takes
+        "{token}",  # as a parameter's name
+        "{token}=1&wait=1",
+        "after=1-0%26access_token%3D{token}",  # percent-encoded into a value
+        "status=new{token}",
+    ],
+)
+def test_a_token_anywhere_in_a_query_string_is_not_written_to_the_access_log(gateway: Gateway, query: str) -> None:
+    # Given a token sent in the query string, not where a known parameter's value would be
+    token, mark = gateway.tokens["op"], len(gateway.logs.lines)
+
+    # When the gateway is asked with it
+    r = httpx.get(f"{gateway.url}/v1/agents?{query.format(token=token)}")
+
+    # Then it is refused, and the access log's line has the request without the token
+    assert r.status_code == 401
+    lines = wait_for(
+        lambda: [line for line in gateway.logs.lines[mark:] if "GET /v1/agents?" in line], what="access log"
+    )
+    assert "[redacted]" in lines[0]
+    assert token not in gateway.logs.text()
+    assert token.split("-")[-1] not in gateway.logs.text()  # nor its random part, cut or re-encoded
+
+
+def test_the_access_log_keeps_values_of_the_gateways_own_query_parameters(gateway: Gateway) -> None:
+    # Given a console read with every query parameter in a shape the gateway takes
+    mark = len(gateway.logs.lines)
+    cursor = "WzEuNSwib3BzIiwicy0xIl0"  # a cursor the console makes: [1.5, "ops", "s-1"]
+
+    # When it is asked
+    gateway.client("admin").get("/v1/console/sessions", params={"limit": 5, "status": "new", "cursor": cursor})
+
+    # Then the access log shows them as sent
+    lines = wait_for(
+        lambda: [line for line in gateway.logs.lines[mark:] if "GET /v1/console/sessions?" in line], what="access log"
+    )
+    assert f"?limit=5&status=new&cursor={cursor} " in lines[0]
+
+
+def test_every_query_parameter_of_the_gateway_has_a_shape_for_the_access_log(gateway: Gateway) -> None:
+    from june_worker.gateway.guards import QUERY_SHAPES
+
+    taken = {
+        param["name"]
+        for route in gateway.app.openapi()["paths"].values()
+        for operation in route.values()
+        for param in operation.get("parameters", [])
+        if param["in"] == "query"
+    }
+    assert taken and taken <= set(QUERY_SHAPES)  # a new one without a shape would be logged as [redacted]
 
 
 def worker_log(gw: Gateway) -> list[str]:
