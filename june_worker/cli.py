@@ -17,7 +17,7 @@ import sys
 
 __all__ = ["MAX_DEFAULT_CONCURRENCY", "beat_args", "main", "worker_args"]
 
-CELERY_APP = "june_worker.worker"
+CELERY_APP = "june_worker"
 
 
 MAX_DEFAULT_CONCURRENCY = 8
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run the demo agent in process on SQLite (no server, no API key)")
     demo.add_argument("--db", default=os.path.join(".june", "demo.db"), help="SQLite file (default .june/demo.db)")
     for name, text in (
-        ("worker", "start a Celery worker (celery -A june_worker.worker worker ...)"),
+        ("worker", "start a Celery worker (celery -A june_worker worker ...)"),
         ("beat", "start Celery beat: the sweeper and proactive schedules"),
         ("flower", "start Flower, the Celery monitor (the 'flower' extra)"),
     ):

@@ -13,7 +13,7 @@ from june_worker.stores.postgres import PostgresStore
 
 from .conftest import Stack, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp")]
+pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp"), pytest.mark.modes("prefork", "threads")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -122,35 +122,3 @@ def test_a_turn_a_producer_recorded_and_delivered_twice_runs_once(stack: Stack, 
     )
     assert users == [(1,)]
     assert [e["type"] for e in stack.structural("ops", session_id)].count("turn.started") == 1
-
-
-def _start_refused(stack: Stack, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    args = [sys.executable, "-m", "celery", "-A", "june_worker", "worker", *extra]
-    args += ["-Q", stack.queue, "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"]
-    return subprocess.run(args, env={**stack.env, **(env or {})}, capture_output=True, text=True, timeout=60)
-
-
-def test_a_worker_on_a_pool_that_runs_tasks_on_one_thread_refuses_to_start(stack: Stack) -> None:
-    # a pool june's host knows nothing of (greenlets, a custom one) would run the turns' blocking calls unseen
-    done = _start_refused(stack, "-P", "custom", env={"CELERY_CUSTOM_WORKER_POOL": "celery.concurrency.base:BasePool"})
-    assert done.returncode != 0
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert lines[-1] == (
-        "june worker: --pool celery.concurrency.base.BasePool is not supported: use prefork (one turn per process), "
-        "solo, or threads (--turns-per-process N: many turns in one process)"
-    )
-    assert "Traceback" not in done.stderr
-    assert "ready." not in done.stderr + done.stdout
-
-
-def test_a_worker_whose_agents_do_not_load_refuses_to_start_in_one_line(stack: Stack) -> None:
-    # Given JUNE_AGENTS naming a module that is not there; when the worker starts; then it says so and exits
-    done = _start_refused(stack, "-P", "prefork", "-c", "1", env={"JUNE_AGENTS": "nosuch.module:ops"})
-    assert done.returncode != 0
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    # (as root, Celery's own SecurityWarning about superuser privileges may come first)
-    assert (
-        lines[-1] == "june worker: cannot load agent 'nosuch.module:ops': ModuleNotFoundError: No module named 'nosuch'"
-    )
-    assert "Traceback" not in done.stderr
-    assert "ready." not in done.stdout

@@ -9,7 +9,7 @@ import pytest
 
 from .conftest import Stack, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp")]
+pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp"), pytest.mark.modes("prefork", "threads")]
 
 
 @pytest.fixture(scope="module", autouse=True)

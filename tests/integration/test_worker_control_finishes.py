@@ -16,7 +16,7 @@ from june_worker.worker.queue import SessionQueue
 
 from .conftest import Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.modes("prefork", "threads")]
 
 OLD_RESET_WAIT_S = 30  # how long june.reset used to wait for a busy session before giving up for good
 

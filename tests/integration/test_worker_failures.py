@@ -21,7 +21,7 @@ from tests._services import RedisServer
 
 from .conftest import Stack, _database, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.modes("prefork", "threads")]
 
 MAX_ATTEMPTS = 3
 

@@ -19,7 +19,7 @@ import pytest
 
 from .conftest import Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.modes("prefork", "threads")]
 
 LEASE_S, SWEEP_S = 2.0, 0.5
 RECOVERY_BOUND_S = LEASE_S + SWEEP_S + 10.0  # generous for a loaded CI machine; the benchmark measures it

@@ -20,7 +20,7 @@ from june_worker.stores.postgres import PostgresStore
 
 from .conftest import Proc, Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.modes("prefork", "threads")]
 
 
 @pytest.fixture(scope="module", autouse=True)
