@@ -3,6 +3,7 @@ FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 WORKDIR /app
 COPY pyproject.toml README.md celeryconfig.py ./
+COPY june_wire ./june_wire
 COPY june_worker ./june_worker
 COPY producers ./producers
 RUN pip install --no-cache-dir '.[worker,anthropic,flower,gateway]'

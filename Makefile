@@ -25,7 +25,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check june_worker producers tests bench
+	$(BIN)/ruff format --check june_wire june_worker producers tests bench
 	$(BIN)/mypy
 
 bench: $(STAMP)

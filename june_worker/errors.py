@@ -46,6 +46,8 @@ swallows them.
 
 from __future__ import annotations
 
+from june_wire.errors import StreamGapError as WireStreamGapError
+
 __all__ = [
     "AgentDefinitionError",
     "CancelRequestedError",
@@ -268,34 +270,14 @@ class InputTimeoutError(JuneError):
         return self.message
 
 
-class StreamGapError(JuneError):
+class StreamGapError(JuneError, WireStreamGapError):
     """Events a follower asked for are no longer in the session stream (trimmed), or its ``seq`` jumped.
 
     ``first_missing_seq`` is the first seq the follower lacks (None when its position was trimmed and it
     did not say which seq it holds); ``next_seq`` the first seq the stream still holds after the gap
     (None: none yet). Reload the missing events from the store, then follow again from ``resume_id``
-    with ``last_seq=next_seq - 1``.
+    with ``last_seq=next_seq - 1``. Its fields are :class:`june_wire.errors.StreamGapError`'s.
     """
-
-    def __init__(
-        self,
-        message: str,
-        stream: str,
-        after_id: str,
-        resume_id: str,
-        first_missing_seq: int | None,
-        next_seq: int | None,
-    ) -> None:
-        super().__init__(message, stream, after_id, resume_id, first_missing_seq, next_seq)
-        self.message = message
-        self.stream = stream
-        self.after_id = after_id
-        self.resume_id = resume_id
-        self.first_missing_seq = first_missing_seq
-        self.next_seq = next_seq
-
-    def __str__(self) -> str:
-        return self.message
 
 
 class PayloadError(JuneError):

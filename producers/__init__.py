@@ -10,10 +10,12 @@
         print(event.type, event.data)
 
 The rule a reader must not break: nothing here imports ``june_worker``; this package depends
-on celery (to send tasks by name), redis and rich (the CLI) only. See ``docs/producers.md``.
+on celery (to send tasks by name), redis and rich (the CLI) only, and on :mod:`june_wire`, the
+wire protocol it shares with the workers (standard library and redis). See ``docs/producers.md``.
 """
 
-from ._ulid import new_turn_id
+from june_wire.ids import new_turn_id
+
 from .client import JuneProducer
 from .errors import (
     BrokerUnavailable,

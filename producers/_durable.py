@@ -11,10 +11,10 @@ What is recorded must be readable by the workers: the stored payload is the work
 ``TurnPayload`` (``text``, ``event``, ``trigger_by``, ``replace``, ``target``),
 :func:`check_event` refuses an inbound event whose known fields have the wrong type, and
 :func:`check_storable` a string no store can hold (a NUL, a lone surrogate) anywhere in the
-message, by the workers' own rule (:mod:`._storable`). A worker would reject such a message;
-a record it cannot use would sit in its queue.
+message, by the workers' own rule (:mod:`june_wire.storable`). A worker would reject such a
+message; a record it cannot use would sit in its queue.
 
-The rule a reader must not break: **nothing here imports june_worker** (see ``client.py``).
+The rule a reader must not break: **nothing here imports june_worker** (see ``__init__.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ._storable import unstorable_reason
+from june_wire.storable import unstorable_reason
+
 from .errors import DatabaseUnavailable, ProducerConfigError, ProducerError
 
 __all__ = ["DurableRecorder", "check_event", "check_storable", "turn_payload"]

@@ -1,6 +1,9 @@
 """JuneProducer: send june's Celery tasks by name and follow a session's events, without the engine.
 
-A producer owns two minimal Celery apps (no task modules, JSON only) and a Redis client:
+This module owns the producer's public face: its settings, and one method per message it sends
+(``start_turn``, ``proactive``, ``resume``, ``send_resume``, ``cancel``, ``reset``) and per way of
+reading events (``follow``, ``afollow``). Each method checks its arguments (:mod:`._checks`), builds
+the message's one positional JSON object (see ``docs/producers.md``) and hands it on:
 
 * turns (``june.turn``, ``june.proactive``) go to the turn queue (``JUNE_QUEUE``) and are not
   waited for: the call returns the turn id at once, and the turn's events tell how it went;
@@ -8,144 +11,63 @@ A producer owns two minimal Celery apps (no task modules, JSON only) and a Redis
   (``JUNE_CONTROL_QUEUE``), so they are not stuck behind long turns, and the call waits for the
   task's small JSON summary through the result backend.
 
-Every message is ONE positional JSON object (see ``docs/producers.md``). Its ``argsrepr`` (what
-Flower and worker logs show) is a short summary of ids, never the text, the inbound event, an
-answer's value or anything else that could hold a secret; ``kwargsrepr`` is empty.
+How a message goes out and what a broker's failure becomes is :mod:`._sender`; reading streams is
+:mod:`._reader` (over :mod:`june_wire.follow`); the settings' checks and variables are
+:mod:`._settings`. With ``durable=True`` a turn is first recorded in june's Postgres (:mod:`._durable`),
+so it runs even if the broker loses its message.
 
-Sending waits at most ``publish_timeout_s`` per try (connect, write, and on RabbitMQ the
-broker's confirm) and tries ``publish_retries`` more times; then :class:`BrokerUnavailable`.
-On RabbitMQ the queues are declared as the workers declare them (durable, quorum by default).
-With ``durable=True`` a turn is first recorded in june's Postgres (:mod:`._durable`), so it
-runs even if the broker loses its message.
-
-The rule a reader must not break: **nothing under ``producers/`` imports ``june_worker``**.
-Services import this package to talk to june; pulling in the engine (and its dependencies)
-would defeat it. ``tests/producers/test_isolation.py`` enforces it.
+The rule a reader must not break: **nothing under ``producers/`` imports ``june_worker``**; the wire
+protocol both sides share is :mod:`june_wire`. Services import this package to talk to june; pulling
+in the engine (and its dependencies) would defeat it. ``tests/producers/test_isolation.py`` enforces it.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
-import re
 from collections.abc import AsyncGenerator, Generator, Mapping
 from typing import Any
 
-import redis
-from amqp.exceptions import MessageNacked, PreconditionFailed  # py-amqp, kombu's RabbitMQ client
-from celery.exceptions import TimeoutError as CeleryTimeoutError
-from kombu.exceptions import OperationalError
+from june_wire.events import FollowedEvent
+from june_wire.ids import new_turn_id
+from june_wire.keys import EventKeys
+from june_wire.redis_url import RedisClient, connect, redact
 
-from ._apps import QUEUE_TYPES, is_amqp, producer_app
+from . import _checks as check
 from ._durable import DurableRecorder, check_event, check_storable, turn_payload
-from ._follow import FollowState, safe_block_ms
-from ._gaps import SCAN, judge_start, queue_start_check
-from ._redis_url import RedisClient, aconnect, connect, is_cluster_url, parse_cluster_url
+from ._reader import EventReader
+from ._sender import Sender
+from ._settings import DEFAULT_REDIS_URL, check_settings, settings_from_env
 from ._trace import sending
-from ._ulid import new_turn_id
-from .errors import BrokerUnavailable, ProducerConfigError, ResultTimeout, ResultUnavailable, TaskFailed
-from .events import FollowedEvent, session_stream
+from .errors import BrokerUnavailable, ProducerConfigError
 from .outcomes import ResetOutcome, ResumeOutcome, parse_cancel, parse_reset, parse_resume
 
 __all__ = ["DEFAULT_REDIS_URL", "JuneProducer", "redact"]
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-
-# The worker's own rules (june_worker/worker/payloads.py), checked here so a bad name fails at
-# the call, before anything is sent, instead of as a rejection on the worker.
-_AGENT_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
-_SESSION_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
-_TURN_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
-_STREAM_ID_RE = re.compile(r"^(\d+(-\d+)?|\$)$")
-_MAX_TEXT = 200_000
-# The user-info up to the authority's last "@" (a password may hold one), and a password given in the query.
-_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/;\s]*@")
-_QUERY_PASSWORD = re.compile(r"(?P<key>[?&](?:password|passwd|pass)=)[^&#;\s]*", re.IGNORECASE)
-# MessageNacked: RabbitMQ refused to confirm a publish.
-_SEND_ERRORS = (OperationalError, OSError, redis.RedisError, MessageNacked)
-
-_ANSWER_GRACE_S = 5.0
-
 log = logging.getLogger("producers")
 
 
-def redact(url: str) -> str:
-    """``url`` with its user-info (``user:password@``) replaced by ``***@`` and a ``password=`` in its query by
-    ``password=***``: safe for logs and errors."""
-    return _QUERY_PASSWORD.sub(r"\g<key>***", _USERINFO.sub(r"\g<scheme>***@", url))
-
-
-def _check_name(value: object, pattern: re.Pattern[str], what: str, expected: str) -> str:
-    if not isinstance(value, str) or not pattern.match(value):
-        raise ValueError(f"invalid {what} {value!r}: expected {expected}")
-    return value
-
-
-def _agent(value: object) -> str:
-    return _check_name(value, _AGENT_RE, "agent name", "1-128 characters of A-Z a-z 0-9 _ . -")
-
-
-def _session(value: object) -> str:
-    return _check_name(value, _SESSION_RE, "session id", "1-256 printable ASCII characters, no spaces")
-
-
-def _turn_id(value: object) -> str:
-    return _check_name(value, _TURN_ID_RE, "turn id", "1-128 characters of A-Z a-z 0-9 _ . : -")
-
-
-def _bounded(value: object, what: str, *, low: int, high: int) -> str:
-    if not isinstance(value, str) or not low <= len(value) <= high:
-        raise ValueError(f"invalid {what}: expected a string of {low}-{high} characters")
-    return value
-
-
-def _json_object(value: Mapping[str, Any] | None, what: str) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise ValueError(f"invalid {what}: expected a JSON object (a mapping), got {type(value).__name__}")
-    _json_value(value, what)
-    return dict(value)
-
-
-def _json_value(value: Any, what: str) -> Any:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"invalid {what}: it does not serialize to JSON ({exc})") from None
-    return value
-
-
-def _timeout(value: float) -> float:
-    if not value > 0:
-        raise ValueError(f"timeout_s must be positive, not {value}")
-    return value
-
-
-def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ProducerConfigError(f"{name}={raw!r} is not a number") from None
-
-
-def _expiry_s(timeout_s: float) -> float:
-    """When a waited message expires, in seconds after it was sent: before the wait ends by a quarter of it, at
-    most ``_ANSWER_GRACE_S``, which a worker that began it just in time has to answer."""
-    return timeout_s - min(_ANSWER_GRACE_S, timeout_s / 4)
-
-
-def _cause(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {redact(str(exc)).strip()}"
-
-
-def _summary(**fields: str | None) -> str:
-    """The ``argsrepr`` of a message: ids only, ``{agent=ops session=s1 turn_id=t_...}``."""
-    return "{" + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None) + "}"
+def _resume_payload(
+    agent: str,
+    session: str,
+    turn_id: str,
+    input_id: str,
+    value: Any,
+    by: str | None,
+    principal: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The ``june.resume`` message's fields, each checked (what :meth:`JuneProducer.resume` and
+    :meth:`JuneProducer.send_resume` both send)."""
+    return {
+        "agent": check.agent(agent),
+        "session": check.session(session),
+        "turn_id": check.turn_id(turn_id),
+        "input_id": check.bounded(input_id, "input id", low=1, high=256),
+        "value": check.json_value(value, "value"),
+        "by": check.bounded(by, "by", low=1, high=256) if by is not None else None,
+        "principal": check.json_object(principal, "principal"),
+    }
 
 
 class JuneProducer:
@@ -186,36 +108,19 @@ class JuneProducer:
         database_url: str | None = None,
         durable: bool = False,
     ) -> None:
-        for name, value in (("queue", queue), ("control_queue", control_queue)):
-            if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-                raise ProducerConfigError(f"invalid {name} {value!r}: expected a non-empty queue name without spaces")
-        if not key_prefix or any(c in key_prefix for c in "{} \r\n\t"):
-            raise ProducerConfigError(
-                f"invalid key prefix {key_prefix!r}: expected a non-empty name without braces or spaces"
-            )
-        for name, url in (("redis_url", redis_url), ("broker_url", broker_url), ("result_backend", result_backend)):
-            if url is not None and (not isinstance(url, str) or "://" not in url):
-                raise ProducerConfigError(f"invalid {name}: expected a URL such as redis://host:6379/0")
-        if broker_queue_type not in QUEUE_TYPES:
-            raise ProducerConfigError(f"invalid broker_queue_type {broker_queue_type!r}: expected one of {QUEUE_TYPES}")
-        if not publish_timeout_s > 0 or not isinstance(publish_retries, int) or publish_retries < 0:
-            raise ProducerConfigError(
-                f"invalid publish_timeout_s={publish_timeout_s!r} / publish_retries={publish_retries!r}: "
-                "expected a positive number of seconds and a count of 0 or more"
-            )
-        for name, url in (("broker_url", broker_url or redis_url), ("result_backend", result_backend or redis_url)):
-            if is_cluster_url(url):
-                raise ProducerConfigError(
-                    f"{name} is a Redis Cluster: a cluster holds june's events only; give {name} a single Redis "
-                    "(redis://) or, for the broker, RabbitMQ (amqp://)"
-                )
-        if is_cluster_url(redis_url):
-            try:
-                parse_cluster_url(redis_url)
-            except ValueError as exc:
-                raise ProducerConfigError(f"invalid redis_url: {exc}") from None
-        if durable and not database_url:
-            raise ProducerConfigError("durable=True needs database_url (JUNE_DATABASE_URL): june's Postgres")
+        check_settings(
+            redis_url=redis_url,
+            broker_url=broker_url,
+            result_backend=result_backend,
+            queue=queue,
+            control_queue=control_queue,
+            key_prefix=key_prefix,
+            broker_queue_type=broker_queue_type,
+            publish_timeout_s=publish_timeout_s,
+            publish_retries=publish_retries,
+            database_url=database_url,
+            durable=durable,
+        )
         self.redis_url = redis_url
         self.broker_url = broker_url or redis_url
         self.result_backend = result_backend or redis_url
@@ -229,16 +134,29 @@ class JuneProducer:
         self.broker_queue_type = broker_queue_type
         self.durable = durable
         self._recorder = DurableRecorder(database_url, timeout_s=publish_timeout_s) if database_url else None
-        options = dict(broker_transport_options or {})
-        # Turns are fire-and-forget: an app without a result backend does not subscribe to
-        # every turn's result channel. Control calls wait, so their app has one.
-        self._turn_app = self._app("june-producer", None, options)
-        self._control_app = self._app("june-producer-control", self.result_backend, options)
+        self._sender = Sender(
+            broker_url=self.broker_url,
+            result_backend=self.result_backend,
+            queue=queue,
+            control_queue=control_queue,
+            transport_options=dict(broker_transport_options or {}),
+            queue_type=broker_queue_type,
+            publish_timeout_s=publish_timeout_s,
+            publish_retries=publish_retries,
+            connect_timeout_s=connect_timeout_s,
+        )
         self.redis: RedisClient = connect(
             redis_url,
             decode_responses=True,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=connect_timeout_s,
+        )
+        self._events = EventReader(
+            self.redis,
+            redis_url,
+            EventKeys(prefix=key_prefix),
+            socket_timeout_s=socket_timeout_s,
+            connect_timeout_s=connect_timeout_s,
         )
         # Where this producer sends: the broker it was given, never one Celery's variables name (see _apps).
         log.info(
@@ -261,51 +179,19 @@ class JuneProducer:
 
         ``overrides`` are passed to the constructor on top of what the environment says.
         """
-        if env is None:
-            env = os.environ
-        for name in (
-            "JUNE_REDIS_URL",
-            "CELERY_BROKER_URL",
-            "CELERY_RESULT_BACKEND",
-            "JUNE_QUEUE",
-            "JUNE_CONTROL_QUEUE",
-            "JUNE_KEY_PREFIX",
-            "JUNE_BROKER_QUEUE_TYPE",
-            "JUNE_PUBLISH_TIMEOUT_S",
-            "JUNE_PUBLISH_RETRIES",
-            "JUNE_DATABASE_URL",
-        ):
-            if name in env and not env[name].strip():
-                raise ProducerConfigError(f"{name} is set but empty; unset it for the default or give a value")
-        redis_url = env.get("JUNE_REDIS_URL", DEFAULT_REDIS_URL)
-        settings: dict[str, Any] = {
-            "redis_url": redis_url,
-            "broker_url": env.get("CELERY_BROKER_URL", redis_url),
-            "result_backend": env.get("CELERY_RESULT_BACKEND", redis_url),
-            "queue": env.get("JUNE_QUEUE", "june"),
-            "control_queue": env.get("JUNE_CONTROL_QUEUE", "june.control"),
-            "key_prefix": env.get("JUNE_KEY_PREFIX", "june"),
-            "broker_queue_type": env.get("JUNE_BROKER_QUEUE_TYPE", "quorum").strip().lower(),
-            "publish_timeout_s": _env_number(env, "JUNE_PUBLISH_TIMEOUT_S", 5.0),
-            "publish_retries": int(_env_number(env, "JUNE_PUBLISH_RETRIES", 3)),
-            "database_url": env.get("JUNE_DATABASE_URL"),
-        }
+        settings = settings_from_env(os.environ if env is None else env)
         settings.update(overrides)
         return cls(**settings)
 
-    def _app(self, main: str, backend: str | None, transport_options: dict[str, Any]) -> Any:
-        return producer_app(
-            main,
-            broker_url=self.broker_url,
-            result_backend=backend,
-            queues=(self.queue, self.control_queue),
-            default_queue=self.queue,
-            transport_options=transport_options,
-            queue_type=self.broker_queue_type,
-            publish_timeout_s=self.publish_timeout_s,
-            publish_retries=self.publish_retries,
-            connect_timeout_s=self.connect_timeout_s,
-        )
+    @property
+    def _turn_app(self) -> Any:
+        """The Celery app turns are sent with (no result backend)."""
+        return self._sender.turn_app
+
+    @property
+    def _control_app(self) -> Any:
+        """The Celery app control messages are sent with, and their summaries read."""
+        return self._sender.control_app
 
     def __repr__(self) -> str:
         return (
@@ -322,18 +208,7 @@ class JuneProducer:
         The producer is not usable afterwards. (Celery keeps a result backend per thread; those
         of other threads close when they are garbage-collected.)
         """
-        backend = self._control_app.backend
-        try:
-            consumer = getattr(backend, "result_consumer", None)
-            if consumer is not None:
-                consumer.stop()
-            pool = getattr(getattr(backend, "client", None), "connection_pool", None)
-            if pool is not None:
-                pool.disconnect()
-        except _SEND_ERRORS:
-            pass  # closing: a backend that is gone has nothing left to close
-        self._turn_app.close()
-        self._control_app.close()
+        self._sender.close()
         self.redis.close()
         if self._recorder is not None:
             self._recorder.close()
@@ -379,21 +254,21 @@ class JuneProducer:
         ``durable`` the worker refuses the message and records the rejection).
         :class:`DatabaseUnavailable`: Postgres did not answer; nothing was sent.
         """
-        tid = _turn_id(turn_id) if turn_id is not None else new_turn_id()
-        opened_by = _json_object(trigger, "trigger")
+        tid = check.turn_id(turn_id) if turn_id is not None else new_turn_id()
+        opened_by = check.json_object(trigger, "trigger")
         if opened_by is not None and not isinstance(opened_by.get("kind"), str):
             raise ValueError('invalid trigger: expected {"kind": "proactive", "by": "<who>"}')
         durable = self.durable if durable is None else durable
         payload: dict[str, Any] = {
             "turn_id": tid,
-            "agent": _agent(agent),
-            "session": _session(session),
-            "text": _bounded(text, "text", low=0, high=_MAX_TEXT),
-            "event": _json_object(event, "event"),
+            "agent": check.agent(agent),
+            "session": check.session(session),
+            "text": check.bounded(text, "text", low=0, high=check.MAX_TEXT),
+            "event": check.json_object(event, "event"),
             "trigger": opened_by,
             "replace": bool(replace),
         }
-        delivered_to = _json_object(target, "target")
+        delivered_to = check.json_object(target, "target")
         if delivered_to is not None:
             payload["target"] = delivered_to
         if durable:
@@ -439,14 +314,14 @@ class JuneProducer:
         hook renders the result (a channel, a thread...). ``durable``: as for :meth:`start_turn`
         (a NUL or a lone surrogate in ``text``, ``by`` or ``target`` is a ``ValueError`` then).
         """
-        tid = _turn_id(turn_id) if turn_id is not None else new_turn_id()
+        tid = check.turn_id(turn_id) if turn_id is not None else new_turn_id()
         payload: dict[str, Any] = {
             "turn_id": tid,
-            "agent": _agent(agent),
-            "session": _session(session),
-            "text": _bounded(text, "text", low=1, high=_MAX_TEXT),
-            "by": _bounded(by, "by", low=1, high=256),
-            "target": _json_object(target, "target"),
+            "agent": check.agent(agent),
+            "session": check.session(session),
+            "text": check.bounded(text, "text", low=1, high=check.MAX_TEXT),
+            "by": check.bounded(by, "by", low=1, high=256),
+            "target": check.json_object(target, "target"),
         }
         durable = self.durable if durable is None else durable
         if durable:
@@ -479,9 +354,9 @@ class JuneProducer:
         """Send a turn's message; if it was recorded first (durable), a broker that is down is only logged.
 
         ``headers``: the trace context of the producer's span (W3C ``traceparent``), in the message's headers."""
-        argsrepr = _summary(agent=payload["agent"], session=payload["session"], turn_id=turn_id)
+        argsrepr = check.summary(agent=payload["agent"], session=payload["session"], turn_id=turn_id)
         try:
-            self._send(self._turn_app, task, payload, queue=self.queue, argsrepr=argsrepr, headers=headers)
+            self._sender.send_turn(task, payload, argsrepr=argsrepr, headers=headers)
         except BrokerUnavailable as exc:
             if recorded is None:
                 raise
@@ -507,20 +382,12 @@ class JuneProducer:
         it against the request's answerers). Only an ``accepted`` outcome resumes the turn; follow
         its events from the last stream id you saw to watch it continue.
         """
-        payload: dict[str, Any] = {
-            "agent": _agent(agent),
-            "session": _session(session),
-            "turn_id": _turn_id(turn_id),
-            "input_id": _bounded(input_id, "input id", low=1, high=256),
-            "value": _json_value(value, "value"),
-            "by": _bounded(by, "by", low=1, high=256) if by is not None else None,
-            "principal": _json_object(principal, "principal"),
-        }
-        result = self._call(
+        payload = _resume_payload(agent, session, turn_id, input_id, value, by, principal)
+        result = self._sender.call(
             "june.resume",
             payload,
             what=f"turn {turn_id} of {agent}:{session}",
-            argsrepr=_summary(agent=agent, session=session, turn_id=turn_id, input_id=input_id),
+            argsrepr=check.summary(agent=agent, session=session, turn_id=turn_id, input_id=input_id),
             timeout_s=timeout_s,
         )
         return parse_resume(result)
@@ -542,18 +409,10 @@ class JuneProducer:
         ``reply_to``: a channel target naming the answerer; a refused answer is told to them there
         (a Slack ephemeral note), since nobody waits here to hear it.
         """
-        payload: dict[str, Any] = {
-            "agent": _agent(agent),
-            "session": _session(session),
-            "turn_id": _turn_id(turn_id),
-            "input_id": _bounded(input_id, "input id", low=1, high=256),
-            "value": _json_value(value, "value"),
-            "by": _bounded(by, "by", low=1, high=256) if by is not None else None,
-            "principal": _json_object(principal, "principal"),
-            "reply_to": _json_object(reply_to, "reply_to"),
-        }
-        argsrepr = _summary(agent=agent, session=session, turn_id=turn_id, input_id=input_id)
-        self._send(self._control_app, "june.resume", payload, queue=self.control_queue, argsrepr=argsrepr)
+        payload = _resume_payload(agent, session, turn_id, input_id, value, by, principal)
+        payload["reply_to"] = check.json_object(reply_to, "reply_to")
+        argsrepr = check.summary(agent=agent, session=session, turn_id=turn_id, input_id=input_id)
+        self._sender.send_control("june.resume", payload, argsrepr=argsrepr)
 
     def cancel(self, agent: str, session: str, turn_id: str | None = None, *, timeout_s: float = 30) -> dict[str, Any]:
         """Cancel one turn, or every unfinished turn of the session (``june.cancel``).
@@ -562,16 +421,16 @@ class JuneProducer:
         stops at its next checkpoint; its events end with ``turn.cancelled``.
         """
         payload: dict[str, Any] = {
-            "agent": _agent(agent),
-            "session": _session(session),
-            "turn_id": _turn_id(turn_id) if turn_id is not None else None,
+            "agent": check.agent(agent),
+            "session": check.session(session),
+            "turn_id": check.turn_id(turn_id) if turn_id is not None else None,
         }
         what = f"turn {turn_id} of {agent}:{session}" if turn_id else f"session {agent}:{session}"
-        result = self._call(
+        result = self._sender.call(
             "june.cancel",
             payload,
             what=what,
-            argsrepr=_summary(agent=agent, session=session, turn_id=turn_id),
+            argsrepr=check.summary(agent=agent, session=session, turn_id=turn_id),
             timeout_s=timeout_s,
         )
         return parse_cancel(result)
@@ -586,12 +445,12 @@ class JuneProducer:
         wait ended, and a worker that takes it later discards it, so the reset will not happen behind turns
         sent since.
         """
-        payload: dict[str, Any] = {"agent": _agent(agent), "session": _session(session)}
-        result = self._call(
+        payload: dict[str, Any] = {"agent": check.agent(agent), "session": check.session(session)}
+        result = self._sender.call(
             "june.reset",
             payload,
             what=f"session {agent}:{session}",
-            argsrepr=_summary(agent=agent, session=session),
+            argsrepr=check.summary(agent=agent, session=session),
             timeout_s=timeout_s,
             expiring=True,
         )
@@ -601,12 +460,11 @@ class JuneProducer:
 
     def stream_key(self, agent: str, session: str) -> str:
         """The session's stream, ``<prefix>:events:{<agent>:<session>}``."""
-        return session_stream(self.key_prefix, _agent(agent), _session(session))
+        return self._events.stream_key(agent, session)
 
     def last_stream_id(self, agent: str, session: str) -> str:
         """The id of the session stream's newest entry (``"0-0"`` when empty): follow from it to see only what comes next."""
-        tail: Any = self.redis.xrevrange(self.stream_key(agent, session), count=1)
-        return str(tail[0][0]) if tail else "0-0"
+        return self._events.last_stream_id(agent, session)
 
     def follow(
         self,
@@ -634,24 +492,8 @@ class JuneProducer:
         missing seq, how to reload, where to go on), never skipped. Redis errors propagate: follow
         again from the last ``stream_id`` you handled.
         """
-        state = self._state(agent, session, turn_id, last_id, timeout_s, block_ms, include_deltas, last_seq)
-        if state.last_id == "$":
-            state.last_id = self.last_stream_id(agent, session)
-        return self._follow(state, count)
-
-    def _follow(self, state: FollowState, count: int) -> Generator[FollowedEvent, None, None]:
-        with self.redis.pipeline(transaction=False) as pipe:
-            queue_start_check(pipe, state.stream, state.last_id, state.last_seq)
-            start = judge_start(state.stream, state.last_id, state.last_seq, pipe.execute(raise_on_error=False))
-        after = self.redis.xrange(state.stream, min="(" + state.last_id, count=SCAN) if start.suspect else None
-        state.started(start, after)
-        state.raise_gap()
-        while not state.done:
-            response: Any = self.redis.xread({state.stream: state.last_id}, count=count, block=state.block())
-            yield from state.take(response)
-            state.raise_gap()
-            if not response and state.expired():
-                return
+        state = self._events.state(agent, session, turn_id, last_id, timeout_s, block_ms, include_deltas, last_seq)
+        return self._events.follow(state, count)
 
     async def afollow(
         self,
@@ -671,150 +513,7 @@ class JuneProducer:
         It opens its own connection and closes it when the iteration ends; if you stop early,
         close the iterator (``async with contextlib.aclosing(producer.afollow(...)) as events``).
         """
-        state = self._state(agent, session, turn_id, last_id, timeout_s, block_ms, include_deltas, last_seq)
-        client = aconnect(
-            self.redis_url,
-            decode_responses=True,
-            socket_timeout=self.socket_timeout_s,
-            socket_connect_timeout=self.connect_timeout_s,
-        )
-        try:
-            if state.last_id == "$":
-                tail: Any = await client.xrevrange(state.stream, count=1)
-                state.last_id = str(tail[0][0]) if tail else "0-0"
-            async with client.pipeline(transaction=False) as pipe:
-                queue_start_check(pipe, state.stream, state.last_id, state.last_seq)
-                start = judge_start(
-                    state.stream, state.last_id, state.last_seq, await pipe.execute(raise_on_error=False)
-                )
-            after = await client.xrange(state.stream, min="(" + state.last_id, count=SCAN) if start.suspect else None
-            state.started(start, after)
-            state.raise_gap()
-            while not state.done:
-                response: Any = await client.xread({state.stream: state.last_id}, count=count, block=state.block())
-                for event in state.take(response):
-                    yield event
-                state.raise_gap()
-                if not response and state.expired():
-                    return
-        finally:
-            await client.aclose()
-
-    def _state(
-        self,
-        agent: str,
-        session: str,
-        turn_id: str | None,
-        last_id: str,
-        timeout_s: float | None,
-        block_ms: int,
-        include_deltas: bool,
-        last_seq: int | None,
-    ) -> FollowState:
-        if not isinstance(last_id, str) or not _STREAM_ID_RE.match(last_id):
-            raise ValueError(f"invalid last_id {last_id!r}: expected a stream id such as 1700000000000-0, 0-0 or $")
-        return FollowState(
-            self.stream_key(agent, session),
-            turn_id=_turn_id(turn_id) if turn_id is not None else None,
-            last_id=last_id,
-            block_ms=safe_block_ms(self.socket_timeout_s, block_ms),
-            timeout_s=timeout_s,
-            include_deltas=include_deltas,
-            last_seq=last_seq,
-            reload=f"the store (the gateway's GET /v1/agents/{agent}/sessions/{session}/log)",
-        )
-
-    # --- sending ---------------------------------------------------------------------------------
-
-    def _send(
-        self,
-        app: Any,
-        task: str,
-        payload: dict[str, Any],
-        *,
-        queue: str,
-        argsrepr: str,
-        headers: dict[str, str] | None = None,
-        expires: float | None = None,
-    ) -> Any:
-        options: dict[str, Any] = {}
-        if is_amqp(self.broker_url):  # a socket write and the broker's confirm wait this long at most
-            options = {"timeout": self.publish_timeout_s, "confirm_timeout": self.publish_timeout_s}
-        if expires is not None:  # seconds from now; the message carries the instant, the worker's clock judges it
-            options["expires"] = expires
-        if headers:
-            options["headers"] = headers
-        try:
-            return app.send_task(task, args=[payload], queue=queue, argsrepr=argsrepr, kwargsrepr="", **options)
-        except _SEND_ERRORS as exc:
-            raise BrokerUnavailable(
-                f"could not send {task} {argsrepr} to queue {queue!r}: broker {redact(self.broker_url)} did not "
-                f"take it ({_cause(exc)}); is it running, and is CELERY_BROKER_URL right?"
-            ) from exc
-        except PreconditionFailed as exc:
-            raise ProducerConfigError(
-                f"broker {redact(self.broker_url)} refused queue {queue!r} as declared ({_cause(exc)}): it exists "
-                "with other arguments; set broker_queue_type (JUNE_BROKER_QUEUE_TYPE) to what the workers use"
-            ) from exc
-        except RuntimeError as exc:
-            # Before publishing a waited task Celery subscribes to its result; when the result
-            # backend cannot be reached it gives up with a RuntimeError caused by the connection error.
-            if not isinstance(exc.__cause__, _SEND_ERRORS):
-                raise
-            raise BrokerUnavailable(
-                f"could not send {task} {argsrepr}: result backend {redact(self.result_backend)} did not answer "
-                f"({_cause(exc.__cause__)}), so nothing was sent; is it running, and is CELERY_RESULT_BACKEND right?"
-            ) from exc
-
-    def _call(
-        self,
-        task: str,
-        payload: dict[str, Any],
-        *,
-        what: str,
-        argsrepr: str,
-        timeout_s: float,
-        expiring: bool = False,
-    ) -> Any:
-        """Send a control task and wait for its summary.
-
-        ``expiring``: the message expires a little before the wait ends (:func:`_expiry_s`), so a task no
-        worker began in time never runs later; the timeout then says so (``ResultTimeout.withdrawn``).
-        """
-        timeout_s = _timeout(timeout_s)
-        expires = _expiry_s(timeout_s) if expiring else None
-        result = self._send(
-            self._control_app, task, payload, queue=self.control_queue, argsrepr=argsrepr, expires=expires
-        )
-        try:
-            # disable_sync_subtasks=False: a service may call this from its own Celery task; the wait
-            # is on june's control queue, never on the caller's own pool, so it cannot deadlock it.
-            value = result.get(timeout=timeout_s, propagate=False, disable_sync_subtasks=False)
-        except CeleryTimeoutError:
-            self._abandon(result)
-            raise ResultTimeout(task, what, timeout_s, self.control_queue, str(result.id), withdrawn=expiring) from None
-        except (*_SEND_ERRORS, RuntimeError) as exc:
-            cause = exc.__cause__ if isinstance(exc, RuntimeError) else exc
-            if not isinstance(cause, _SEND_ERRORS):
-                raise
-            raise ResultUnavailable(
-                f"{task} for {what} was sent, but its result could not be read from "
-                f"{redact(self.result_backend)} ({_cause(cause)}); it may have run"
-            ) from exc
-        if not result.successful():
-            state = result.state
-            self._abandon(result)
-            if expiring and state == "REVOKED":  # a worker took it after it expired, and discarded it
-                raise ResultTimeout(task, what, timeout_s, self.control_queue, str(result.id), withdrawn=True)
-            error = f"{type(value).__name__}: {value}" if isinstance(value, BaseException) else repr(value)
-            raise TaskFailed(task, what, f"{state} {error}")
-        self._abandon(result)  # the summary was read: do not leave it in the backend for a day
-        return value
-
-    @staticmethod
-    def _abandon(result: Any) -> None:
-        """Stop listening for a result and drop it from the backend (best effort)."""
-        try:
-            result.forget()
-        except (*_SEND_ERRORS, RuntimeError):
-            pass
+        state = self._events.state(agent, session, turn_id, last_id, timeout_s, block_ms, include_deltas, last_seq)
+        async with contextlib.aclosing(self._events.afollow(state, count)) as events:
+            async for event in events:
+                yield event

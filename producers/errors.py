@@ -5,7 +5,7 @@
     ProducerError
      ├── ProducerConfigError     (also ValueError)       a setting is wrong; fix it, do not retry
      ├── BrokerUnavailable       (also ConnectionError)  the message was not sent; retry later
- ├── DatabaseUnavailable     (also ConnectionError)  durable=True: Postgres did not record the turn; nothing sent
+     ├── DatabaseUnavailable     (also ConnectionError)  durable=True: Postgres did not record the turn; nothing sent
      ├── ResultUnavailable       (also ConnectionError)  sent, but the answer could not be read
      ├── ResultTimeout           (also TimeoutError)     sent, no answer in time: is a worker on the queue?
      ├── TaskFailed                                      the task raised on the worker
@@ -18,6 +18,8 @@ arguments to ``super().__init__``.
 """
 
 from __future__ import annotations
+
+from june_wire.errors import StreamGapError as WireStreamGapError
 
 __all__ = [
     "BrokerUnavailable",
@@ -103,27 +105,12 @@ class UnexpectedResult(ProducerError):
     """The task returned something other than the summary this client expects (a version mismatch?)."""
 
 
-class StreamGapError(ProducerError):
+class StreamGapError(ProducerError, WireStreamGapError):
     """Events a follow asked for are no longer in the session stream (trimmed away), or a structural ``seq`` jumped.
 
     ``first_missing_seq``: the first seq you lack (None when your start id was trimmed and you did not pass
     ``last_seq``); ``next_seq``: the first seq the stream still holds after the gap (None: none yet). Reload
     the missing events from the store (the gateway's ``GET .../sessions/{session}/log?after_seq=``), then
-    follow again from ``resume_id`` with ``last_seq=next_seq - 1``.
+    follow again from ``resume_id`` with ``last_seq=next_seq - 1``. Its fields are
+    :class:`june_wire.errors.StreamGapError`'s.
     """
-
-    def __init__(
-        self,
-        message: str,
-        stream: str,
-        after_id: str,
-        resume_id: str,
-        first_missing_seq: int | None,
-        next_seq: int | None,
-    ) -> None:
-        super().__init__(message, stream, after_id, resume_id, first_missing_seq, next_seq)
-        self.message, self.stream, self.after_id, self.resume_id = message, stream, after_id, resume_id
-        self.first_missing_seq, self.next_seq = first_missing_seq, next_seq
-
-    def __str__(self) -> str:
-        return self.message

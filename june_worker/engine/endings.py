@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import traceback
 
+from june_wire.storable import safe_str, storable_text, unstorable_reason
+
 from .events import Rejected, TurnFailed, TurnResult
 from .secrets import scrub
 from .sink import EventSink
-from .storable import safe_str, storable_text, unstorable_reason
 from .store import SessionRef, SessionStore, TurnPayload
 from .types import ErrorInfo
 

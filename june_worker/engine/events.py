@@ -10,7 +10,9 @@ Two kinds of event, and the difference matters everywhere:
   retried step's text apart and drop the deltas of a dead attempt.
 
 Terminal events end a turn's stream: ``turn.completed``, ``turn.failed``,
-``turn.cancelled`` and ``input.requested`` (the turn parked).
+``turn.cancelled`` and ``input.requested`` (the turn parked). Which types are deltas and which
+are terminal is part of the wire protocol (:mod:`june_wire.events`); this module's models must
+keep to those names.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, TypeAdapter, model_serializer
+
+from june_wire.events import DELTA_TYPES, TERMINAL_TYPES  # the wire's names: readers without the engine use them
 
 from .types import (
     CancelReason,
@@ -232,9 +236,6 @@ TurnEvent = Annotated[
     Field(discriminator="type"),
 ]
 TurnEventAdapter: TypeAdapter[TurnEvent] = TypeAdapter(TurnEvent)
-
-DELTA_TYPES = frozenset({"message.delta", "reasoning.delta"})
-TERMINAL_TYPES = frozenset({"turn.completed", "turn.failed", "turn.cancelled", "input.requested"})
 
 
 def is_structural(event: TurnEvent) -> bool:

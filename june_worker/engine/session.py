@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from june_wire.storable import unstorable_reason
+
 from ..errors import (
     AgentDefinitionError,
     ConfigError,
@@ -66,7 +68,6 @@ from .resume import (
 )
 from .secrets import scrubbed_logger
 from .sink import EventSink
-from .storable import unstorable_reason
 from .store import (
     ENDED_TURN_STATUSES,
     UNFINISHED_TURN_STATUSES,

@@ -20,6 +20,8 @@ from typing import Any, Literal, Protocol, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from june_wire.keys import SessionRef  # a session's address is part of the wire (its keys are made of it)
+
 from .events import TurnEvent, TurnResult
 from .types import InboundEvent, InputRequest, JsonValue, Message, ParentLink, Principal
 
@@ -58,21 +60,6 @@ INITIATOR_STEP = "session:initiator"
 def input_step_id(turn_id: str, input_id: str) -> str:
     """Answers are turn-scoped: a later turn asking with the same id parks again."""
     return f"input:{turn_id}:{input_id}"
-
-
-@dataclass(frozen=True, slots=True)
-class SessionRef:
-    """A session's address: the agent serving it and the app's session id."""
-
-    agent: str
-    session: str
-
-    @property
-    def key(self) -> str:
-        return f"{self.agent}:{self.session}"
-
-    def __str__(self) -> str:
-        return self.key
 
 
 class _Record(BaseModel):

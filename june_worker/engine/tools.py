@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any, overload
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
+from june_wire.storable import storable_text
+
 from ..errors import ConfigError, FatalToolError
 from .model import ToolSpec
 from .secrets import scrub
-from .storable import storable_text
 from .store import SessionRef, StoreHandle
 from .types import Answerers, InboundEvent, JsonValue, PolicyAnswerer, Principal, ToolCall, UserAnswerer
 

@@ -1,7 +1,7 @@
 """The EventSink seam's Redis side: key names, the stream sink (with its outbox relay), readers.
 
-:mod:`.keys` needs nothing but the standard library; the rest needs the ``redis`` extra and
-is imported on first use, so ``from june_worker.events import EventKeys`` works without it.
+:mod:`june_wire.keys` (key names) needs nothing but the standard library; the rest needs the ``redis``
+extra and is imported on first use, so ``from june_worker.events import EventKeys`` works without it.
 This package imports no celery and no psycopg.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .keys import DEFAULT_KEYS, EventKeys
+from june_wire.keys import DEFAULT_KEYS, EventKeys
 
 if TYPE_CHECKING:
     from .reader import (

@@ -19,7 +19,7 @@ from typing import Any
 import redis
 from redis.exceptions import MovedError
 
-from ._redis_url import health_check_interval_s, is_cluster
+from june_wire.redis_url import health_check_interval_s, is_cluster
 
 __all__ = ["Wire"]
 

@@ -37,9 +37,8 @@ from typing import Any
 from redis.cluster import RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from ..engine.store import SessionRef
-from ._redis_url import RedisClient
-from .keys import EventKeys
+from june_wire.keys import EventKeys, SessionRef
+from june_wire.redis_url import RedisClient
 
 __all__ = ["RebuildPass", "epoch_keys", "finish_pass", "move_pass", "pending_pass"]
 

@@ -23,7 +23,7 @@ ends, so its events are in Redis before the task reports it done); a gap or an e
 report is acted on then. Everything goes over that one connection, in order: deltas never
 overtake the structural events committed before them.
 
-On a Redis Cluster (``redis+cluster://``, see :mod:`._redis_url`) the same holds per node: a
+On a Redis Cluster (``redis+cluster://``, see :mod:`june_wire.redis_url`) the same holds per node: a
 session's stream and marker share a hash slot, so its appends and deltas go over the sink's one
 connection to that node, in order (:mod:`._wire`); its firehose partition may be on another node.
 A reply of ``MOVED`` (the slot moved) is a gap: the sink learns the slot map again and fills the
@@ -64,8 +64,6 @@ Limits, all of them the price of keeping the markers in Redis beside the streams
 
 from __future__ import annotations
 
-import json
-import re
 import threading
 import time
 from collections.abc import Sequence
@@ -78,12 +76,13 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError
 from redis.retry import Retry
 
+from june_wire.events import encode_data
+from june_wire.keys import DEFAULT_KEYS, EventKeys, SessionRef
+from june_wire.redis_url import RedisClient, connect, describe, is_cluster, redact
+
 from ..engine.events import TurnEvent, is_structural
 from ..engine.secrets import scrubbed_logger
-from ..engine.store import SessionRef
-from ._redis_url import RedisClient, connect, describe, is_cluster
 from ._wire import Wire
-from .keys import DEFAULT_KEYS, EventKeys
 
 __all__ = ["EventLog", "RedisStreamSink", "Trim", "encode_event", "redact"]
 
@@ -100,7 +99,6 @@ for _, field in ipairs(quiet) do
 end
 return #quiet
 """
-_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^@/\s]*@")
 
 
 class EventLog(Protocol):
@@ -145,13 +143,7 @@ class Trim:
 
 def encode_event(ref: SessionRef, event: TurnEvent) -> str:
     """The ``data`` field of a stream entry: the event as snake_case JSON, plus ``agent`` and ``session``."""
-    head = json.dumps({"agent": ref.agent, "session": ref.session}, separators=(",", ":"))
-    return head[:-1] + "," + event.model_dump_json(by_alias=True)[1:]
-
-
-def redact(text: str) -> str:
-    """``text`` with the user-info part of any URL (``user:password@``) replaced by ``***@``."""
-    return _USERINFO.sub(r"\g<scheme>***@", text)
+    return encode_data(ref.agent, ref.session, event.model_dump_json(by_alias=True))
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,13 +27,13 @@ import psycopg
 import redis.asyncio as aioredis
 from psycopg_pool import ConnectionPool
 
+from june_wire.keys import EventKeys
+from june_wire.redis_url import AsyncRedisClient, aconnect, is_cluster_url
 from producers import JuneProducer, ResetOutcome, ResumeOutcome
 
 from ..engine.children import child_session_id, child_turn_id
 from ..engine.secrets import scrubbed_logger
 from ..engine.store import SessionRef, SuspendedCheckpoint, TurnRecord
-from ..events._redis_url import AsyncRedisClient, aconnect, is_cluster_url
-from ..events.keys import EventKeys
 from ..stores.postgres import PostgresStore
 from .access import SessionState
 from .owners import SessionOwners

@@ -22,8 +22,9 @@ import psycopg
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field
 
+from june_wire.redis_url import UNAVAILABLE, is_cluster
+
 from ..engine.secrets import scrubbed_logger
-from ..events._redis_url import UNAVAILABLE, is_cluster
 from . import console
 from .auth import Principal
 from .backend import GatewayBackend

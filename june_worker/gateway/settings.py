@@ -57,10 +57,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from june_wire.keys import default_firehose_partitions
+from june_wire.redis_url import is_cluster_url
+
 from ..channels.base import receiving_only
 from ..errors import ConfigError
-from ..events._redis_url import is_cluster_url
-from ..events.keys import default_firehose_partitions
 from .access import AuthorizeSession
 from .auth import TokenTable, load_tokens
 from .slack_settings import SlackGatewaySettings, slack_from_env

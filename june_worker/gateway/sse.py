@@ -40,12 +40,13 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from june_wire.keys import EventKeys
+from june_wire.redis_url import UNAVAILABLE, AsyncRedisClient
+
 from ..engine.events import is_structural, is_terminal
 from ..engine.secrets import scrubbed_logger
 from ..engine.store import SessionRef
 from ..errors import StreamGapError
-from ..events._redis_url import UNAVAILABLE, AsyncRedisClient
-from ..events.keys import EventKeys
 from ..events.reader import StreamEvent, afollow
 from ..events.redis_stream import encode_event
 

@@ -50,9 +50,10 @@ from psycopg.types.numeric import Int8
 from psycopg_pool import ConnectionPool
 from pydantic import TypeAdapter, ValidationError
 
+from june_wire.storable import unstorable_reason
+
 from ..engine.endings import rejection_event
 from ..engine.events import Rejected, TurnEvent, TurnResultAdapter
-from ..engine.storable import unstorable_reason
 from ..engine.store import (
     ENDED_TURN_STATUSES,
     UNFINISHED_TURN_STATUSES,

@@ -18,10 +18,10 @@ from typing import Any
 
 import httpx
 
+from june_wire.redis_url import aconnect, connect
 from june_worker.engine.events import MessageDelta
 from june_worker.engine.store import SessionRef
 from june_worker.events import EventKeys, RedisStreamSink
-from june_worker.events._redis_url import aconnect, connect
 from june_worker.gateway import create_app
 from june_worker.gateway.client import parse_sse
 from june_worker.gateway.sse import follow_events

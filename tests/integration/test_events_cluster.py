@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
+from june_wire.redis_url import connect
 from june_worker.engine.store import SessionRef
 from june_worker.events import EventKeys, read_firehose
-from june_worker.events._redis_url import connect
 
 from .conftest import Stack, wait_for
 

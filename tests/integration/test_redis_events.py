@@ -21,6 +21,7 @@ import pytest
 import redis
 from redis.crc import key_slot
 
+from june_wire.redis_url import aconnect, connect, is_cluster
 from june_worker import Agent, Runtime, tool
 from june_worker.engine.crash import CrashAt
 from june_worker.engine.events import (
@@ -48,7 +49,6 @@ from june_worker.events import (
     read_firehose,
     read_group,
 )
-from june_worker.events._redis_url import aconnect, connect, is_cluster
 from june_worker.events.reader import decode_entry
 from june_worker.events.redis_stream import encode_event
 from june_worker.models import Reply, ScriptedModel

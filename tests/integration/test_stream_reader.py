@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import redis
 
+from june_wire.redis_url import aconnect, connect
 from june_worker.engine.events import MessageDelta, TurnEvent
 from june_worker.engine.store import Commit, SessionRef
 from june_worker.errors import StreamGapError
 from june_worker.events import EventKeys, RedisStreamSink, Trim, afollow, follow
-from june_worker.events._redis_url import aconnect, connect
 from june_worker.events.redis_stream import encode_event
 from june_worker.stores import MemoryStore
 

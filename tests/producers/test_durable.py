@@ -20,14 +20,12 @@ import pytest
 import redis
 from pydantic import ValidationError
 
-from june_worker.engine.storable import unstorable_reason
 from june_worker.engine.store import SessionRef, TurnPayload
 from june_worker.engine.types import InboundEvent
 from june_worker.stores.postgres import PostgresStore
 from june_worker.worker.payloads import ProactiveMessage, TurnMessage
 from producers import BrokerUnavailable, DatabaseUnavailable, JuneProducer, ProducerConfigError
 from producers._durable import check_event
-from producers._storable import unstorable_reason as producer_unstorable_reason
 
 from .conftest import Names
 from .kit import pop_message
@@ -306,32 +304,6 @@ def test_an_unreadable_event_is_refused_before_anything_is_recorded_or_sent(
 
     assert _stored(db, session_id) == []
     assert rclient.llen(names.queue) == 0
-
-
-STRINGS: list[Any] = [  # values the workers' storable rule and the producers' copy of it must judge alike
-    "plain",
-    "",
-    "é € 😀 \ue000 \uffff",
-    "a\x00b",
-    "\x00",
-    "\udcff",
-    "\ud800x",
-    "x\udfff",
-    "😀\ud83d",
-    {"k\x00": 1},
-    {"a": ["x", "y\udc80"]},
-    {"a": {"b": {"c": "\x00"}}, "d": "\udcff"},
-    ("t", ["\x00"]),
-    [1, 2.5, None, True, {"k": "v"}],
-    5,
-    None,
-]
-
-
-@pytest.mark.parametrize("value", STRINGS)
-def test_a_durable_producer_judges_strings_by_the_workers_storable_rule(value: Any) -> None:
-    assert producer_unstorable_reason(value) == unstorable_reason(value)
-    assert producer_unstorable_reason(value, "text") == unstorable_reason(value, "text")
 
 
 UNSTORABLE: list[tuple[str, dict[str, Any], str]] = [  # (how it is sent, its arguments, what the error names)

@@ -72,16 +72,3 @@ def test_a_producer_at_work_loads_no_june_worker_module(
 
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.splitlines()[-1]) == []
-
-
-def test_the_producers_copy_of_the_gap_rules_is_the_engines_but_for_its_imports() -> None:
-    # producers/_gaps.py cannot import june_worker/events/_gaps.py: the two must stay one rule, word for word
-    def body(path: Path) -> list[str]:
-        return [line for line in path.read_text().splitlines() if not line.startswith("from .")]
-
-    assert body(PRODUCERS / "_gaps.py") == body(REPO / "june_worker" / "events" / "_gaps.py")
-
-
-def test_the_producers_copy_of_the_redis_url_rules_is_the_workers_word_for_word() -> None:
-    # producers/_redis_url.py cannot import june_worker/events/_redis_url.py: one reading of redis+cluster:// URLs
-    assert (PRODUCERS / "_redis_url.py").read_text() == (REPO / "june_worker" / "events" / "_redis_url.py").read_text()

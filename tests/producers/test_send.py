@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 import redis
+from pydantic import ValidationError
 
+from june_worker.worker.payloads import TurnMessage
 from producers import BrokerUnavailable, JuneProducer, ResultTimeout
 
 from .conftest import Names
@@ -199,6 +201,20 @@ def test_bad_arguments_raise_value_error_and_send_nothing(
 ) -> None:
     with pytest.raises(ValueError, match="invalid"):
         producer.start_turn(agent, session, text)
+    assert rclient.llen(names.queue) == 0
+
+
+@pytest.mark.parametrize("field", ["agent", "session", "turn_id"])
+def test_a_name_ending_in_a_line_break_is_refused_before_sending_as_the_worker_would_refuse_it(
+    producer: JuneProducer, names: Names, rclient: redis.Redis, session_id: str, field: str
+) -> None:
+    # Given a name that matches its rule but for a trailing line break (a header or file read without stripping)
+    sent = {"agent": "ops", "session": session_id, "turn_id": "t_given"} | {field: f"{field}1\n"}
+    with pytest.raises(ValidationError):  # the worker refuses such a message (and records the rejection)
+        TurnMessage.model_validate({**sent, "text": "hi"})
+    # When a producer is asked to send it, Then it is refused at the call, naming it, and nothing is sent
+    with pytest.raises(ValueError, match=f"invalid {field.replace('_', ' ')}.*'{field}1\\\\n'"):
+        producer.start_turn(sent["agent"], sent["session"], "hi", turn_id=sent["turn_id"])
     assert rclient.llen(names.queue) == 0
 
 

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
+from june_wire.storable import REPLACEMENT, storable_json, unstorable_reason
 from june_worker import ToolContext, tool
 from june_worker.engine.endings import CAUSE_CHAIN_MAX, error_info
 from june_worker.engine.events import Cancelled, Completed, Failed
 from june_worker.engine.failures import Failure, classify
 from june_worker.engine.loop import TurnRunner
 from june_worker.engine.signals import CrashInjected
-from june_worker.engine.storable import REPLACEMENT, storable_json, unstorable_reason
 from june_worker.engine.store import Commit, SessionRef, TurnPayload
 from june_worker.engine.types import ModelReply
 from june_worker.errors import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from june_wire.redis_url import LazyRedisCluster, connect, describe, parse_cluster_url
 from june_worker.errors import ConfigError
-from june_worker.events._redis_url import LazyRedisCluster, connect, describe, parse_cluster_url
 from june_worker.gateway.settings import GatewaySettings
 from june_worker.worker.settings import WorkerSettings
 from producers import JuneProducer, ProducerConfigError

@@ -8,18 +8,18 @@ followed by one or more of its nodes, comma-separated; the client learns the oth
 
 A cluster has one database, 0: a path other than ``/`` or ``/0`` is refused, and so is a query
 string. Only event streams, their markers and the control channels live on such a Redis (every
-key of one session shares a hash tag; see ``keys``); a Celery broker or result backend cannot
+key of one session shares a hash tag; see :mod:`.keys`); a Celery broker or result backend cannot
 be a cluster.
 
 The rule a reader must not break: **every command a client of a cluster sends names keys of one
 hash slot** (a pipeline may mix slots: it is split per node, never run as one transaction).
 
-``june_worker/events/_redis_url.py`` and ``producers/_redis_url.py`` are the same file (producers
-import nothing of june_worker); a test keeps them so.
+The only module of :mod:`june_wire` that needs ``redis``: the engine never imports it (ruff's TID251).
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -46,6 +46,7 @@ __all__ = [
     "is_cluster",
     "is_cluster_url",
     "parse_cluster_url",
+    "redact",
     "socket_timeout_s",
 ]
 
@@ -57,6 +58,16 @@ RedisClient: TypeAlias = "redis.Redis | RedisCluster"
 AsyncRedisClient: TypeAlias = "aioredis.Redis | AsyncRedisCluster"
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+# The user-info up to the authority's last "@" (a password may hold one), and a password given in the query.
+_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/;\s]*@")
+_QUERY_PASSWORD = re.compile(r"(?P<key>[?&](?:password|passwd|pass)=)[^&#;\s]*", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """``text`` with the user-info of every URL in it (``user:password@``) replaced by ``***@`` and a
+    ``password=`` in a query by ``password=***``: safe for logs and errors (any URL: Redis, AMQP, Postgres)."""
+    return _QUERY_PASSWORD.sub(r"\g<key>***", _USERINFO.sub(r"\g<scheme>***@", text))
 
 
 def is_cluster_url(url: str) -> bool:

@@ -28,20 +28,18 @@ mid-follow is told at the next structural entry.
 
 The rule a reader must not break: **a gap is raised before anything after it is yielded**, and the
 follow stops there; the caller reloads from the store and follows again from ``resume_id`` with
-``last_seq=next_seq - 1``.
-
-``june_worker/events/_gaps.py`` and ``producers/_gaps.py`` are the same file but for their two
-imports (producers import nothing of june_worker); a test keeps them so.
+``last_seq=next_seq - 1``. The error is the caller's own subclass of
+:class:`~june_wire.errors.StreamGapError` (:meth:`Gap.error`).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import StreamGapError
-from .events import DELTA_TYPES
+from .events import DELTA_TYPES, text
 
 __all__ = ["SCAN", "Gap", "Start", "id_before", "judge_start", "jump", "lost_start", "queue_start_check"]
 
@@ -50,9 +48,7 @@ SCAN = 100
 
 _MAX_SEQ_PART = 2**64 - 1
 
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+GapError = TypeVar("GapError", bound=StreamGapError)
 
 
 def id_key(entry_id: str) -> tuple[int, int]:
@@ -72,8 +68,8 @@ def entry_seq(fields: Any) -> int | None:
     """The seq of a structural entry (fields ``type`` and ``data``); None for a delta or an undecodable one."""
     if not fields:
         return None
-    decoded = {_text(k): v for k, v in dict(fields).items()}
-    if _text(decoded.get("type", "")) in DELTA_TYPES:
+    decoded = {text(k): v for k, v in dict(fields).items()}
+    if text(decoded.get("type", "")) in DELTA_TYPES:
         return None
     try:
         seq = json.loads(decoded["data"]).get("seq")
@@ -113,8 +109,9 @@ class Gap:
         again = f"last_seq={nxt - 1}" if nxt is not None else "last_seq set to the last seq you then hold"
         return f"{head}; {todo}, then follow again from {self.resume_id} with {again}"
 
-    def error(self, reload: str) -> StreamGapError:
-        return StreamGapError(
+    def error(self, reload: str, kind: type[GapError]) -> GapError:
+        """The error to raise, of the caller's class ``kind``: the message says to reload from ``reload``."""
+        return kind(
             self.describe(reload), self.stream, self.after_id, self.resume_id, self.first_missing_seq, self.next_seq
         )
 
@@ -171,7 +168,7 @@ class Start:
             return self.anchor, None  # only deltas were trimmed after the start: nothing structural is missing
         if self.anchor is None and next_seq == 1:
             return 0, None  # the stream holds the session from its first event on: nothing structural is missing
-        resume_id = id_before(_text(after[0][0])) if after else self.last_generated
+        resume_id = id_before(text(after[0][0])) if after else self.last_generated
         first_missing = None if self.anchor is None else self.anchor + 1
         return self.anchor, Gap(self.stream, self.last_id, resume_id, first_missing, next_seq, trimmed=True)
 
@@ -180,10 +177,10 @@ def judge_start(stream: str, last_id: str, last_seq: int | None, replies: list[A
     """Read the replies of :func:`queue_start_check` (XINFO's is an error when there is no stream)."""
     info = replies[0] if isinstance(replies[0], dict) else None
     before = list(replies[1] or []) if len(replies) > 1 and not isinstance(replies[1], Exception) else []
-    held = bool(before) and _text(before[0][0]) == last_id
+    held = bool(before) and text(before[0][0]) == last_id
     first = info.get("first-entry") if info else None
-    first_id = _text(first[0]) if first else None
-    last_generated = _text(info.get("last-generated-id", "0-0")) if info else "0-0"
+    first_id = text(first[0]) if first else None
+    last_generated = text(info.get("last-generated-id", "0-0")) if info else "0-0"
     added, length = (info.get("entries-added"), info.get("length")) if info else (None, None)
     lost_any = info is not None and (added is None or int(added) > int(length or 0))  # None: Redis < 7, assume so
 

@@ -1,0 +1,84 @@
+"""Making foreign strings storable: what tools, models and exceptions hand us must fit Postgres, SQLite and JSON.
+
+Two things no store can hold: a **lone surrogate** (``"\\udcff"``, what Python's
+``surrogateescape`` makes of a non-UTF-8 file name; it has no UTF-8 encoding) and a **NUL**
+character (Postgres text refuses it, and its JSON operators refuse ``\\u0000``). Both are
+replaced by U+FFFD, the Unicode replacement character. A third hazard is an exception whose
+``__str__`` raises: :func:`safe_str` falls back to the class name.
+
+The rule a reader must not break: **every string that reaches a commit from outside the
+engine's own code passes through here first** (tool results and errors, model replies, error
+reports). Payloads from producers are *refused* instead (:func:`unstorable_reason`): a user's
+text is not ours to alter. A worker refuses a message holding either; a durable producer refuses
+it before recording (Postgres' ``json`` type takes both escapes, and a record the workers cannot
+read would sit in their queue): both by this one rule.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["REPLACEMENT", "safe_str", "storable_json", "storable_text", "unstorable_reason"]
+
+REPLACEMENT = "\ufffd"
+_BAD = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable_text(text: str) -> str:
+    """``text`` with every NUL and lone surrogate replaced by U+FFFD; the same object when it has none."""
+    if text.isascii():
+        return text.replace("\x00", REPLACEMENT) if "\x00" in text else text
+    return _BAD.sub(REPLACEMENT, text)
+
+
+def storable_json(value: Any) -> Any:
+    """A JSON value (``dict``/``list``/``str``/numbers) with :func:`storable_text` applied to every string and key.
+
+    Returns ``value`` itself when nothing needs replacing (the common case costs one walk).
+    """
+    if unstorable_reason(value) is None:
+        return value
+    return _rebuild(value)
+
+
+def _rebuild(value: Any) -> Any:
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, dict):
+        return {storable_text(k) if isinstance(k, str) else k: _rebuild(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_rebuild(v) for v in value]
+    return value
+
+
+def safe_str(exc: BaseException) -> str:
+    """``str(exc)`` made storable; the class name when ``__str__`` raises or says nothing."""
+    try:
+        text = str(exc)
+    except Exception:
+        return type(exc).__name__
+    return storable_text(text) if text else type(exc).__name__
+
+
+def unstorable_reason(value: Any, where: str = "") -> str | None:
+    """Why ``value`` (a JSON-like payload) cannot be stored as it is, naming the first bad field; None if it can."""
+    if isinstance(value, str):
+        bad = _BAD.search(value)
+        if bad is None:
+            return None
+        char = bad.group()
+        what = "a NUL character" if char == "\x00" else f"a lone surrogate (U+{ord(char):04X})"
+        return f"{where or '(payload)'}: contains {what} at index {bad.start()}, which cannot be stored"
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and (reason := unstorable_reason(k, f"{where or '(payload)'} (a key)")):
+                return reason
+            path = f"{where}.{k}" if where else str(k)
+            if reason := unstorable_reason(v, path):
+                return reason
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            if reason := unstorable_reason(v, f"{where}[{i}]"):
+                return reason
+    return None
