@@ -70,6 +70,14 @@ def _turn_process(stack: Stack) -> int:
 
 
 def _assert_each_ended_once(stack: Stack, sent: list[tuple[str, str]], status: str = "turn.completed") -> None:
+    """Each turn's stream holds its terminal event once, and repeats nothing (its events follow the commit that
+    ended the row, so they are waited for)."""
+
+    def terminal(session: str) -> list[str]:
+        types = [e["type"] for e in stack.structural("flight", session)]
+        return [t for t in types if t in ("turn.completed", "turn.failed", "turn.cancelled")]
+
+    wait_for(lambda: all(terminal(s) for s, _ in sent), timeout_s=60, what="every terminal event in its stream")
     for session, _ in sent:
         events = stack.structural("flight", session)
         assert repeated_events(events) == [], (session, repeated_events(events))
