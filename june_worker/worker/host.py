@@ -308,6 +308,7 @@ class WorkerHost:
         it runs here."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._listening = threading.Event()
         self._beats.beat(self.owner, settings.alive_s)  # alive before the first lease is taken
         self._threads = [
             threading.Thread(target=self._heartbeat, name="june-heartbeat", daemon=True),
@@ -315,6 +316,8 @@ class WorkerHost:
         ]
         for t in self._threads:
             t.start()
+        # cancel signals are heard from here on (a Redis that does not answer: the heartbeat re-reads cancels anyway)
+        self._listening.wait(5)
 
     # --- agents ----------------------------------------------------------------------------------
 
@@ -769,6 +772,8 @@ class WorkerHost:
             try:
                 pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
                 pubsub.psubscribe(pattern)
+                pubsub.get_message(timeout=1.0, ignore_subscribe_messages=False)  # the subscription is in place
+                self._listening.set()
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=1.0)
                     if message is not None:
