@@ -459,9 +459,15 @@ class BenchStack:
         queues: str | None = None,
         env: dict[str, str] | None = None,
     ) -> Proc:
+        # pool "threads": many turns in one process (``june worker --turns-per-process``), under june's supervisor,
+        # whose children are then this worker's processes (the turns' process and the isolation worker)
+        start = (
+            [sys.executable, "-m", "june_worker.cli", "worker", "--turns-per-process", str(concurrency)]
+            if pool == "threads"
+            else [sys.executable, "-m", "celery", "-A", "june_worker", "worker", "-P", pool, "-c", str(concurrency)]
+        )
         args = [
-            sys.executable, "-m", "celery", "-A", "june_worker", "worker", "-I", "bench.tasks",
-            "-P", pool, "-c", str(concurrency), "-n", f"{self.tag}-{name}@%h",
+            *start, "-I", "bench.tasks", "-n", f"{self.tag}-{name}@%h",
             "-Q", queues or f"{self.queue},{self.control_queue}",
             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING",
         ]  # fmt: skip

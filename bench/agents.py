@@ -16,6 +16,8 @@ no I/O of its own, so what a bench measures is the worker, not the model.
   pushes its pid to ``<JUNE_KEY_PREFIX>:hold:<turn_id>:pids``.
 * ``dribble``: a model that streams ``JUNE_BENCH_DELTAS`` deltas 2 ms apart, so that a cancel
   lands mid-stream.
+* ``wait``: the in-flight turn (``bench/inflight.py``): opened with ``wait <W>``, its two model calls and
+  its async tool each wait W seconds.
 * ``chaos``: the chaos turn: the model streams a few deltas, calls the sync tool ``record``, which
   writes ``(turn_id, call_id)`` to ``chaos_writes`` through the step's transaction, then answers;
   each step first waits ``JUNE_BENCH_PAUSE_MS``, so that kills land in the middle of turns.
@@ -174,6 +176,36 @@ class ChaosModel:
             yield Done(reply=ModelReply(tool_calls=[ToolCall(id="c1", name="record", input={})]))
 
 
+# --- wait: a turn that waits, as real ones do (bench/inflight.py) ----------------------------------------------
+
+
+def _waits_s(request: ModelRequest) -> float:
+    """The turn's W: its opening text is ``wait <seconds>``."""
+    first = request.messages[0]
+    words = first.text.split() if isinstance(first, UserMessage) else []
+    return float(words[1]) if len(words) == 2 and words[0] == "wait" else 0.0
+
+
+@tool
+async def call_service(ctx: ToolContext, seconds: float) -> dict[str, bool]:
+    """Call a slow service (waits ``seconds``)."""
+    await asyncio.sleep(seconds)
+    return {"ok": True}
+
+
+class WaitingModel:
+    """Two calls per turn, each waiting W before it answers (a model thinking); between them the async tool
+    ``call_service`` waits W too: a turn waits 3 W in all, and does the work of a 3-step turn."""
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelDelta]:
+        w = _waits_s(request)
+        await asyncio.sleep(w)
+        if isinstance(request.messages[-1], ToolMessage):
+            yield Done(reply=ModelReply(text="waited"))
+        else:
+            yield Done(reply=ModelReply(tool_calls=[ToolCall(id="c1", name="call_service", input={"seconds": w})]))
+
+
 # --- subagents (bench/subagents.py --workers): a parent delegating to child turns run by any worker ----------
 
 
@@ -215,6 +247,7 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
         Agent(name="hold", model=ScriptedModel(_hold_script), tools=[hold]),
         Agent(name="dribble", model=DribblingModel()),
         Agent(name="chaos", model=ChaosModel(), tools=[record]),
+        Agent(name="wait", model=WaitingModel(), tools=[call_service]),
         Agent(name="child", model=ScriptedModel(_child_script), tools=[child_wait]),
         Agent(name="par", model=ScriptedModel(_parent_script), tools=[ask_child], parallel_tools=16),
         Agent(name="ser", model=ScriptedModel(_parent_script), tools=[ask_child], parallel_tools=1),

@@ -4,7 +4,8 @@ What it does:
 
 * starts its own ``redis-server`` (broker, task results and event streams) on a free port, with
   AOF (``appendfsync everysec``) as docker-compose.yml runs it, and its own database;
-* starts 2 workers (``--pool prefork -c 2`` each) and beat (the sweeper, every second);
+* starts 2 workers (``--pool prefork -c 2`` each, or with ``--mode threads`` one process of up to 100 turns
+  each under june's supervisor, ``june worker --turns-per-process 100``) and beat (the sweeper, every second);
 * sends ``--turns`` turns of the ``chaos`` agent (model, sync tool writing one row, model) over
   ``--sessions`` sessions at ``--rate`` turns a second; a send that fails (Redis restarting) is
   sent again under the same turn id until the broker takes it: a turn counts as accepted once
@@ -25,6 +26,7 @@ streams, stuck sessions (a turn still queued or running); and, for the turns a k
 held, how long after the kill each completed (p50 / p99).
 
     python bench/chaos.py --turns 500 --sessions 50
+    python bench/chaos.py --turns 500 --sessions 50 --mode threads
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ from bench._harness import (  # noqa: E402
 )
 
 TERMINAL = ("completed", "failed", "cancelled", "rejected")
+
+
+TURNS_PER_PROCESS = 100
+"""A threads-mode worker's turns in flight at most."""
 
 
 def _free_port() -> int:
@@ -121,8 +127,13 @@ class Kill:
 
 
 class Chaos:
-    def __init__(self, stack: BenchStack, rng: random.Random, every: tuple[float, float]) -> None:
+    def __init__(
+        self, stack: BenchStack, rng: random.Random, every: tuple[float, float], *, mode: str = "prefork"
+    ) -> None:
         self.stack = stack
+        self.mode = mode
+        """``prefork`` (-c 2) or ``threads`` (many turns per process, under june's supervisor: killing its child
+        process is killing the one process of all its turns)."""
         self.rng = rng
         self.every = every
         self.kills: list[Kill] = []
@@ -134,7 +145,10 @@ class Chaos:
 
     def start_worker(self) -> Proc:
         self.workers += 1
-        proc = self.stack.worker(f"w{self.workers}", pool="prefork", concurrency=2)
+        if self.mode == "threads":
+            proc = self.stack.worker(f"w{self.workers}", pool="threads", concurrency=TURNS_PER_PROCESS)
+        else:
+            proc = self.stack.worker(f"w{self.workers}", pool="prefork", concurrency=2)
         self.stack.wait_ready(proc)
         return proc
 
@@ -243,6 +257,10 @@ def main() -> None:
     parser.add_argument("--kill-every", type=float, nargs=2, default=(2.0, 5.0), metavar=("MIN_S", "MAX_S"))
     parser.add_argument("--settle-s", type=float, default=240.0, help="how long to wait for every turn to end")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--mode", choices=("prefork", "threads"), default="prefork",
+        help="workers of -c 2 pool processes, or of one process running many turns (--turns-per-process)",
+    )  # fmt: skip
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
@@ -253,7 +271,7 @@ def main() -> None:
     try:
         with sigterm_as_exit(), BenchStack("chaos", env=env) as stack:
             stack.sql("create table chaos_writes (turn_id text not null, call_id text not null)")
-            chaos = Chaos(stack, rng, tuple(args.kill_every))
+            chaos = Chaos(stack, rng, tuple(args.kill_every), mode=args.mode)
             chaos.start_worker()
             chaos.start_worker()
             stack.beat()

@@ -35,7 +35,7 @@ def _ready(**_: Any) -> None:
 @worker_process_init.connect
 def _install_probe(**_: Any) -> None:
     if os.environ.get("JUNE_BENCH_PROBE") == "1":
-        from june_worker.worker.host import get_host
+        from june_worker.worker.process import get_host
 
         from .agents import PROBE
 

@@ -3,8 +3,10 @@
 ``june worker`` / ``june beat`` / ``june flower`` are the plain Celery commands with the
 app filled in; any further arguments go to Celery unchanged. ``june worker`` without ``-c``
 runs one pool process per CPU, at most :data:`MAX_DEFAULT_CONCURRENCY` (Celery's own default
-has no cap); ``june beat`` with ``JUNE_LOG_FORMAT=json`` runs ``celery --quiet beat`` (no banner: see
-:func:`beat_args`).
+has no cap). ``june worker --turns-per-process N [-c P]`` runs P processes (default 1) of N turns
+each, on Celery's threads pool, under a supervisor that starts a process again if it dies
+(:mod:`june_worker.worker.supervisor`). ``june beat`` with ``JUNE_LOG_FORMAT=json`` runs
+``celery --quiet beat`` (no banner: see :func:`beat_args`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 
 __all__ = ["MAX_DEFAULT_CONCURRENCY", "beat_args", "main", "worker_args"]
 
-CELERY_APP = "june_worker.worker"
+CELERY_APP = "june_worker"
 
 
 MAX_DEFAULT_CONCURRENCY = 8
@@ -40,6 +42,37 @@ def worker_args(rest: list[str], cpus: int | None = None) -> list[str]:
     return ["worker", "-c", str(default), *rest]
 
 
+def _turns_per_process(rest: list[str]) -> tuple[int, int, list[str]] | None:
+    """``--turns-per-process N`` and ``-c P`` taken out of ``rest``: (N, P, what is left); None without the former.
+    Raises ValueError naming what is wrong."""
+    args = list(rest)
+    turns = processes = None
+    for flag in ("--turns-per-process", "-c", "--concurrency"):
+        for i, arg in enumerate(args):
+            value: str | None = None
+            if arg == flag and i + 1 < len(args):
+                value = args.pop(i + 1)
+                args.pop(i)
+            elif arg.startswith(flag + "=") or (flag == "-c" and arg.startswith("-c") and arg[2:].isdigit()):
+                value = args.pop(i)[len(flag) + (1 if arg.startswith(flag + "=") else 0) :]
+            if value is None:
+                continue
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{flag} {value!r}: expected a whole number, at least 1")
+            if flag == "--turns-per-process":
+                turns = int(value)
+            else:
+                processes = int(value)
+            break
+    if turns is None:
+        return None
+    if any(a in ("-P", "--pool") or a.startswith("--pool=") for a in args):
+        raise ValueError("--turns-per-process runs Celery's threads pool: leave -P/--pool out")
+    if any(a == "--autoscale" or a.startswith("--autoscale=") for a in args):
+        raise ValueError("--turns-per-process takes no --autoscale: give the processes with -c")
+    return turns, processes or 1, args
+
+
 def beat_args(rest: list[str], log_format: str | None = None) -> list[str]:
     """``celery beat``'s arguments for ``june beat <rest>``: with ``JUNE_LOG_FORMAT=json``, Celery's ``--quiet`` first,
     since beat prints its banner before june could turn it into JSON (june_worker/worker/logformat.py)."""
@@ -53,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run the demo agent in process on SQLite (no server, no API key)")
     demo.add_argument("--db", default=os.path.join(".june", "demo.db"), help="SQLite file (default .june/demo.db)")
     for name, text in (
-        ("worker", "start a Celery worker (celery -A june_worker.worker worker ...)"),
+        ("worker", "start a Celery worker (celery -A june_worker worker ...)"),
         ("beat", "start Celery beat: the sweeper and proactive schedules"),
         ("flower", "start Flower, the Celery monitor (the 'flower' extra)"),
     ):
@@ -74,6 +107,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main([args.db])
     if args.command == "worker":
+        try:
+            many = _turns_per_process(rest)
+        except ValueError as exc:
+            print(f"june worker: {exc}", file=sys.stderr)
+            return 2
+        if many is not None:
+            from .worker.supervisor import supervise
+
+            turns, processes, celery_args = many
+            return supervise(CELERY_APP, turns=turns, processes=processes, rest=celery_args)
         return _celery(*worker_args(rest))
     if args.command == "beat":
         return _celery(*beat_args(rest))

@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import DelegationError, ResumeAuthorizationError, ResumeConflictError
+from .blocking import Blocking, inline
 from .events import Cancelled, ChildInputRequested, TurnEvent, TurnResult
 from .ids import validate_session_id
 from .resume import Grant
@@ -289,8 +290,10 @@ class Delegator:
         steps: Collection[str],
         broker: InputBroker,
         crash: Callable[[str, str], None] | None,
+        blocking: Blocking = inline,
     ) -> None:
         self._agent = agent
+        self._blocking = blocking
         self._store = store
         self._launcher = launcher
         self._ref = ref
@@ -335,9 +338,11 @@ class Delegator:
         if wait and input_step_id(ctx.turn_id, input_id) in self._steps:
             self.started[ctx.call.id] = (child, turn_id)
             return dict(await self._ask(ctx, input_id, prompt, request))  # answered: the replay after the resume
-        rec = self._store.get_turn(child, turn_id)
-        if rec is None:
-            started = self._store.child_turns(self._ref, ctx.turn_id, self._launcher.agents)
+        found = await self._blocking(lambda: self._store.get_turn(child, turn_id))
+        if found is None:
+            started = await self._blocking(
+                lambda: self._store.child_turns(self._ref, ctx.turn_id, self._launcher.agents)
+            )
             cap = self._agent.max_children_per_turn
             if len({t.turn_id for t in started} - {turn_id}) >= cap:
                 raise DelegationError(
@@ -347,14 +352,15 @@ class Delegator:
             link = ParentLink(
                 agent=self._ref.agent, session=self._ref.session, turn_id=ctx.turn_id, call_id=ctx.call.id, depth=depth
             )
-            rec, created = self._store.enqueue_turn(
-                child, turn_id, TurnPayload(text=text, parent=link, trace=self._record.payload.trace)
-            )
+            payload = TurnPayload(text=text, parent=link, trace=self._record.payload.trace)
+            recorded, created = await self._blocking(lambda: self._store.enqueue_turn(child, turn_id, payload))
             if created and self._crash is not None:
                 self._crash("after-child-start", ctx.step)
+            found = recorded
+        rec = found
         self.started[ctx.call.id] = (child, turn_id)
         if rec.status in UNFINISHED_TURN_STATUSES:
-            self._launcher.launch(rec)
+            await self._blocking(lambda: self._launcher.launch(rec))  # a broker publish, on a worker
         if not wait:
             return {"status": "started", "agent": agent, "session": child.session, "turn_id": turn_id}
         if rec.status in ENDED_TURN_STATUSES and rec.result is not None:

@@ -32,6 +32,7 @@ from ..errors import (
     TurnEndedError,
 )
 from .agent import Agent
+from .blocking import Blocking, finish, inline
 from .cancel import NO_CANCEL, CancelProbe
 from .children import ChildLauncher, Delegator, child_session_id, parse_child_input
 from .context import Compaction, Due, compaction_due, plan_compaction, refused_due, request_view
@@ -160,6 +161,13 @@ def _storable_reply(reply: ModelReply) -> ModelReply:
     return reply if clean is data else ModelReply.model_validate(clean)
 
 
+@dataclass(frozen=True)
+class _Fresh:
+    """A commit to make from the runner's state once the turn's earlier commits are mirrored (see ``_commit``)."""
+
+    make: Callable[[], Commit]
+
+
 @dataclass
 class _Park:
     request: InputRequest
@@ -220,6 +228,7 @@ class TurnRunner:
         children: ChildLauncher | None = None,
         counted: bool = False,
         race_stall_s: float = RACE_STALL_S,
+        blocking: Blocking = inline,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -236,6 +245,10 @@ class TurnRunner:
         self.step_retries = step_retries
         self.attempt = attempt if attempt is not None else record.attempts + 1
         self.hooks = hooks
+        self._blocking = blocking
+        self._commits = asyncio.Lock()
+        """One commit of this turn at a time, made from the runner's state as it is then (calls run in parallel
+        each commit their own result)."""
         self.messages: list[Message] = []
         """The transcript as committed: what was read, then each message once its commit returned."""
         self.generation: int | None = None
@@ -260,6 +273,7 @@ class TurnRunner:
                 steps=self.steps,
                 broker=self._broker,
                 crash=crash,
+                blocking=blocking,
             )
             if children is not None
             else None
@@ -288,7 +302,7 @@ class TurnRunner:
                 raise
             except TurnEndedError:
                 # Ended meanwhile by someone else (a reset, the sweeper giving it up): report that ending.
-                ended = self.store.get_turn(self.ref, self.turn_id)
+                ended = await self._blocking(lambda: self.store.get_turn(self.ref, self.turn_id))
                 if ended is None or ended.result is None:
                     raise
                 return ended.result
@@ -300,9 +314,9 @@ class TurnRunner:
                         return won
                     continue  # the winner stopped moving: run the turn on from what the store holds
                 if kind is not Failure.TRANSIENT:
-                    return self._failed_outside_step(exc)
+                    return await self._failed_outside_step(exc)
                 if retry >= self.step_retries:
-                    self._note_error(exc)
+                    await self._note_error(exc)
                     raise
                 delay = backoff_s(retry)
                 retry += 1
@@ -323,7 +337,9 @@ class TurnRunner:
         """Another runner committed this turn's step first: report its outcome (:mod:`.races`), writing nothing."""
         self.raced = True
         log.info("turn %s of %s: %s; another runner has it, waiting for its outcome", self.turn_id, self.ref, exc)
-        won = await winners_outcome(self.store, self.ref, self.turn_id, stall_s=self.race_stall_s)
+        won = await winners_outcome(
+            self.store, self.ref, self.turn_id, stall_s=self.race_stall_s, blocking=self._blocking
+        )
         if won is None:
             log.warning("turn %s of %s: the runner that won it stopped moving; running it on", self.turn_id, self.ref)
             self._snapshot = None
@@ -331,7 +347,7 @@ class TurnRunner:
         return won
 
     async def _attempt(self) -> TurnResult:
-        snap = self._snapshot if self._snapshot is not None else self.store.load(self.ref)
+        snap = self._snapshot if self._snapshot is not None else await self._blocking(lambda: self.store.load(self.ref))
         self._snapshot = None
         self.generation = snap.generation
         self.messages = list(snap.messages)
@@ -356,26 +372,26 @@ class TurnRunner:
                 self._check_cancel()  # a turn cancelled before it opened never runs
                 rejected = self._rejection(snap.suspended)
                 if rejected is not None:
-                    return self._reject(rejected)
+                    return await self._reject(rejected)
                 if self.record.attempts >= self.max_attempts:  # each start died before it could open the turn
-                    return self._poisoned(self.record.attempts, at=(None, "turn:open"))
+                    return await self._poisoned(self.record.attempts, at=(None, "turn:open"))
                 self._hit("before-start", "turn:open")
-                self._open()
+                await self._open()
             else:
                 self._restore_turn_state()
-                poisoned = self._count_attempt()
+                poisoned = await self._count_attempt()
                 if poisoned is not None:
                     return poisoned
             self.tools = self.agent.tools_for(self.policy, self.principal)
             return await self._loop()
         except _Cancel as c:
-            return self._cancelled(c.reason)
+            return await self._cancelled(c.reason)
         except _StepFailure as f:
-            return self._failed(f.exc, f.phase, f.step)
+            return await self._failed(f.exc, f.phase, f.step)
 
     # --- attempts and poison -----------------------------------------------------------------------
 
-    def _count_attempt(self) -> Failed | None:
+    async def _count_attempt(self) -> Failed | None:
         """A replay is another attempt at the turn: count it, or give the turn up when it had ``max_attempts``.
 
         The opening commit counts a turn's first attempt; a resume starts the count again.
@@ -385,13 +401,13 @@ class TurnRunner:
         self._counted = True
         attempts = self.record.attempts
         if attempts >= self.max_attempts:
-            return self._poisoned(attempts)
+            return await self._poisoned(attempts)
         self._hit("before-start", "turn:open")
         # (counted where it was picked, the commit still says the turn runs again: a resumed one was queued)
-        self._commit(Commit(turn_id=self.turn_id, turn_status="running", count_attempt=not self._counted_by_host))
+        await self._commit(Commit(turn_id=self.turn_id, turn_status="running", count_attempt=not self._counted_by_host))
         return None
 
-    def _poisoned(self, attempts: int, *, at: tuple[str | None, str] | None = None) -> Failed:
+    async def _poisoned(self, attempts: int, *, at: tuple[str | None, str] | None = None) -> Failed:
         phase, step = at if at is not None else self._next_step()
         last = self.record.last_error
         why = (
@@ -400,7 +416,7 @@ class TurnRunner:
             else "each ended without a result (the process running it died, or lost the session)"
         )
         exc = PoisonTurnError(f"turn {self.turn_id} was given up after {attempts} attempts at {step}; {why}")
-        return self._failed(exc, phase, step)
+        return await self._failed(exc, phase, step)
 
     def _next_step(self) -> tuple[str, str]:
         """The phase and step this turn would run next, read off the transcript."""
@@ -410,19 +426,19 @@ class TurnRunner:
             return "tool", f"tool:{n}:{calls[0].id}"
         return "model", f"model:{len(self.messages)}"
 
-    def _note_error(self, exc: BaseException) -> None:
+    async def _note_error(self, exc: BaseException) -> None:
         """Record why this attempt ends without a result; best effort (the store may be the reason)."""
         info = error_info(exc)
         try:
             note = Commit(turn_id=self.turn_id, turn_error=f"{info.type}: {info.message}"[:2000])
-            self.store.commit(self.ref, note, fence=self.fence)
+            await self._blocking(lambda: self.store.commit(self.ref, note, fence=self.fence))
         except Exception:
             log.debug("could not record the last error of turn %s", self.turn_id, exc_info=True)
 
-    def _failed_outside_step(self, exc: Exception) -> Failed:
+    async def _failed_outside_step(self, exc: Exception) -> Failed:
         """A fault no step handled (a commit the store refused, a bug): the turn fails, the session goes on."""
         phase, step = self._at
-        return self._failed(exc, phase, step)
+        return await self._failed(exc, phase, step)
 
     # --- opening ---------------------------------------------------------------------------------
 
@@ -448,7 +464,7 @@ class TurnRunner:
             return InboundTrigger(event=payload.event.without_raw())
         return ProactiveTrigger(by=payload.trigger_by or "system")
 
-    def _open(self) -> None:
+    async def _open(self) -> None:
         payload = self.record.payload
         opening: Message
         if payload.trigger_by is not None:
@@ -469,7 +485,7 @@ class TurnRunner:
             turn_status="running",
             count_attempt=not self._counted_by_host,
         )
-        self._commit(commit, "turn:open", cancellable=True)  # a turn cancelled before it opened never opens
+        await self._commit(commit, "turn:open", cancellable=True)  # a turn cancelled before it opened never opens
         self._counted = True
 
     def _restore_turn_state(self) -> None:
@@ -483,8 +499,10 @@ class TurnRunner:
             elif step.step_id.startswith(answers) and step.data.get("policy"):
                 self.policy = SurfacePolicy.model_validate(step.data["policy"])
 
-    def _reject(self, reason: str) -> TurnResult:
-        result = reject_turn(self.store, self.sink, self.ref, self.turn_id, reason, fence=self.fence)
+    async def _reject(self, reason: str) -> TurnResult:
+        result = await self._blocking(
+            lambda: reject_turn(self.store, self.sink, self.ref, self.turn_id, reason, fence=self.fence)
+        )
         assert result is not None  # an unfinished turn is always rejected here
         return result
 
@@ -495,19 +513,19 @@ class TurnRunner:
             owed = self._owed_calls()
             if owed is not None:
                 n, calls = owed
-                if self._flush_settled(n):
+                if await self._flush_settled(n):
                     continue  # results a crash left without their messages: in the transcript now
                 reason = self.cancel.reason()
                 if reason is not None:
-                    return self._cancelled(reason)
+                    return await self._cancelled(reason)
                 parks = await self._tool_batch(n, calls)
                 if parks:
-                    return self._park(parks)
+                    return await self._park(parks)
                 continue
             last = self.messages[-1]
             if isinstance(last, AssistantMessage) and last.turn_id == self.turn_id:
                 # The final reply committed but the turn was not closed with it (older row); close now.
-                return self._complete_without_step(last.text)
+                return await self._complete_without_step(last.text)
             if await self._compact_if_due():
                 continue  # the summary committed (a step of its own): come back for the model call
             with self.hooks.step("model", f"model:{len(self.messages)}"):
@@ -542,12 +560,12 @@ class TurnRunner:
         error = stored.data.get("error")
         return stored.data["result"], error if isinstance(error, str) else None
 
-    def _flush_settled(self, n: int) -> bool:
+    async def _flush_settled(self, n: int) -> bool:
         """Commit the messages of owed calls whose results are stored already, from the first one on; True if any."""
         owed = self._owed_calls()
         if owed is None or self._stored_result(n, owed[1][0]) is None:
             return False
-        self._commit(Commit(messages=self._ready_messages(n, None)), f"tool:{n}:{owed[1][0].id}")
+        await self._commit(_Fresh(lambda: Commit(messages=self._ready_messages(n, None))), f"tool:{n}:{owed[1][0].id}")
         return True
 
     def _ready_messages(
@@ -665,7 +683,7 @@ class TurnRunner:
                 result,
             )
         self._hit("before-model-commit", step)
-        self._commit(commit, step, cancellable=True)
+        await self._commit(commit, step, cancellable=True)
         self._hit("after-model-commit", step)
         return result
 
@@ -755,7 +773,7 @@ class TurnRunner:
         data = {**_model_step_data(finish, done.usage), "kept_from": plan.kept_from, "tokens_before": due.tokens}
         record = StepRecord(step_id=step, turn_id=self.turn_id, data=data)
         self._hit("before-compact-commit", step)
-        self._commit(Commit(messages=[(n, summary)], steps=[record], events=[event]), step, cancellable=True)
+        await self._commit(Commit(messages=[(n, summary)], steps=[record], events=[event]), step, cancellable=True)
         self._hit("after-compact-commit", step)
         log.info(
             "turn %s of %s: compacted ~%d tokens (%s): messages before %d summarised as message %d",
@@ -928,7 +946,7 @@ class TurnRunner:
         self._at = ("tool", step)
         tool = self.tools.get(call.name)
         if tool is None:
-            self._commit_tool_result(
+            await self._commit_tool_result(
                 step, call, {"error": f"unknown tool {call.name}"}, error=f"unknown tool {call.name}"
             )
             return None
@@ -937,11 +955,11 @@ class TurnRunner:
         except ToolInputError as exc:
             # the model's own input can be quoted back (a validator's message): scrubbed like any tool error
             message = scrub(str(exc))
-            self._commit_tool_result(step, call, {"error": message}, error=message)
+            await self._commit_tool_result(step, call, {"error": message}, error=message)
             return None
         if tool.is_async:
             return await self._async_tool_step(tool, step, call, validated)
-        self._sync_tool_step(tool, step, call, validated)
+        await self._sync_tool_step(tool, step, call, validated)
         return None
 
     def _context(self, call: ToolCall, step: str, *, store: StoreHandle | None, is_sync: bool) -> ToolContext:
@@ -962,7 +980,7 @@ class TurnRunner:
             ctx.store = store
         return ctx
 
-    def _sync_tool_step(self, tool: Tool, step: str, call: ToolCall, validated: Any) -> None:
+    async def _sync_tool_step(self, tool: Tool, step: str, call: ToolCall, validated: Any) -> None:
         def build(handle: StoreHandle) -> Commit:
             ctx = self._context(call, step, store=handle, is_sync=True)
             try:
@@ -983,14 +1001,14 @@ class TurnRunner:
             return self._tool_commit(step, call, result, error=None)
 
         try:
-            self._commit(build, step)
+            await self._commit(build, step)
         except _ToolRaised as raised:
             # The store rolled back whatever the tool wrote; the error becomes the call's result,
             # unless it is the store's own (the step's transaction lost its connection): run it again.
             if classify(raised.exc, phase="tool") is Failure.TRANSIENT:
                 raise raised.exc from None
             message = format_tool_error(raised.exc)
-            self._commit_tool_result(step, call, {"error": message}, error=message)
+            await self._commit_tool_result(step, call, {"error": message}, error=message)
             return
         except (FatalToolError, SyncParkError) as exc:
             raise _StepFailure(exc, "tool", step) from exc
@@ -1022,7 +1040,7 @@ class TurnRunner:
             # instead of calling the tool again (its side effects happened; only a new process re-runs it).
             self._settled[step] = settled
         result, error = settled
-        self._commit_tool_result(step, call, result, error=error)
+        await self._commit_tool_result(step, call, result, error=error)
         return None
 
     def _tool_commit(self, step: str, call: ToolCall, result: JsonValue, *, error: str | None) -> Commit:
@@ -1044,14 +1062,14 @@ class TurnRunner:
             events=[completed],
         )
 
-    def _commit_tool_result(self, step: str, call: ToolCall, result: JsonValue, *, error: str | None) -> None:
+    async def _commit_tool_result(self, step: str, call: ToolCall, result: JsonValue, *, error: str | None) -> None:
         self._hit("before-tool-commit", step)
-        self._commit(self._tool_commit(step, call, result, error=error), step)
+        await self._commit(_Fresh(lambda: self._tool_commit(step, call, result, error=error)), step)
         self._hit("after-tool-commit", step)
 
     # --- endings -----------------------------------------------------------------------------------
 
-    def _park(self, parks: list[_Park]) -> Suspended:
+    async def _park(self, parks: list[_Park]) -> Suspended:
         """Park the turn on the requests its calls left open (several when calls ran in parallel; one request
         per id: calls that asked the same id get the same answer)."""
         opened: dict[str, tuple[_Park, InputRequest]] = {}
@@ -1071,7 +1089,7 @@ class TurnRunner:
             more=[OpenInput(request=r, call_id=p.call.id) for p, r in others],
         )
         result = Suspended(turn_id=self.turn_id, request=request, more=[r for _, r in others])
-        self._commit(
+        await self._commit(
             Commit(
                 events=[self._input_requested(p, r) for p, r in opened.values()],
                 status="suspended",
@@ -1121,23 +1139,23 @@ class TurnRunner:
             at += 1
         return out
 
-    def _cancelled(self, reason: str) -> Cancelled:
+    async def _cancelled(self, reason: str) -> Cancelled:
         result = Cancelled(turn_id=self.turn_id, reason=reason)
-        messages = self._close_batch(lambda call: ({"cancelled": True}, None))
-        self._commit(
-            Commit(
-                messages=messages,
+
+        def ending() -> Commit:
+            return Commit(
+                messages=self._close_batch(lambda call: ({"cancelled": True}, None)),
                 events=[TurnCancelled(turn_id=self.turn_id, reason=reason)],
                 status="done",
                 turn_id=self.turn_id,
                 turn_status="cancelled",
                 turn_result=result,
-            ),
-            "turn:end",
-        )
+            )
+
+        await self._commit(_Fresh(ending), "turn:end")
         return result
 
-    def _failed(self, exc: BaseException, phase: str | None, step: str) -> Failed:
+    async def _failed(self, exc: BaseException, phase: str | None, step: str) -> Failed:
         if isinstance(exc, (LeaseLostError, CrashInjected)):
             raise exc
         info = error_info(exc)
@@ -1148,7 +1166,6 @@ class TurnRunner:
             message = info.message if call.id == failing_call else "not run: the turn failed"
             return {"error": message}, message
 
-        messages = self._close_batch(closing)
         log.error(
             'agent "%s" turn %s failed at %s: %s: %s',
             self.agent.name,
@@ -1158,22 +1175,23 @@ class TurnRunner:
             info.message,
             exc_info=exc,
         )
-        self._commit(
-            Commit(
-                messages=messages,
+
+        def ending() -> Commit:
+            return Commit(
+                messages=self._close_batch(closing),
                 events=[TurnFailed(turn_id=self.turn_id, error=info, phase=phase, step=step)],
                 status="done",
                 turn_id=self.turn_id,
                 turn_status="failed",
                 turn_result=result,
-            ),
-            "turn:end",
-        )
+            )
+
+        await self._commit(_Fresh(ending), "turn:end")
         return result
 
-    def _complete_without_step(self, text: str) -> Completed:
+    async def _complete_without_step(self, text: str) -> Completed:
         result = Completed(turn_id=self.turn_id, text=text, usage=self.usage)
-        self._commit(
+        await self._commit(
             Commit(
                 events=[TurnCompleted(turn_id=self.turn_id, text=text, usage=self.usage)],
                 status="done",
@@ -1187,7 +1205,9 @@ class TurnRunner:
 
     # --- plumbing ------------------------------------------------------------------------------------
 
-    def _commit(self, commit: Commit | CommitBuilder, step: str | None = None, *, cancellable: bool = False) -> None:
+    async def _commit(
+        self, commit: Commit | CommitBuilder | _Fresh, step: str | None = None, *, cancellable: bool = False
+    ) -> None:
         """Write one checkpoint, mirror it in memory, then publish its events (never before).
 
         ``cancellable`` (the opening, a model reply, a park): the commit applies only if no cancel is
@@ -1195,7 +1215,18 @@ class TurnRunner:
         its signal only makes a waiting step stop sooner, so a lost signal never lets a cancelled
         turn open, take another model reply or park. A tool's result is not guarded: a tool that
         ran keeps its result (what committed stays committed; the cancel takes effect between calls).
+
+        Commits of one turn run one at a time (calls running in parallel each commit their result); a
+        :class:`_Fresh` commit is made once the ones before it are mirrored. Where the store call may wait
+        (:mod:`.blocking`), a cancel of the waiting task is delivered once the commit is mirrored.
         """
+        async with self._commits:
+            if self._blocking is inline:  # nothing suspends in between: the plain call, no task for it
+                await self._commit_now(commit, step, cancellable)
+            else:
+                await finish(self._commit_now(commit, step, cancellable))
+
+    async def _commit_now(self, commit: Commit | CommitBuilder | _Fresh, step: str | None, cancellable: bool) -> None:
         built: Commit | None = None
 
         def guarded(c: Commit) -> Commit:
@@ -1203,10 +1234,12 @@ class TurnRunner:
                 c.turn_id, c.expect_not_cancelled = self.turn_id, True
             return c
 
+        if isinstance(commit, _Fresh):
+            commit = commit.make()
         try:
             if isinstance(commit, Commit):
-                built = guarded(commit)
-                events = self.store.commit(self.ref, built, fence=self.fence)
+                ready = built = guarded(commit)
+                events = await self._blocking(lambda: self.store.commit(self.ref, ready, fence=self.fence))
             else:
                 builder = commit
 
@@ -1215,7 +1248,7 @@ class TurnRunner:
                     built = guarded(builder(handle))
                     return built
 
-                events = self.store.commit(self.ref, capture, fence=self.fence)
+                events = await self._blocking(lambda: self.store.commit(self.ref, capture, fence=self.fence))
         except CancelRequestedError as exc:
             raise _Cancel(exc.reason) from None
         assert built is not None

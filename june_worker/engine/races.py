@@ -13,7 +13,9 @@ store holds, as any replay does, and never from what it had in memory.
 from __future__ import annotations
 
 import asyncio
+import functools
 
+from .blocking import Blocking, inline
 from .events import TurnResult
 from .store import UNFINISHED_TURN_STATUSES, SessionRef, SessionStore
 
@@ -23,21 +25,24 @@ _FIRST_POLL_S = 0.02
 _MAX_POLL_S = 1.0
 
 
-async def winners_outcome(store: SessionStore, ref: SessionRef, turn_id: str, *, stall_s: float) -> TurnResult | None:
+async def winners_outcome(
+    store: SessionStore, ref: SessionRef, turn_id: str, *, stall_s: float, blocking: Blocking = inline
+) -> TurnResult | None:
     """The turn's stored result once it has one (it ended, or parked); None when no event of the turn was
-    committed for ``stall_s`` while it stayed unfinished (or when it is gone: the caller reads the store again)."""
+    committed for ``stall_s`` while it stayed unfinished (or when it is gone: the caller reads the store again).
+    ``blocking`` runs the store's reads (:mod:`.blocking`)."""
     loop = asyncio.get_running_loop()
-    seen = store.events(ref, turn_id=turn_id)
+    seen = await blocking(lambda: store.events(ref, turn_id=turn_id))
     seq = (seen[-1].seq or 0) if seen else 0
     moved_at = loop.time()
     wait = _FIRST_POLL_S
     while True:
-        rec = store.get_turn(ref, turn_id)
+        rec = await blocking(lambda: store.get_turn(ref, turn_id))
         if rec is None:
             return None
         if rec.status not in UNFINISHED_TURN_STATUSES and rec.result is not None:
             return rec.result
-        news = store.events(ref, turn_id=turn_id, after_seq=seq)
+        news = await blocking(functools.partial(store.events, ref, turn_id=turn_id, after_seq=seq))
         if news:
             seq, moved_at = news[-1].seq or seq, loop.time()
         elif loop.time() - moved_at >= stall_s:

@@ -92,6 +92,11 @@ class Metrics:
             ["task"],
             registry=None,
         )
+        self.loop_blocked_seconds = Histogram(
+            "june_event_loop_blocked_seconds", "How long something held the event loop that a process's turns share "
+            "(many turns per process), each time it held it past JUNE_LOOP_BLOCKED_S.",
+            buckets=STEP_BUCKETS_S, registry=None,
+        )  # fmt: skip
         self.in_progress = Gauge(
             "june_turns_in_progress", "Turns this worker's processes are running now.", ["agent"],
             multiprocess_mode="livesum", registry=None,
@@ -122,6 +127,10 @@ class Metrics:
         for kind, n in (summary.get("pruned") or {}).items():
             if n:
                 self.sweeps.labels(f"pruned_{kind}").inc(n)
+
+    def loop_blocked(self, seconds: float) -> None:
+        if self.enabled:
+            self.loop_blocked_seconds.observe(seconds)
 
     def message_rejected(self, task: str) -> None:
         if self.enabled:

@@ -38,14 +38,15 @@ log = scrubbed_logger("june_worker.observe")
 _LIVE_FILE = re.compile(r"^gauge_live\w*_(\d+)\.db$")
 
 
-def prepare_directory(configured: str | None) -> str:
-    """The multiprocess directory for this worker, created and emptied, and exported to the children."""
+def prepare_directory(configured: str | None, *, empty: bool = True) -> str:
+    """The multiprocess directory for this worker, created and emptied (unless ``empty`` is False: a directory
+    that outlives the worker's processes), and exported to the children."""
     if "prometheus_client.values" in sys.modules and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         log.warning("prometheus_client was imported before the metrics directory was set: this process's own "
                     "metrics stay in memory (the pool's are served)")  # fmt: skip
     path = Path(configured) if configured else Path(tempfile.mkdtemp(prefix="june-metrics-"))
     path.mkdir(parents=True, exist_ok=True)
-    for stale in path.glob("*.db"):
+    for stale in path.glob("*.db") if empty else ():
         stale.unlink()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
     return str(path)

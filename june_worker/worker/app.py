@@ -48,18 +48,28 @@ def kill_worker() -> None:
     """
     if _main_pid is not None and _main_pid != os.getpid():
         os.kill(_main_pid, signal.SIGKILL)
+    supervisor = os.environ.get("JUNE_SUPERVISOR_PID")  # many turns per process: the supervisor would start us again
+    if supervisor and supervisor.isdigit() and _main_pid == os.getpid():
+        os.kill(int(supervisor), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-app = Celery("june_worker")
+# The tasks module sits above this one (it needs the host, which needs the app's settings only through its own
+# module): a worker imports it at start (``include``), anything else that sends by name never needs it.
+app = Celery("june_worker", include=["june_worker.worker.tasks"])
 app.config_from_object(_config())
-app.autodiscover_tasks(["june_worker.worker"], related_name="tasks", force=True)
 
 
-# A worker process runs one turn at a time on its own event loop, Postgres pool and Redis
-# connection (worker/host.py): the pools that run tasks in separate processes, or one at a time,
-# are the ones that keep that true. Threads or greenlets would share one host between tasks.
-SUPPORTED_POOLS = ("prefork", "solo")
+# How a worker runs its turns (worker/host.py): one at a time per process (prefork: -c processes; solo), or many
+# at once in one process (threads: -c turns in flight, one event loop, worker/inflight.py). Greenlet pools would
+# run the turns' blocking calls on one thread without the host knowing: they are refused.
+SUPPORTED_POOLS = ("prefork", "solo", "threads")
+_MANY_TURNS = False
+
+
+def many_turns_per_process() -> bool:
+    """True in a worker whose pool runs its tasks on threads of one process (``-P threads``)."""
+    return _MANY_TURNS
 
 
 @worker_init.connect  # type: ignore[untyped-decorator]
@@ -70,17 +80,32 @@ def _remember_main_process(sender: Any = None, **_: Any) -> None:
 
 
 @worker_init.connect  # type: ignore[untyped-decorator]
-def _refuse_shared_pools(sender: Any = None, **_: Any) -> None:
+def _check_before_start(sender: Any = None, **_: Any) -> None:
+    """Refuse to start, in one line and a non-zero exit, a worker that could not serve a turn: a pool that shares
+    one thread between tasks, agents that do not load. (A signal handler's Exception is only logged by Celery;
+    SystemExit ends the worker before its banner.)"""
+    global _MANY_TURNS
     if getattr(sender, "app", None) is not app:
         return
     pool = get_implementation(sender.pool_cls)
-    if pool not in {get_implementation(name) for name in SUPPORTED_POOLS}:
-        message = (
-            f"june-worker runs on --pool prefork or solo, not {pool.__module__}.{pool.__qualname__}: "
-            "one turn per process at a time"
+    names = {get_implementation(name): name for name in SUPPORTED_POOLS}
+    if pool not in names:
+        raise SystemExit(
+            f"june worker: --pool {pool.__module__}.{pool.__qualname__} is not supported: use prefork (one turn per "
+            "process), solo, or threads (--turns-per-process N: many turns in one process)"
         )
-        log.critical(message)
-        raise SystemExit(message)  # a signal handler's Exception is only logged; the worker must not start
+    _MANY_TURNS = names[pool] == "threads"
+    from ..errors import ConfigError
+    from .host import load_agents
+    from .settings import WorkerSettings
+
+    try:
+        agents = load_agents(
+            WorkerSettings.from_env().agents
+        )  # imported here, before the pool forks: its processes inherit them
+    except ConfigError as exc:
+        raise SystemExit(f"june worker: {exc}") from None
+    log.info("serving agents %s", ", ".join(sorted(agents)))
 
 
 # --- operating it: metrics and log format (docs/operations.md) --------------------------------------------
@@ -96,7 +121,9 @@ def _metrics_directory(sender: Any = None, **_: Any) -> None:
 
     settings = WorkerSettings.from_env()
     if settings.metrics_port:
-        prepare_directory(settings.metrics_dir)
+        # under june's supervisor (many turns per process) the directory outlives this process: a process that died
+        # keeps its counts there, as a prefork pool process's do; the supervisor emptied it once, at its start
+        prepare_directory(settings.metrics_dir, empty=os.environ.get("JUNE_METRICS_DIR_KEPT") != "1")
 
 
 @worker_ready.connect  # type: ignore[untyped-decorator]

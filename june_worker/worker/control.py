@@ -17,6 +17,7 @@ from ..engine.events import TurnResult
 from ..engine.loop import reject_turn
 from ..engine.resume import (
     RESUME_RACES,
+    Grant,
     check_parked,
     grant_answer,
     race_tries,
@@ -220,6 +221,7 @@ def resume(
                 pending = still_open(host.store.pending(ref), pending, msg.turn_id, msg.input_id)
             parked = check_parked(pending, msg.turn_id, msg.input_id, reset_pending=host.queue.reset_pending(ref))
             tries = max(tries, race_tries(parked))
+            granted: Grant | None
             if child_turn is not None:
                 granted = child_grant(child_turn)
             else:

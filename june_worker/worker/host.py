@@ -20,19 +20,23 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
+from psycopg_pool import ConnectionPool
 
 from ..engine.agent import Agent
+from ..engine.blocking import inline
 from ..engine.crash import CrashAt
 from ..engine.events import TurnEvent, TurnResult
 from ..engine.failures import Failure, backoff_s, classify
+from ..engine.hooks import TurnHooks
 from ..engine.loop import TurnRunner, reject_turn
 from ..engine.resume import reset_park_commit, timeout_commit
 from ..engine.secrets import scrubbed_logger
+from ..engine.sink import EventSink
 from ..engine.store import (
     UNFINISHED_TURN_STATUSES,
     Commit,
@@ -45,19 +49,58 @@ from ..engine.store import (
     TurnRecord,
 )
 from ..errors import ConfigError, LeaseLostError, ResumeConflictError, UnusableTurnError
-from ..events._redis_url import connect
+from ..events._redis_url import connect, is_cluster_url
 from ..events.keys import EventKeys
 from ..events.redis_stream import RedisStreamSink, Trim
+from ..observe.metrics import metrics
 from ..observe.turns import TurnObserver
 from ..stores.postgres import PostgresStore
 from . import rendering
+from .inflight import EventLoopThread, LoopWatch, QueuedSink, TurnThread, WatchedHooks
 from .queue import Intake, Lease, SessionQueue
 from .settings import WorkerSettings
 from .transcripts import TranscriptCache
 
-__all__ = ["WorkerHost", "get_host", "load_agents"]
+__all__ = ["ISOLATE_AFTER", "AfterTurn", "WorkerHost", "heartbeat_pool", "load_agents"]
+
+T = TypeVar("T")
+
+ISOLATE_AFTER = 2
+"""Starts of a turn that died (its process killed, its lease lost) after which, with many turns per process, it
+runs alone in the isolation worker (:meth:`WorkerHost._isolate`)."""
+
+AfterTurn = Callable[["WorkerHost", SessionRef, TurnRecord, TurnResult, Callable[[TurnRecord], None]], None]
+"""What a worker does after running a turn, for the subagents it involves (:func:`.children.turn_ended`)."""
 
 log = scrubbed_logger("june_worker.worker")
+
+
+def _redis(settings: WorkerSettings, *, inflight: bool) -> Any:
+    """The process's Redis client. With many turns in flight their threads share a bounded pool of connections,
+    waiting for one to be free rather than opening more (a cluster client keeps its own pool per node)."""
+    options: dict[str, Any] = {"health_check_interval": 30, "socket_timeout": 5, "socket_connect_timeout": 2}
+    if inflight and not is_cluster_url(settings.redis_url):
+        pool = redis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=settings.redis_connections, timeout=10, **options
+        )
+        return redis.Redis(connection_pool=pool)
+    return connect(settings.redis_url, **options)
+
+
+def heartbeat_pool(url: str) -> ConnectionPool[Any]:
+    """The heartbeat's own connection: liveness, lease renewals and cancel checks, never behind a turn's statement.
+
+    Its writes are cheap to lose (a crash of Postgres loses at most the last beats: leases then lapse early, which
+    the fence makes harmless), so they do not wait for the disk: ``synchronous_commit = off``."""
+
+    def configure(conn: Any) -> None:
+        conn.execute("set synchronous_commit = off")
+
+    pool: ConnectionPool[Any] = ConnectionPool(
+        url, min_size=1, max_size=1, kwargs={"autocommit": True}, configure=configure, open=False, name="june-heartbeat"
+    )
+    pool.open(wait=True, timeout=30)
+    return pool
 
 
 def load_agents(paths: Iterable[str]) -> dict[str, Agent]:
@@ -69,10 +112,12 @@ def load_agents(paths: Iterable[str]) -> dict[str, Agent]:
             raise ConfigError(f"agent path {path!r} must look like 'package.module:attribute'")
         try:
             obj: Any = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
+            if callable(obj) and not isinstance(obj, Agent):
+                obj = obj()
+        except ConfigError as exc:  # an agent defined wrongly (a tool's name): it says what
             raise ConfigError(f"cannot load agent {path!r}: {exc}") from exc
-        if callable(obj) and not isinstance(obj, Agent):
-            obj = obj()
+        except Exception as exc:  # a module that is not there, or raises as it loads: say so in one line
+            raise ConfigError(f"cannot load agent {path!r}: {type(exc).__name__}: {exc}") from exc
         found = obj if isinstance(obj, (list, tuple)) else [obj]
         for agent in found:
             if not isinstance(agent, Agent):
@@ -82,26 +127,35 @@ def load_agents(paths: Iterable[str]) -> dict[str, Agent]:
 
 
 class _Cancel:
-    """A running turn's cancel probe; set from other threads (control listener, heartbeat)."""
+    """A running turn's cancel probe; set from other threads (control listener, heartbeat).
+
+    The reason is seen at once, from any thread (the turn reads it at its next checkpoint, whatever holds the
+    loop); only the callback that interrupts a wait (a model stream) runs on the loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, reason: str | None) -> None:
         self._loop = loop
         self._reason = reason
         self._callback: Callable[[], None] | None = None
+        self._lock = threading.Lock()
 
     def reason(self) -> str | None:
         return self._reason
 
     def on_cancel(self, callback: Callable[[], None] | None) -> None:
-        self._callback = callback
+        with self._lock:
+            self._callback = callback
 
     def set(self, reason: str) -> None:
+        with self._lock:
+            if self._reason is not None:
+                return
+            self._reason = reason
+
         def apply() -> None:  # on the loop's thread, like every engine call
-            if self._reason is None:
-                self._reason = reason
+            with self._lock:
                 callback, self._callback = self._callback, None
-                if callback is not None:
-                    callback()
+            if callback is not None:
+                callback()
 
         self._loop.call_soon_threadsafe(apply)
 
@@ -114,11 +168,14 @@ class _Ending:
     whether it did; None when no such commit ran (the turn had ended before, or its ending
     failed). ``deliver_due``: it marks the turn due for delivery to its target, so a crash
     before the delivery leaves the mark for the sweeper (``ended`` says the mark was set).
+    A releasing commit runs under the session's gate (:class:`_Running`), like every release.
     Everything else is the store's own.
     """
 
-    def __init__(self, store: PostgresStore, turn_id: str, *, release: bool, deliver_due: bool) -> None:
-        self._store = store
+    def __init__(self, host: WorkerHost, running: _Running, turn_id: str, *, release: bool, deliver_due: bool) -> None:
+        self._host = host
+        self._store = host.store
+        self._running = running
         self._turn_id = turn_id
         self._release = release
         self._deliver_due = deliver_due
@@ -136,34 +193,82 @@ class _Ending:
             and commit.turn_status is not None
             and commit.turn_status not in UNFINISHED_TURN_STATUSES
         ):
-            events, released = self._store.commit_ending(
-                ref, commit, fence=fence, release=self._release, deliver_due=self._deliver_due
-            )
+            if not self._release:
+                events, _ = self._store.commit_ending(
+                    ref, commit, fence=fence, release=False, deliver_due=self._deliver_due
+                )
+                self.ended = True
+                return events
+            with self._running.gate:
+                events, released = self._store.commit_ending(
+                    ref, commit, fence=fence, release=True, deliver_due=self._deliver_due
+                )
+                if released:
+                    self._host._let_go_lease(self._running)
             self.ended = True
-            if self._release:
-                self.released = released
+            self.released = released
             return events
         return self._store.commit(ref, commit, fence=fence)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Running:
-    """The session this process works on. Set before the lease is taken, so that a cancel signal that
-    arrives while the next turn is being picked is kept (``signalled``) and seen when that turn starts."""
+    """A session a thread of this process works on (took, or is taking, its lease), from its claim to its end.
+
+    Set before the lease is taken, so that a cancel signal that arrives while the next turn is being picked is
+    kept (``signalled``) and seen when that turn starts. One claim per session per process: other threads that
+    get a message of the session record its turn and leave it to this one (the session's turns run one at a time;
+    a second lease taken under the same owner would fence the first). Every statement that may give the lease up
+    runs under ``gate`` and, when it did, ends ``draining``, so that a thread recording a turn meanwhile either
+    sees the holder still draining once the gate is free (the holder's release failed on its turn: the holder
+    runs it) or takes the session itself."""
 
     ref: SessionRef
     fence: int | None = None
     turn_id: str | None = None
     cancel: _Cancel | None = None
     signalled: dict[str, str] = field(default_factory=dict)
+    draining: bool = True
+    gate: threading.Lock = field(default_factory=threading.Lock)
+    thread: int = field(default_factory=threading.get_ident)
+    """The thread that claimed it."""
 
 
 class WorkerHost:
-    def __init__(self, settings: WorkerSettings, agents: dict[str, Agent] | None = None) -> None:
+    """A worker process's clients and sessions.
+
+    ``inflight``: many turns at once in this process (Celery's threads pool: ``june worker --turns-per-process``;
+    :mod:`.inflight`): one event loop on a thread of its own runs every turn, each turn's blocking calls run on
+    the pool thread its message came on, and the heartbeat has a connection of its own. Otherwise one turn at a
+    time (prefork, solo), each run on this process's loop from the task's thread.
+
+    ``dispatch`` sends ``june.turn`` for a recorded turn (child turns, woken parents); ``after_turn`` is what the
+    worker does when a turn of a subagent's family ended (:func:`~june_worker.worker.children.turn_ended`);
+    ``isolate`` (many turns only) sends a turn whose process died under it to the isolation worker. All are given
+    by the process that assembles the worker (:mod:`.process`); the host imports none of them.
+    """
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        agents: dict[str, Agent] | None = None,
+        *,
+        inflight: bool = False,
+        dispatch: Callable[[TurnRecord], None] | None = None,
+        after_turn: AfterTurn | None = None,
+        isolate: Callable[[TurnRecord], None] | None = None,
+    ) -> None:
         self.settings = settings
+        self.inflight = inflight
         self.agents = agents if agents is not None else load_agents(settings.agents)
-        self.store = PostgresStore(settings.database_url)
+        pool_size = settings.db_pool_size if inflight else 4
+        self.store = PostgresStore(settings.database_url, max_size=pool_size)
         self.queue = SessionQueue(self.store.pool, lease_s=settings.lease_s, max_attempts=settings.max_attempts)
+        # With many turns in flight, the heartbeat keeps a connection of its own: it must never wait behind the
+        # turns' statements (past JUNE_ALIVE_S other workers would take every lease of this process).
+        self._beats = (
+            SessionQueue(heartbeat_pool(settings.database_url), lease_s=settings.lease_s) if inflight else self.queue
+        )
         # Transcripts of sessions this process ran lately: a turn then reads only what it does not hold.
         self.transcripts = TranscriptCache(
             max_sessions=settings.transcript_cache,
@@ -171,31 +276,48 @@ class WorkerHost:
             max_bytes=settings.transcript_cache_bytes,
         )
         self.keys = EventKeys(prefix=settings.key_prefix, firehose_partitions=settings.firehose_partitions)
-        self.redis = connect(settings.redis_url, health_check_interval=30, socket_timeout=5, socket_connect_timeout=2)
+        self.redis = _redis(settings, inflight=inflight)
         trim = Trim(maxlen=settings.stream_maxlen or None, max_age_s=settings.stream_max_age_s or None)
         ttl = settings.stream_ttl_s or None
         self.sink = RedisStreamSink(self.redis, keys=self.keys, store=self.store, session_trim=trim, session_ttl_s=ttl)
-        # A running turn's steps publish without waiting for Redis (the next step overlaps the append);
-        # _run_turn flushes it when the turn ends. Everything else publishes through self.sink.
-        self._turn_sink = RedisStreamSink(
-            self.redis, keys=self.keys, store=self.store, session_trim=trim, pipelined=True, session_ttl_s=ttl
+        # One turn at a time: a running turn's steps publish without waiting for Redis (the next step overlaps the
+        # append); _run_turn flushes it when the turn ends. Many turns: each publishes from its own thread
+        # (inflight.QueuedSink), through the plain sink. Everything else publishes through self.sink.
+        self._turn_sink = (
+            self.sink
+            if inflight
+            else RedisStreamSink(
+                self.redis, keys=self.keys, store=self.store, session_trim=trim, pipelined=True, session_ttl_s=ttl
+            )
         )
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.loop = asyncio.new_event_loop()
+        self._loop_thread = EventLoopThread() if inflight else None
+        self.loop = self._loop_thread.loop if self._loop_thread is not None else asyncio.new_event_loop()
+        self.watch = (
+            LoopWatch(self.loop, threshold_s=settings.loop_blocked_s, on_blocked=self._blocked_loop)
+            if inflight
+            else None
+        )
         self.crash = CrashAt.parse(settings.crash_at, kill=True) if settings.crash_at else None
         self.observer = TurnObserver(self.agents)  # metrics, spans, transition logs (june_worker/observe)
-        self._running: _Running | None = None
-        self.dispatch: Callable[[TurnRecord], None] | None = None
-        """Sends ``june.turn`` for a recorded turn (child turns, woken parents); the Celery tasks' own when None."""
+        self._running: dict[SessionRef, _Running] = {}
+        self.dispatch = dispatch
+        self.after_turn = after_turn
+        self.isolate = isolate if inflight else None
+        """Sends a turn whose last start died with its process to the isolation worker (:meth:`_isolate`); None:
+        it runs here."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.queue.beat(self.owner, settings.alive_s)  # alive before the first lease is taken
+        self._listening = threading.Event()
+        self._beats.beat(self.owner, settings.alive_s)  # alive before the first lease is taken
         self._threads = [
             threading.Thread(target=self._heartbeat, name="june-heartbeat", daemon=True),
             threading.Thread(target=self._listen, name="june-control", daemon=True),
         ]
         for t in self._threads:
             t.start()
+        # cancel signals are heard from here on (a Redis that does not answer: the heartbeat re-reads cancels anyway)
+        self._listening.wait(5)
 
     # --- agents ----------------------------------------------------------------------------------
 
@@ -205,61 +327,117 @@ class WorkerHost:
     # --- child turns (ctx.delegate) ----------------------------------------------------------------
 
     def send_turn(self, rec: TurnRecord) -> None:
-        if self.dispatch is not None:
-            self.dispatch(rec)
-            return
-        from .tasks import dispatch  # the Celery app lives above the host
-
-        dispatch(rec)
+        if self.dispatch is None:
+            raise RuntimeError(f"this worker host sends no turns (no dispatch): turn {rec.turn_id} is left queued")
+        self.dispatch(rec)
 
     def launch(self, rec: TurnRecord) -> None:
         """Run a child turn a tool recorded: any worker may (a ``june.turn`` message; intake is idempotent)."""
         self.send_turn(rec)
 
+    # --- claims: one thread of this process per session ----------------------------------------------
+
+    def _claim(self, ref: SessionRef) -> _Running | None:
+        """Claim ``ref`` for this thread (it may take the session's lease); None when another thread of this process
+        works on it and goes on doing so (it will see any turn recorded before this call)."""
+        while True:
+            with self._lock:
+                held = self._running.get(ref)
+                if held is None or not held.draining:
+                    mine = _Running(ref=ref, signalled=dict(held.signalled) if held is not None else {})
+                    self._running[ref] = mine
+                    return mine
+            with held.gate:  # a release in progress ends first: it failed on what we recorded, or it let go
+                with self._lock:
+                    if self._running.get(ref) is held and held.draining:
+                        return None
+
+    def _let_go_lease(self, running: _Running) -> None:
+        """Under ``running.gate``, after a statement gave the lease up: this thread no longer holds the session."""
+        with self._lock:
+            running.draining = False
+
+    def _unclaim(self, running: _Running) -> None:
+        with self._lock:
+            running.draining = False
+            if self._running.get(running.ref) is running:
+                del self._running[running.ref]
+
+    def held_here(self) -> int:
+        """How many sessions threads of this process work on now."""
+        with self._lock:
+            return sum(1 for r in self._running.values() if r.draining)
+
     # --- the drain loop -------------------------------------------------------------------------------
 
-    def drain(self, ref: SessionRef, *, lease: Lease | None = None) -> dict[str, TurnResult]:
+    def drain(
+        self, ref: SessionRef, *, lease: Lease | None = None, running: _Running | None = None
+    ) -> dict[str, TurnResult]:
         """Run the session's unfinished turns if we can take its lease (or hold ``lease``); return what ran.
 
+        Nothing runs when another thread of this process works on the session (it runs what is recorded).
         A transient fault that outlasts a step's retries ends the attempt: the lease is taken again
         after a backoff and the turn replayed (each start counts one of its ``max_attempts``; see
         :mod:`~june_worker.engine.failures`). When the store stays unavailable the fault propagates
         (the task retries later; the sweeper re-sends what stayed unfinished).
         """
+        if running is None:
+            running = self._claim(ref)
+            if running is None:
+                return {}
         ran: dict[str, TurnResult] = {}
         failed = 0  # attempts in a row that ended on a transient fault, since the last turn that ended
-        while True:
-            done = len(ran)
-            try:
-                self._drain(ref, ran, lease, retry=failed > 0)
-                return ran
-            except Exception as exc:
-                if classify(exc, phase="store") is not Failure.TRANSIENT:
-                    raise
-                failed = 1 if len(ran) > done else failed + 1
-                if failed > self.settings.max_attempts:
-                    raise
-                # Whatever committed stays committed; replay from a fresh read under a fresh lease.
-                log.warning("draining %s hit a transient fault (%s); trying again", ref, exc)
-                time.sleep(backoff_s(failed - 1, base_s=0.1, cap_s=2.0))
-                lease = None
+        try:
+            while True:
+                done = len(ran)
+                try:
+                    self._drain(running, ran, lease, retry=failed > 0)
+                    return ran
+                except Exception as exc:
+                    if classify(exc, phase="store") is not Failure.TRANSIENT:
+                        raise
+                    failed = 1 if len(ran) > done else failed + 1
+                    if failed > self.settings.max_attempts:
+                        raise
+                    # Whatever committed stays committed; replay from a fresh read under a fresh lease.
+                    log.warning("draining %s hit a transient fault (%s); trying again", ref, exc)
+                    time.sleep(backoff_s(failed - 1, base_s=0.1, cap_s=2.0))
+                    lease = None
+        finally:
+            self._unclaim(running)
 
     def intake(self, ref: SessionRef, turn_id: str, payload: TurnPayload) -> tuple[Intake, dict[str, TurnResult]]:
         """Record a turn and take the session's lease in one statement (:meth:`SessionQueue.intake`); if the
-        lease came with it, drain the session. Returns what the intake found and what ran."""
-        self._listen_to(ref)
+        lease came with it, drain the session. Returns what the intake found and what ran.
+
+        When another thread of this process works on the session, the turn is only recorded, for that thread."""
+        running = self._claim(ref)
+        if running is None:
+            got = self._record(ref, turn_id, payload)
+            return got, self.drain(ref) if got.recorded else {}
         try:
             got = self.queue.intake(ref, turn_id, payload, self.owner, held=self.transcripts.get(ref))
         except BaseException:
-            self._stop_listening()
+            self._unclaim(running)
             raise
         if got.unusable is not None:  # the lease came with a first turn no worker can run: end it, go on
             rejected = self._reject_unusable(ref, got.unusable)
-            return got, {**rejected, **self.drain(ref)}
+            return got, {**rejected, **self.drain(ref, running=running)}
         if got.lease is None:
-            self._stop_listening()
+            self._unclaim(running)
             return got, {}
-        return got, self.drain(ref, lease=got.lease)
+        return got, self.drain(ref, lease=got.lease, running=running)
+
+    def _record(self, ref: SessionRef, turn_id: str, payload: TurnPayload) -> Intake:
+        """What :meth:`SessionQueue.intake` does without the lease: record the turn unless it is, or the session is
+        parked on another turn (two round trips; only for a session another thread of this process holds)."""
+        existing, parked = self.queue.intake_view(ref, turn_id)
+        if existing is not None:
+            return Intake(existing=existing, parked=parked, recorded=False, lease=None)
+        if parked is not None and parked.turn_id != turn_id:
+            return Intake(existing=None, parked=parked, recorded=False, lease=None)
+        rec, created = self.store.enqueue_turn(ref, turn_id, payload)
+        return Intake(existing=None if created else rec, parked=parked, recorded=created, lease=None)
 
     def _take(self, ref: SessionRef, ran: dict[str, TurnResult]) -> Lease | None:
         """:meth:`SessionQueue.take`, rejecting (under the lease taken) any first turn no worker can run."""
@@ -269,6 +447,24 @@ class WorkerHost:
             except UnusableTurnError as exc:
                 ran.update(self._reject_unusable(ref, exc))
 
+    def _isolate(self, running: _Running, rec: TurnRecord, fence: int, *, counted: bool) -> None:
+        """Hand a turn whose starts died :data:`ISOLATE_AFTER` times to the isolation worker (one turn at a time).
+
+        With many turns in a process, a turn that kills its process (a segfault, the OOM killer) kills the others
+        in flight with it, and each is charged an attempt. One death is anybody's: every turn of the process goes on
+        in shared processes again. A turn that died twice runs alone from then on: if it is the one killing its
+        processes, it kills only itself, and only it reaches the poison cap; one that was only near it twice
+        finishes there. The pick's count of this start is taken back (it runs there, not here)."""
+        assert self.isolate is not None
+        with running.gate:
+            handed = self.queue.hand_off(running.ref, fence, rec.turn_id, uncount=counted)
+            self._let_go_lease(running)
+        if not handed:
+            return  # the lease was taken over meanwhile: its new holder runs the turn
+        log.warning("turn %s of %s was running in a process that died; it goes on alone, in the isolation worker",
+                    rec.turn_id, running.ref)  # fmt: skip
+        self.isolate(rec)  # a lost message leaves the turn to the sweeper (it is running, and nobody holds it)
+
     def _reject_unusable(self, ref: SessionRef, exc: UnusableTurnError) -> dict[str, TurnResult]:
         """End a queued turn a pick found no worker can run (a durable producer's record): rejected under the
         lease the pick took, its ``turn.failed`` published; left queued, every pick would find it again."""
@@ -276,18 +472,8 @@ class WorkerHost:
         result = reject_turn(self.store, self.sink, ref, exc.turn_id, str(exc), fence=exc.fence)
         return {exc.turn_id: result} if result is not None else {}
 
-    def _listen_to(self, ref: SessionRef) -> None:
-        """Keep cancel signals for ``ref`` from now on: set before its lease and next turn are read."""
-        with self._lock:
-            if self._running is None or self._running.ref != ref:
-                self._running = _Running(ref=ref)
-
-    def _stop_listening(self) -> None:
-        with self._lock:
-            self._running = None
-
-    def _drain(self, ref: SessionRef, ran: dict[str, TurnResult], lease: Lease | None, *, retry: bool = False) -> None:
-        self._listen_to(ref)
+    def _drain(self, running: _Running, ran: dict[str, TurnResult], lease: Lease | None, *, retry: bool) -> None:
+        ref = running.ref
         try:
             if lease is None:
                 lease = self._take(ref, ran)  # the lease and the first turn, one round trip
@@ -295,8 +481,7 @@ class WorkerHost:
                 return  # another worker holds the session; its drain loop will run what we recorded
             fence = lease.fence
             with self._lock:
-                assert self._running is not None
-                self._running.fence = fence
+                running.fence = fence
             # Events a previous holder committed but did not publish. A new session has none, and
             # a stream whose markers already reach the committed count needs no read of the outbox.
             # Redis unreachable is no reason not to run the turn: those events wait in the outbox for the sweeper.
@@ -305,6 +490,9 @@ class WorkerHost:
             rec, reset_pending, snapshot, counted = lease.turn, lease.reset_pending, lease.snapshot, lease.counted
             if rec is not None and rec.status == "running" and not retry:
                 self.observer.took_over(ref, rec)  # observe: a turn another process left running
+                if self.isolate is not None and rec.attempts >= ISOLATE_AFTER:
+                    self._isolate(running, rec, fence, counted=counted)
+                    return
             while True:
                 if reset_pending and (rec is None or rec.cancel_reason is None):
                     # Every turn the reset cancelled has ended: perform it, then run what queued behind it.
@@ -313,7 +501,10 @@ class WorkerHost:
                 if rec is None:
                     # Release only if the queue is empty (and no reset waits), else take the next turn: one statement.
                     try:
-                        outcome, rec, reset_pending, counted = self.queue.release_or_next(ref, fence)
+                        with running.gate:
+                            outcome, rec, reset_pending, counted = self.queue.release_or_next(ref, fence)
+                            if outcome != "next":
+                                self._let_go_lease(running)
                     except UnusableTurnError as exc:  # the lease is still ours: end that turn, take the next
                         ran.update(self._reject_unusable(ref, exc))
                         continue
@@ -321,15 +512,13 @@ class WorkerHost:
                         return
                     continue
                 ran[rec.turn_id], released = self._run_turn(
-                    ref, rec, fence, snapshot=snapshot, release=True, counted=counted
+                    ref, rec, fence, snapshot=snapshot, release=True, counted=counted, running=running
                 )
                 if released:
                     return  # the turn's last commit gave the lease up: nothing else was queued
                 rec, snapshot = None, None  # the next turn reads the session as that one left it
         except LeaseLostError:
             log.warning("lease on %s was taken over; this worker stops working on it", ref)
-        finally:
-            self._stop_listening()
 
     # --- expired parks and resets ------------------------------------------------------------------------
 
@@ -367,26 +556,31 @@ class WorkerHost:
         Ends the turns the reset cancelled (each closes at once, without a model call), performs the
         reset, and hands what queued behind it to a turn worker (``dispatch``): a control process never
         runs a turn's steps. Returns whether we held the session, and the reset if we performed it (None:
-        it was performed already). When another process holds the session it performs the reset when its
-        running turn ends (:meth:`drain`); nobody waits for it here.
+        it was performed already). When another process, or another thread of this one, holds the session it
+        performs the reset when its running turn ends (:meth:`drain`); nobody waits for it here.
         """
-        self._listen_to(ref)
+        running = self._claim(ref)
+        if running is None:
+            return False, None
         try:
             lease = self._take(ref, {})
             if lease is None:
                 return False, None
             fence = lease.fence
             with self._lock:
-                if self._running is not None:
-                    self._running.fence = fence
+                running.fence = fence
             rec, pending, result, counted = lease.turn, lease.reset_pending, None, lease.counted
             while rec is not None and rec.cancel_reason is not None:
-                self._run_turn(ref, rec, fence, counted=counted)
+                self._run_turn(ref, rec, fence, counted=counted, running=running)
                 (rec, pending), counted = self.queue.next_turn(ref), False
             if pending:
                 result = self.reset_session(ref, fence)
-            if not self.queue.release(ref, fence):  # turns queued behind the reset: a turn worker runs them
-                self.queue.release(ref, fence, force=True)
+            with running.gate:
+                released = self.queue.release(ref, fence)
+                if not released:  # turns queued behind the reset: a turn worker runs them
+                    self.queue.release(ref, fence, force=True)
+                self._let_go_lease(running)
+            if not released:
                 queued, _ = self.queue.next_turn(ref)
                 if queued is not None:
                     dispatch(queued)
@@ -394,11 +588,11 @@ class WorkerHost:
         except LeaseLostError:
             return True, None
         finally:
-            self._stop_listening()
+            self._unclaim(running)
 
     def run_turn(self, ref: SessionRef, rec: TurnRecord, fence: int) -> TurnResult:
         """Run one turn under the lease fenced by ``fence`` (the caller holds it), then deliver it if it has a target."""
-        return self._run_turn(ref, rec, fence)[0]
+        return self._run_turn(ref, rec, fence, running=_Running(ref=ref, fence=fence))[0]
 
     def _run_turn(
         self,
@@ -406,6 +600,7 @@ class WorkerHost:
         rec: TurnRecord,
         fence: int,
         *,
+        running: _Running,
         snapshot: SessionSnapshot | None = None,
         release: bool = False,
         counted: bool = False,
@@ -421,23 +616,28 @@ class WorkerHost:
             self.observer.rejected(ref, rec.turn_id)
             return rejected, False
         with self._lock:
-            signalled = self._running.signalled.get(rec.turn_id) if self._running is not None else None
-            cancel = _Cancel(self.loop, rec.cancel_reason or signalled)
-            if self._running is not None:
-                self._running.turn_id = rec.turn_id
-                self._running.cancel = cancel
+            cancel = _Cancel(self.loop, rec.cancel_reason or running.signalled.get(rec.turn_id))
+            running.turn_id = rec.turn_id
+            running.cancel = cancel
         if snapshot is None:  # the session as the last turn left it: only the messages this process does not hold
             snapshot, _ = self.queue.read(ref, held=self.transcripts.get(ref))
         target = rec.payload.target
         # A turn with a target keeps the lease while it is delivered; its ending marks the delivery due.
-        ending = _Ending(self.store, rec.turn_id, release=release and target is None, deliver_due=target is not None)
+        ending = _Ending(self, running, rec.turn_id, release=release and target is None, deliver_due=target is not None)
         live = rendering.start_live(agent, self.store, ref, rec) if target is not None else None
+        sink: EventSink = live.tee(self._turn_sink) if live is not None else self._turn_sink
+        turn_thread = TurnThread(self.loop) if self.inflight else None
         try:
             with self.observer.run(agent, ref, rec) as watch:  # observe: the turn's span, metrics and logs
+                hooks: TurnHooks = watch
+                if turn_thread is not None:
+                    sink = QueuedSink(sink, turn_thread)
+                    if self.watch is not None:
+                        hooks = WatchedHooks(watch, self.watch, rec.turn_id, ref)
                 runner = TurnRunner(
                     agent,
                     ending,
-                    live.tee(self._turn_sink) if live is not None else self._turn_sink,
+                    sink,
                     ref,
                     rec,
                     fence=fence,
@@ -445,11 +645,15 @@ class WorkerHost:
                     crash=self.crash,
                     snapshot=snapshot,
                     max_attempts=self.settings.max_attempts,
-                    hooks=watch,
+                    hooks=hooks,
                     children=self,
                     counted=counted,
+                    blocking=turn_thread.blocking if turn_thread is not None else inline,
                 )
-                result = self.loop.run_until_complete(runner.run())
+                if turn_thread is not None:
+                    result = turn_thread.run(runner.run())
+                else:
+                    result = self.loop.run_until_complete(runner.run())
                 watch.finished(result)
             self._turn_sink.flush()  # the turn's events are in Redis (or relayed) before anyone hears it ended
         except BaseException:
@@ -465,10 +669,10 @@ class WorkerHost:
                 self.deliver(ref, rec, agent, result)
             else:  # its ending commit was not one _Ending could mark (not a plain Commit): once, best effort
                 self._deliver_once(ref, rec, agent, result)
-        if rec.payload.parent is not None or result.status in ("suspended", "cancelled", "failed", "rejected"):
-            from .children import turn_ended
-
-            turn_ended(self, ref, rec, result, self.send_turn)  # answer a parent, wake on a child, cancel children
+        if self.after_turn is not None and (
+            rec.payload.parent is not None or result.status in ("suspended", "cancelled", "failed", "rejected")
+        ):
+            self.after_turn(self, ref, rec, result, self.send_turn)  # answer a parent, wake on a child, cancel children
         return result, bool(ending.released)
 
     # --- delivery to a turn's target ------------------------------------------------------------------
@@ -481,6 +685,10 @@ class WorkerHost:
         sweep, up to ``JUNE_DELIVERY_ATTEMPTS`` attempts in all, then given up (logged). Returns
         whether the hook ran to its end here.
         """
+        with self._lock:
+            holder = self._running.get(ref)
+            if holder is not None and holder.draining and holder.thread != threading.get_ident():
+                return False  # another thread of this process runs the session: the delivery is its (same owner)
         attempt = self.queue.claim_delivery(ref, rec.turn_id, self.owner)
         if attempt is None:
             return False  # not due (delivered already, or given up), or the lease holder's to deliver
@@ -499,44 +707,53 @@ class WorkerHost:
         if target is None:
             return False
         try:
-            return rendering.deliver_once(agent, self.store, ref, rec, result, self.loop)
+            return rendering.deliver_once(agent, self.store, ref, rec, result, self.run_async)
         except Exception:
             log.exception("delivering turn %s of %s to %s failed", rec.turn_id, ref, target)
             return False
 
-    def run_async(self, coro: Any) -> Any:
+    def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a short coroutine of a task's own (a deliver or authorize hook) on this process's loop; wait for it."""
+        if self._loop_thread is not None:
+            return self._loop_thread.run(coro)
         return self.loop.run_until_complete(coro)
 
     # --- background threads -----------------------------------------------------------------------------
 
     def _heartbeat(self) -> None:
-        """Say this process is alive (often), renew the held lease and re-check its cancel flag (less often)."""
+        """Say this process is alive (often), renew the held leases and re-check their turns' cancels (less often).
+
+        One statement each, whatever the number of turns in flight; on a connection of its own when there are many.
+        """
         tick = max(self.settings.alive_s / 3, 0.05)
         lease_every = max(self.settings.lease_s / 3, tick)
         next_lease = time.monotonic() + lease_every
         while not self._stop.wait(tick):
             try:
                 # with it, the relay marks of what our publishes put in the streams: the sweeper skips those sessions
-                self.queue.beat(self.owner, self.settings.alive_s, relayed=self._relayed())
+                self._beats.beat(self.owner, self.settings.alive_s, relayed=self._relayed())
             except Exception:  # the marks are lost with it: the sweeper reads those streams' markers instead
                 log.warning("liveness heartbeat of %s failed; will retry", self.owner, exc_info=True)
             if time.monotonic() < next_lease:
                 continue
             next_lease = time.monotonic() + lease_every
             with self._lock:
-                running = self._running
-            if running is None or running.fence is None:
+                held = [r for r in self._running.values() if r.fence is not None and r.draining]
+            if not held:
                 continue
             try:
-                if not self.queue.renew(running.ref, running.fence) and running.cancel is not None:
-                    running.cancel.set("requested")  # the lease is gone; the next commit is fenced off
-                    continue
-                if running.turn_id and running.cancel is not None:
-                    reason = self.queue.cancel_reason(running.ref, running.turn_id)
-                    if reason is not None:
-                        running.cancel.set(reason)
+                kept = self._beats.renew_all([(r.ref, r.fence) for r in held if r.fence is not None])
+                for r in held:
+                    if r.ref not in kept and r.cancel is not None:
+                        r.cancel.set("requested")  # the lease is gone; the next commit is fenced off
+                asked = [(r.ref, r.turn_id) for r in held if r.ref in kept and r.turn_id and r.cancel is not None]
+                reasons = self._beats.cancel_reasons(asked)
+                for r in held:
+                    reason = reasons.get((r.ref, r.turn_id or ""))
+                    if reason is not None and r.cancel is not None:
+                        r.cancel.set(reason)
             except Exception:
-                log.warning("lease heartbeat for %s failed; will retry", running.ref, exc_info=True)
+                log.warning("lease heartbeat of %d session(s) failed; will retry", len(held), exc_info=True)
 
     def _relayed(self) -> dict[SessionRef, int]:
         """What this process's sinks saw the streams hold, by session, since the last call."""
@@ -553,8 +770,10 @@ class WorkerHost:
         pattern = f"{self.keys.prefix}:control:*"
         while not self._stop.is_set():
             try:
-                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
                 pubsub.psubscribe(pattern)
+                pubsub.get_message(timeout=1.0, ignore_subscribe_messages=False)  # the subscription is in place
+                self._listening.set()
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=1.0)
                     if message is not None:
@@ -573,12 +792,12 @@ class WorkerHost:
         if not isinstance(signal, dict) or not isinstance(signal.get("turn_ids"), list):
             return
         reason = str(signal.get("reason", "requested"))
+        agent, session = signal.get("agent"), signal.get("session")
+        if not isinstance(agent, str) or not isinstance(session, str):
+            return
         with self._lock:
-            running = self._running
-            if running is None or (signal.get("agent"), signal.get("session")) != (
-                running.ref.agent,
-                running.ref.session,
-            ):
+            running = self._running.get(SessionRef(agent, session))
+            if running is None:
                 return
             for turn_id in signal["turn_ids"]:
                 running.signalled.setdefault(str(turn_id), reason)  # a turn not started yet sees it when it starts
@@ -600,23 +819,17 @@ class WorkerHost:
         self._stop.set()
         for t in self._threads:
             t.join(5)
+        if self.watch is not None:
+            self.watch.close()
         self._turn_sink.close()
         self.store.close()
+        if self._beats is not self.queue:
+            self._beats.pool.close()
         self.redis.close()
-        self.loop.close()
+        if self._loop_thread is not None:
+            self._loop_thread.close()
+        else:
+            self.loop.close()
 
-
-_HOST: WorkerHost | None = None
-_HOST_PID: int | None = None
-_HOST_LOCK = threading.Lock()
-_FACTORY: Callable[[], WorkerHost] | None = None
-
-
-def get_host() -> WorkerHost:
-    """This process's host, created on first use (and again in a forked child)."""
-    global _HOST, _HOST_PID
-    with _HOST_LOCK:
-        if _HOST is None or _HOST_PID != os.getpid():
-            _HOST = _FACTORY() if _FACTORY is not None else WorkerHost(WorkerSettings.from_env())
-            _HOST_PID = os.getpid()
-        return _HOST
+    def _blocked_loop(self, seconds: float, culprit: str) -> None:
+        metrics().loop_blocked(seconds)

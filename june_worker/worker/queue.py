@@ -354,13 +354,16 @@ class SessionQueue:
             return int(cur.rowcount)
 
     def renew(self, ref: SessionRef, fence: int) -> bool:
+        return ref in self.renew_all([(ref, fence)])
+
+    def renew_all(self, leases: Sequence[tuple[SessionRef, int]]) -> set[SessionRef]:
+        """Renew every lease this process holds (each session with its fence), in one statement; the sessions
+        whose lease is still ours. One statement whatever the number of turns in flight."""
+        if not leases:
+            return set()
         with pooled(self.pool) as conn:
-            cur = conn.execute(
-                "update june_sessions set lease_expires = extract(epoch from clock_timestamp()) + %s "
-                "where agent = %s and session = %s and fence = %s and lease_owner is not null",
-                (self.lease_s, ref.agent, ref.session, fence),
-            )
-            return bool(cur.rowcount == 1)
+            rows = conn.execute(_RENEW_ALL, {"l": self.lease_s, **_leases_params(leases)}).fetchall()
+        return {SessionRef(a, s) for a, s in rows}
 
     def release(self, ref: SessionRef, fence: int, *, force: bool = False) -> bool:
         """Give the lease up, unless a turn is still queued or running (then keep draining).
@@ -380,6 +383,17 @@ class SessionQueue:
                 {"agent": ref.agent, "session": ref.session, "f": fence, "force": force},
             )
             return bool(cur.rowcount == 1)
+
+    def hand_off(self, ref: SessionRef, fence: int, turn_id: str, *, uncount: bool) -> bool:
+        """Give the lease up (whatever is queued) and mark ``turn_id`` dispatched now, for another worker to run it;
+        ``uncount``: the pick that took the lease counted a start of it, which did not happen here. False when
+        the fence was no longer ours."""
+        with pooled(self.pool) as conn:
+            row = conn.execute(
+                _HAND_OFF,
+                {"agent": ref.agent, "session": ref.session, "f": fence, "t": turn_id, "uncount": uncount},
+            ).fetchone()
+        return bool(row and row[0])
 
     def intake_view(self, ref: SessionRef, turn_id: str) -> tuple[TurnRecord | None, SuspendedCheckpoint | None]:
         """The turn's row if it was recorded, and the session's parked checkpoint, in one round trip.
@@ -482,12 +496,22 @@ class SessionQueue:
         return bool(row and row[0])
 
     def cancel_reason(self, ref: SessionRef, turn_id: str) -> str | None:
+        return self.cancel_reasons([(ref, turn_id)]).get((ref, turn_id))
+
+    def cancel_reasons(self, turns: Sequence[tuple[SessionRef, str]]) -> dict[tuple[SessionRef, str], str]:
+        """The stored cancel of each of these turns that has one, in one statement."""
+        if not turns:
+            return {}
         with pooled(self.pool) as conn:
-            row = conn.execute(
-                "select cancel_reason from june_turns where agent = %s and session = %s and turn_id = %s",
-                (ref.agent, ref.session, turn_id),
-            ).fetchone()
-        return str(row[0]) if row and row[0] else None
+            rows = conn.execute(
+                _CANCEL_REASONS,
+                {
+                    "agents": [r.agent for r, _ in turns],
+                    "sessions": [r.session for r, _ in turns],
+                    "turns": [t for _, t in turns],
+                },
+            ).fetchall()
+        return {(SessionRef(a, s), t): str(reason) for a, s, t, reason in rows}
 
     # --- the sweeper ------------------------------------------------------------------------------
 
@@ -697,6 +721,44 @@ _MARK_RELAYED_UNLOCKED = """
 
 _BEAT_AND_MARK = f"with alive as ({_BEAT}), marked as ({_MARK_RELAYED_UNLOCKED}) select 1"
 """A heartbeat that also writes the relay marks a holder's publishes confirmed: one statement, one round trip."""
+
+
+_RENEW_ALL = one_line(f"""
+update june_sessions s set lease_expires = {_NOW} + %(l)s
+  from (select * from unnest(%(agents)s::text[], %(sessions)s::text[], %(fences)s::bigint[]) as h(agent, session, fence)) h
+ where s.agent = h.agent and s.session = h.session and s.fence = h.fence and s.lease_owner is not null
+returning s.agent, s.session
+""")
+
+_HAND_OFF = one_line(f"""
+with released as (
+    update june_sessions set lease_owner = null, lease_expires = null
+     where agent = %(agent)s and session = %(session)s and fence = %(f)s
+    returning 1
+), turn as (
+    update june_turns
+       set attempts = case when %(uncount)s and attempts > 0 then attempts - 1 else attempts end,
+           dispatched_at = {_NOW}
+     where agent = %(agent)s and session = %(session)s and turn_id = %(t)s and exists (select 1 from released)
+    returning 1
+)
+select exists (select 1 from released), (select count(*) from turn)
+""")
+
+_CANCEL_REASONS = one_line("""
+select t.agent, t.session, t.turn_id, t.cancel_reason
+  from (select * from unnest(%(agents)s::text[], %(sessions)s::text[], %(turns)s::text[]) as r(agent, session, turn_id)) r
+  join june_turns t on t.agent = r.agent and t.session = r.session and t.turn_id = r.turn_id
+ where t.cancel_reason is not null
+""")
+
+
+def _leases_params(leases: Sequence[tuple[SessionRef, int]]) -> dict[str, Any]:
+    return {
+        "agents": [r.agent for r, _ in leases],
+        "sessions": [r.session for r, _ in leases],
+        "fences": [f for _, f in leases],
+    }
 
 
 def _marks_params(marks: list[tuple[SessionRef, int]]) -> dict[str, Any]:

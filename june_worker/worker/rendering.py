@@ -19,12 +19,11 @@ The rule a reader must not break: **nothing here raises into the turn**.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from psycopg_pool import ConnectionPool
@@ -191,15 +190,17 @@ def start_live(agent: Agent, store: PostgresStore, ref: SessionRef, rec: TurnRec
 
 def deliver_once(
     agent: Agent, store: PostgresStore, ref: SessionRef, rec: TurnRecord, result: TurnResult,
-    loop: asyncio.AbstractEventLoop,
+    run: Callable[[Coroutine[Any, Any, None]], None],
 ) -> bool:  # fmt: skip
-    """Render the ended turn to its target; True when done (or not worth another attempt), False to try again."""
+    """Render the ended turn to its target; True when done (or not worth another attempt), False to try again.
+
+    ``run`` runs an agent's own ``deliver`` hook (a coroutine) to its end on the worker's loop."""
     target = rec.payload.target
     if target is None:
         return False
     events = store.events(ref, turn_id=rec.turn_id)
     if not isinstance(agent.deliver, Channels):
-        loop.run_until_complete(deliver_result(agent, target=target, result=result, events=events, session=ref.session))
+        run(deliver_result(agent, target=target, result=result, events=events, session=ref.session))
         return True
     try:
         agent.deliver.renderer(target, _context(agent, store, ref, rec.turn_id, history=False)).finish(events, result)

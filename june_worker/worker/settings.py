@@ -53,6 +53,18 @@ JUNE_BROKER_VISIBILITY_S    Redis broker: a delivered message not    3 x JUNE_LE
 JUNE_PUBLISH_TIMEOUT_S      connect / send / confirm timeout of a    5
                             publish to the broker
 JUNE_PUBLISH_RETRIES        publish retries before it raises         3
+JUNE_DB_POOL_SIZE           with many turns per process: Postgres    3
+                            connections its turns' statements
+                            share (the heartbeat has one more)
+JUNE_REDIS_CONNECTIONS      with many turns per process: Redis       8
+                            connections their publishes share
+JUNE_LOOP_BLOCKED_S         with many turns per process: something   0.5
+                            holding their event loop this long is
+                            logged, naming the tool
+JUNE_ISOLATION_QUEUE        with many turns per process: where a     <JUNE_QUEUE>.isolated under
+                            turn whose process died under it goes    ``june worker --turns-per-
+                            on, alone (a solo worker consumes it);   process`` (its supervisor
+                            unset: it runs on in a shared process    starts that worker); unset
 JUNE_TRANSCRIPT_CACHE       transcripts a worker process keeps in    256
                             memory, so that a turn reads only the
                             messages it does not hold (0: off)
@@ -135,6 +147,10 @@ class WorkerSettings:
     broker_visibility_s: float = 90.0
     publish_timeout_s: float = 5.0
     publish_retries: int = 3
+    db_pool_size: int = 3
+    redis_connections: int = 8
+    loop_blocked_s: float = 0.5
+    isolation_queue: str | None = None
     transcript_cache: int = 256
     transcript_cache_messages: int = 50_000
     transcript_cache_bytes: int = 32_000_000
@@ -204,6 +220,10 @@ class WorkerSettings:
             broker_visibility_s=max(_float(env, "JUNE_BROKER_VISIBILITY_S", _VISIBILITY_LEASES * lease_s), 1.0),
             publish_timeout_s=max(_float(env, "JUNE_PUBLISH_TIMEOUT_S", cls.publish_timeout_s), 0.1),
             publish_retries=int(_float(env, "JUNE_PUBLISH_RETRIES", cls.publish_retries)),
+            db_pool_size=max(int(_float(env, "JUNE_DB_POOL_SIZE", cls.db_pool_size)), 1),
+            redis_connections=max(int(_float(env, "JUNE_REDIS_CONNECTIONS", cls.redis_connections)), 2),
+            loop_blocked_s=max(_float(env, "JUNE_LOOP_BLOCKED_S", cls.loop_blocked_s), 0.01),
+            isolation_queue=env.get("JUNE_ISOLATION_QUEUE") or None,
             transcript_cache=int(_float(env, "JUNE_TRANSCRIPT_CACHE", cls.transcript_cache)),
             transcript_cache_messages=int(_float(env, "JUNE_TRANSCRIPT_CACHE_MESSAGES", cls.transcript_cache_messages)),
             transcript_cache_bytes=int(_float(env, "JUNE_TRANSCRIPT_CACHE_BYTES", cls.transcript_cache_bytes)),

@@ -10,9 +10,11 @@ transient class) is retried, with backoff.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from celery import Task
+from celery.exceptions import Reject
 
 from ..engine.loop import reject_turn
 from ..engine.secrets import scrubbed_logger
@@ -23,8 +25,7 @@ from ..observe import tracing
 from ..observe.metrics import metrics
 from . import control
 from .app import app, kill_worker
-from .broker import publish_options
-from .host import get_host
+from .host import WorkerHost
 from .payloads import (
     CancelMessage,
     ProactiveMessage,
@@ -34,6 +35,8 @@ from .payloads import (
     TurnMessage,
     parse_payload,
 )
+from .process import dispatch
+from .process import get_host as _get_host
 from .sweeper import sweep
 
 __all__ = ["cancel_task", "proactive_task", "reset_task", "resume_task", "sweep_task", "turn_task"]
@@ -46,19 +49,22 @@ _RETRY = {
     "retry_backoff_max": 30,
     "max_retries": 8,
 }
+_BROKEN_HOST_WAIT_S = 1.0
+"""How long a task of a process that cannot make its host waits before handing its message back."""
 
 
-def dispatch(rec: Any) -> None:
-    """Send ``june.turn`` for a recorded turn, with a monitoring summary instead of its text."""
-    message = control.turn_message(rec)
-    app.send_task(
-        "june.turn",
-        args=[message],
-        queue=app.conf.task_default_queue,
-        argsrepr=f"{{agent={rec.agent} session={rec.session} turn_id={rec.turn_id}}}",
-        kwargsrepr="",
-        **publish_options(get_host().settings),
-    )
+def get_host() -> WorkerHost:
+    """This process's host. One that cannot be made (and not for a database that is down: the task retries then)
+    hands the message back to the broker, for a worker that can serve it, instead of acknowledging it unserved."""
+    try:
+        return _get_host()
+    except StoreUnavailableError:
+        raise
+    except Exception as exc:
+        log.error("this worker process cannot serve turns (%s: %s); the message goes back to the queue",
+                  type(exc).__name__, exc)  # fmt: skip
+        time.sleep(_BROKEN_HOST_WAIT_S)  # (not a busy loop of one broken worker and the queue)
+        raise Reject(f"{type(exc).__name__}: {exc}", requeue=True) from exc
 
 
 def _rejected(task: str, args: tuple[Any, ...], exc: PayloadError, task_id: str | None = None) -> dict[str, Any]:

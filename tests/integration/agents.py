@@ -315,6 +315,65 @@ def _scout_script(request: ModelRequest) -> Reply:
     return Reply(f"scouted: {' '.join(words)}")
 
 
+# --- flight: turns that stay in flight (many per process: tests/integration/test_inflight.py) ----------------
+
+_AREDIS: dict[int, Any] = {}
+
+
+def _aredis() -> Any:
+    """An asyncio client of the events Redis for the running loop (never a blocking call on the turns' loop)."""
+    import redis.asyncio as aioredis
+
+    loop = id(asyncio.get_running_loop())
+    if loop not in _AREDIS:
+        # hundreds of turns wait at once: they take turns on a few connections (redis-py's default pool refuses
+        # a connection past its maximum instead of waiting for one)
+        pool = aioredis.BlockingConnectionPool.from_url(os.environ["JUNE_REDIS_URL"], max_connections=16)
+        _AREDIS[loop] = aioredis.Redis(connection_pool=pool)
+    return _AREDIS[loop]
+
+
+@tool
+def flight_write(ctx: ToolContext) -> dict[str, Any]:
+    """One row per call through the step's transaction: exactly once, whatever is killed when."""
+    ctx.store.execute("insert into it_flight (turn_id, call_id) values (?, ?)", ctx.turn_id, ctx.call.id)
+    return {"written": True}
+
+
+@tool
+async def linger(ctx: ToolContext, key: str) -> dict[str, Any]:
+    """Wait, without holding the loop, until the test opens the gate ``it:flight:<key>:go`` (at most 120 s)."""
+    r = _aredis()
+    await r.incr(f"it:flight:{key}:lingering")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not await r.exists(f"it:flight:{key}:go"):
+        await asyncio.sleep(0.05)
+    return {"lingered": True}
+
+
+@tool
+async def hold_the_loop(ctx: ToolContext, seconds: float) -> dict[str, Any]:
+    """A blocking call inside an async tool (the mistake LoopWatch reports): the loop is held that long."""
+    time.sleep(seconds)
+    return {"held_s": seconds}
+
+
+def _flight_script(request: ModelRequest) -> Reply:
+    """``flight <key>``: a sync write, then an async wait on the key's gate, then the answer. ``hold <s>``: a tool
+    that holds the loop for s seconds."""
+    first, last = request.messages[0], request.messages[-1]
+    words = first.text.split() if isinstance(first, (UserMessage, TriggerMessage)) else []
+    if words[:1] == ["hold"]:
+        if isinstance(last, ToolMessage):
+            return Reply("released")
+        return Reply("", calls=[{"id": "h1", "name": "hold_the_loop", "input": {"seconds": float(words[1])}}])
+    if isinstance(last, ToolMessage) and last.call_id == "c2":
+        return Reply("landed")
+    if isinstance(last, ToolMessage):
+        return Reply("", calls=[{"id": "c2", "name": "linger", "input": {"key": words[1]}}])
+    return Reply("", calls=[{"id": "c1", "name": "flight_write", "input": {}}])
+
+
 def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
     return [
         Agent(
@@ -333,6 +392,7 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
         Agent(name="desks", model=ScriptedModel(_desks_script), tools=[sign_off], parallel_tools=8),
         Agent(name="boss", model=ScriptedModel(_boss_script), tools=[delegate_to, sign_off, give_up], parallel_tools=4),
         Agent(name="scout", model=ScriptedModel(_scout_script), tools=[scout_work, scout_ask]),
+        Agent(name="flight", model=ScriptedModel(_flight_script), tools=[flight_write, linger, hold_the_loop]),
     ]
 
 

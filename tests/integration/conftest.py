@@ -7,6 +7,11 @@ modules never see each other's messages or streams. Workers start once per modul
 The broker is Redis unless a test (or its module) is marked ``@pytest.mark.brokers("redis",
 "amqp")``: it then runs once per broker, on a stack per broker (``amqp``: RabbitMQ, from
 ``tests._services``). Events and results stay on Redis either way.
+
+Workers run one turn per process (``prefork``) unless a test (or its module) is marked
+``@pytest.mark.modes("prefork", "threads")``: it then runs once per mode, the ``threads`` stack's
+workers running many turns in one process (``-P threads``, ``june worker --turns-per-process``).
+``JUNE_IT_MODE=threads`` runs every stack that is not parametrized in the threads mode.
 """
 
 from __future__ import annotations
@@ -48,17 +53,36 @@ def wait_for(predicate: Callable[[], T], *, timeout_s: float = 20.0, every_s: fl
 
 
 BROKERS = ("redis", "amqp")
+MODES = ("prefork", "threads")
+
+
+def _marked(metafunc: pytest.Metafunc, name: str, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
+    marker = metafunc.definition.get_closest_marker(name)
+    if marker is None:
+        return None
+    if set(marker.args) - set(allowed) or not marker.args:
+        raise pytest.UsageError(f"@pytest.mark.{name} takes some of {allowed}, not {marker.args}")
+    return tuple(marker.args)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """``@pytest.mark.brokers(...)``: run the test once per broker, each on its own module-wide stack."""
-    marker = metafunc.definition.get_closest_marker("brokers")
-    if marker is None or "stack" not in metafunc.fixturenames:
+    """``@pytest.mark.brokers(...)`` / ``@pytest.mark.modes(...)``: run the test once per broker and worker mode,
+    each on its own module-wide stack (ids ``redis``, ``amqp``; ``redis-threads`` for a mode other than prefork)."""
+    if "stack" not in metafunc.fixturenames:
         return
-    unknown = set(marker.args) - set(BROKERS)
-    if unknown or not marker.args:
-        raise pytest.UsageError(f"@pytest.mark.brokers takes some of {BROKERS}, not {marker.args}")
-    metafunc.parametrize("stack", marker.args, indirect=True, scope="module")
+    brokers, modes = _marked(metafunc, "brokers", BROKERS), _marked(metafunc, "modes", MODES)
+    if brokers is None and modes is None:
+        return
+    params = [(b, m) for b in brokers or ("redis",) for m in modes or (_default_mode(),)]
+    ids = [b if m == "prefork" else f"{b}-{m}" for b, m in params]
+    metafunc.parametrize("stack", params, ids=ids, indirect=True, scope="module")
+
+
+def _default_mode() -> str:
+    mode = os.environ.get("JUNE_IT_MODE", "prefork")
+    if mode not in MODES:
+        raise pytest.UsageError(f"JUNE_IT_MODE={mode!r}: expected one of {MODES}")
+    return mode
 
 
 def _admin_url(url: str, dbname: str) -> str:
@@ -135,9 +159,17 @@ class Stack:
     """Workers, beat, a broker client and the database of one test module."""
 
     def __init__(
-        self, db_url: str, redis_url: str, tmp: Path, broker_url: str | None = None, events_url: str | None = None
+        self,
+        db_url: str,
+        redis_url: str,
+        tmp: Path,
+        broker_url: str | None = None,
+        events_url: str | None = None,
+        mode: str | None = None,
     ) -> None:
         tag = uuid.uuid4().hex[:8]
+        self.mode = mode or _default_mode()
+        """How its workers run turns: ``prefork`` (one per process) or ``threads`` (many in one process)."""
         self.db_url = db_url
         self.redis_url = redis_url  # the result backend, and the broker unless broker_url
         self.events_url = events_url or redis_url  # the streams and control channels (JUNE_REDIS_URL): maybe a cluster
@@ -194,15 +226,21 @@ class Stack:
         self,
         name: str,
         *,
-        pool: str = "prefork",
+        pool: str | None = None,
         concurrency: int = 1,
         queues: str | None = None,
         env: dict[str, str] | None = None,
     ) -> Proc:
+        """A worker on ``pool``; by default the stack's mode's: prefork, or many turns in one process (threads)."""
+        if pool is None and self.mode == "threads":
+            # the same turns in flight, in one process, under june's supervisor (it starts the process again if it
+            # dies, as a prefork worker starts a pool process again): its child is the worker's "pool process"
+            start = [sys.executable, "-m", "june_worker.cli", "worker", "--turns-per-process", str(concurrency)]
+        else:
+            pool = pool or "prefork"
+            start = [sys.executable, "-m", "celery", "-A", "june_worker", "worker", "-P", pool, "-c", str(concurrency)]
         args = [
-            sys.executable, "-m", "celery", "-A", "june_worker", "worker",
-            "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h",
-            "-Q", queues or f"{self.queue},{self.control_queue}",
+            *start, "-n", f"{name}@%h", "-Q", queues or f"{self.queue},{self.control_queue}",
             "--without-gossip", "--without-mingle", "-l", "INFO",
         ]  # fmt: skip
         if self.broker == "redis":
@@ -336,9 +374,9 @@ def stack(
     request: pytest.FixtureRequest, fresh_db: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     """The module's stack; on RabbitMQ when parametrized with ``"amqp"`` (see :func:`pytest_generate_tests`)."""
-    broker = getattr(request, "param", "redis")
+    broker, mode = getattr(request, "param", ("redis", None))
     broker_url = request.getfixturevalue("amqp_url") if broker == "amqp" else redis_url
-    s = Stack(fresh_db, redis_url, tmp_path_factory.mktemp("stack"), broker_url)
+    s = Stack(fresh_db, redis_url, tmp_path_factory.mktemp("stack"), broker_url, mode=mode)
     # the app table the ops agent's create_order writes (made here, not raced by two workers)
     s.sql("create table if not exists it_orders (turn_id text not null, call_id text not null, item text, qty integer)")
     try:

@@ -72,7 +72,7 @@ def test_a_broker_restarted_mid_run_with_persistence_loses_no_accepted_turn(
         broker: Broker = rabbitmq if kind == "amqp" else cleanup.enter_context(_services.private_redis(persistent=True))
         stack = cleanup.enter_context(_stack(fresh_db, redis_url, broker.url, tmp_path))
         # Given a worker whose two processes are held by slow turns, and ten more turns in the broker's queue
-        stack.worker("busy", pool="prefork", concurrency=2)
+        stack.worker("busy", concurrency=2)
         stack.beat()
         keys = [uuid.uuid4().hex for _ in range(2)]
         held = {f"restart-held-{k[:6]}": stack.turn("ops", f"restart-held-{k[:6]}", f"slow {k}") for k in keys}
@@ -122,7 +122,7 @@ def test_a_durable_turn_survives_a_broker_that_loses_everything(
         assert stack.turn_row("ops", durable_session, durable) == {"status": "queued", "attempts": 0, "result": None}
         # When the broker loses everything, then workers and the sweeper come up
         _lose_everything(kind, broker)
-        stack.worker("after", pool="prefork")
+        stack.worker("after")
         stack.beat()
         # Then the durable turn completes (the sweeper sent it again), once
         wait_for(lambda: _completed(stack, durable_session, durable), timeout_s=ALL_DONE_S, what="the durable turn")

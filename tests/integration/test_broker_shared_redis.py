@@ -65,7 +65,7 @@ def test_a_june_worker_puts_back_its_own_unacknowledged_message_and_leaves_anoth
         with _other_app_holding_a_message(broker.url, other) as tag:
             # Given a june worker whose main process died after it took a turn's message, before recording it
             session = f"shared-{uuid.uuid4().hex[:6]}"
-            doomed = stack.worker(f"doomed-{session[-6:]}", pool="prefork", env={"JUNE_CRASH_AT": "before-intake"})
+            doomed = stack.worker(f"doomed-{session[-6:]}", env={"JUNE_CRASH_AT": "before-intake"})
             turn_id = stack.turn("ops", session, "order 2 bolt")
             wait_for(lambda: doomed.popen.poll() is not None, what="the worker's main process to be killed")
             doomed.kill()

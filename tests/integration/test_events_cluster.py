@@ -41,7 +41,7 @@ def stack(
     s.env["JUNE_LEASE_S"] = "60"
     s.sql("create table if not exists it_orders (turn_id text not null, call_id text not null, item text, qty integer)")
     try:
-        s.worker("w1", pool="prefork", concurrency=2, queues=s.queue)
+        s.worker("w1", concurrency=2, queues=s.queue)
         s.worker("control", pool="solo", queues=s.control_queue)
         s.beat()
         yield s
@@ -135,7 +135,7 @@ def test_sigkill_mid_tool_step_another_worker_finishes_and_each_event_is_on_the_
     # Given a turn whose async tool blocks on a worker that then dies (its whole process group); the turn is sent
     # to a queue only that worker consumes (the sweeper re-sends it to the turn queue, where w1 takes it)
     doomed_queue = f"{stack.queue}.doomed-{key[:4]}"
-    doomed = stack.worker(f"doomed-{key[:4]}", pool="prefork", queues=doomed_queue)
+    doomed = stack.worker(f"doomed-{key[:4]}", queues=doomed_queue)
     turn_id = _turn_on(stack, doomed_queue, "ops", session, f"slow {key}")
     wait_for(lambda: stack.redis.llen(f"it:hold:{key}:log") == 1, what="the tool to start on the doomed worker")
     doomed.kill()

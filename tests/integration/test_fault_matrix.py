@@ -69,7 +69,7 @@ def matrix(
                     for name in ("june.resume", "june.cancel", "june.reset", "june.sweep")
                 },
             )
-            stack.worker("matrix", pool="prefork", concurrency=2)
+            stack.worker("matrix", concurrency=2)
             stack.beat()
             try:
                 yield stack, events_redis, faults

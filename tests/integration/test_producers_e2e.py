@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp")]
 
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
-    stack.worker("e2e-turns", pool="prefork", queues=stack.queue)
+    stack.worker("e2e-turns", queues=stack.queue)
     stack.worker("e2e-control", pool="solo", queues=stack.control_queue)
 
 

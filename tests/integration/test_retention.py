@@ -41,7 +41,7 @@ def _stack(database_url: str, redis_url: str, tmp: Path, knobs: dict[str, str]) 
         stack = Stack(url, redis_url, tmp)
         stack.sql("create table it_orders (turn_id text not null, call_id text not null, item text, qty integer)")
         stack.env.update(knobs)
-        stack.worker("kept", pool="prefork", concurrency=1)
+        stack.worker("kept", concurrency=1)
         stack.beat()
         try:
             yield stack

@@ -13,12 +13,12 @@ from june_worker.stores.postgres import PostgresStore
 
 from .conftest import Stack, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp")]
+pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp"), pytest.mark.modes("prefork", "threads")]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
-    stack.worker("w1", pool="prefork")
+    stack.worker("w1")
     stack.worker("w2", pool="solo")
 
 
@@ -122,13 +122,3 @@ def test_a_turn_a_producer_recorded_and_delivered_twice_runs_once(stack: Stack, 
     )
     assert users == [(1,)]
     assert [e["type"] for e in stack.structural("ops", session_id)].count("turn.started") == 1
-
-
-def test_a_worker_on_a_pool_that_shares_the_process_refuses_to_start(stack: Stack) -> None:
-    # threads would share the process's one host (event loop, lease, sink) between tasks
-    args = [sys.executable, "-m", "celery", "-A", "june_worker", "worker", "-P", "threads", "-c", "2"]
-    args += ["-Q", stack.queue, "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"]
-    done = subprocess.run(args, env=stack.env, capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0
-    assert "june-worker runs on --pool prefork or solo, not celery.concurrency.thread.TaskPool" in done.stderr
-    assert "ready." not in done.stderr + done.stdout

@@ -9,12 +9,12 @@ import pytest
 
 from .conftest import Stack, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp")]
+pytestmark = [pytest.mark.integration, pytest.mark.brokers("redis", "amqp"), pytest.mark.modes("prefork", "threads")]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
-    stack.worker("turns", pool="prefork", concurrency=2, queues=stack.queue)
+    stack.worker("turns", concurrency=2, queues=stack.queue)
     stack.worker("control", pool="solo", queues=stack.control_queue)
     stack.beat()
 

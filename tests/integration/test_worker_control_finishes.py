@@ -16,14 +16,14 @@ from june_worker.worker.queue import SessionQueue
 
 from .conftest import Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.modes("prefork", "threads")]
 
 OLD_RESET_WAIT_S = 30  # how long june.reset used to wait for a busy session before giving up for good
 
 
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
-    stack.worker("turns", pool="prefork", concurrency=1, queues=stack.queue)
+    stack.worker("turns", concurrency=1, queues=stack.queue)
     stack.worker("control", pool="solo", queues=stack.control_queue)
 
 

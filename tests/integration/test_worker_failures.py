@@ -21,14 +21,14 @@ from tests._services import RedisServer
 
 from .conftest import Stack, _database, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.modes("prefork", "threads")]
 
 MAX_ATTEMPTS = 3
 
 
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
-    stack.worker("failures", pool="prefork", env={"JUNE_MAX_ATTEMPTS": str(MAX_ATTEMPTS)})
+    stack.worker("failures", env={"JUNE_MAX_ATTEMPTS": str(MAX_ATTEMPTS)})
     stack.beat()
 
 
@@ -115,7 +115,7 @@ def test_a_turn_whose_process_dies_at_every_start_before_the_runner_counts_it_en
         # Every start of every turn is killed after the turn was picked and before the runner writes anything (as
         # an out-of-memory while loading the session would be): only the pick's own count can give the turn up.
         env = {"JUNE_MAX_ATTEMPTS": str(MAX_ATTEMPTS), "JUNE_CRASH_AT": "before-start"}
-        dying.worker("dying", pool="prefork", env=env)
+        dying.worker("dying", env=env)
         dying.beat()
         session = f"dying-{uuid.uuid4().hex[:6]}"
         turn_id = dying.turn("ops", session, "hello")
@@ -381,7 +381,7 @@ def test_a_cancel_signalled_while_the_worker_picks_the_turn_is_not_missed(
             host.store.request_cancel(r, "requested", turn_ids=["t1"])  # ...which lands right after, signalled
             host.signal_cancel(r, ["t1"], "requested")
             deadline = time.monotonic() + 2
-            while time.monotonic() < deadline and not getattr(host._running, "signalled", None):
+            while time.monotonic() < deadline and not getattr(host._running.get(r), "signalled", None):
                 time.sleep(0.01)  # let the control listener hear it (the window the test opens)
             return lease
 

@@ -18,13 +18,13 @@ from june_worker.stores.postgres import PostgresStore
 
 from .conftest import Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.modes("prefork", "threads")]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
     PostgresStore(stack.db_url).close()  # the schema, before the test reads it
-    stack.worker("parallel", pool="prefork", concurrency=1)
+    stack.worker("parallel", concurrency=1)
     stack.beat()
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from .conftest import Stack
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.modes("prefork", "threads")]
 
 
 @pytest.fixture(scope="module", autouse=True)

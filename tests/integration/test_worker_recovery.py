@@ -19,7 +19,7 @@ import pytest
 
 from .conftest import Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.modes("prefork", "threads")]
 
 LEASE_S, SWEEP_S = 2.0, 0.5
 RECOVERY_BOUND_S = LEASE_S + SWEEP_S + 10.0  # generous for a loaded CI machine; the benchmark measures it
@@ -77,7 +77,7 @@ def test_a_prefork_parent_killed_between_taking_a_message_and_recording_it_loses
     # Given a prefork worker whose main process dies (SIGKILL, with its pool) after a pool process
     # received a june.turn message and before the turn was recorded
     session = f"intake-kill-{uuid.uuid4().hex[:6]}"
-    doomed = stack.worker(f"doomed-{session[-6:]}", pool="prefork", env={"JUNE_CRASH_AT": "before-intake"})
+    doomed = stack.worker(f"doomed-{session[-6:]}", env={"JUNE_CRASH_AT": "before-intake"})
     turn_id = stack.turn("ops", session, "order 3 washer")
     wait_for(lambda: doomed.popen.poll() is not None, what="the worker's main process to be killed")
     doomed.kill()  # whatever is left of its process group

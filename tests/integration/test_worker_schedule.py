@@ -8,7 +8,7 @@ import pytest
 
 from .conftest import Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.modes("prefork", "threads")]
 
 
 def test_the_beat_schedule_starts_a_proactive_turn_whose_events_land_in_the_stream(stack: Stack) -> None:

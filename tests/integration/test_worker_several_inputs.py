@@ -16,13 +16,13 @@ from june_worker.stores.postgres import PostgresStore
 
 from .conftest import Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.modes("prefork", "threads")]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
     PostgresStore(stack.db_url).close()
-    stack.worker("desks", pool="prefork", concurrency=2)  # two processes: two answers apply at the same time
+    stack.worker("desks", concurrency=2)  # two processes: two answers apply at the same time
     stack.beat()  # the sweeper: relays what a killed worker committed but did not publish
 
 

@@ -20,14 +20,14 @@ from june_worker.stores.postgres import PostgresStore
 
 from .conftest import Proc, Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.modes("prefork", "threads")]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def workers(stack: Stack) -> None:
     PostgresStore(stack.db_url).close()  # the schema, before the test reads it
-    stack.worker("kids-a", pool="prefork", concurrency=1)
-    stack.worker("kids-b", pool="prefork", concurrency=1)
+    stack.worker("kids-a", concurrency=1)
+    stack.worker("kids-b", concurrency=1)
     stack.beat()
 
 
@@ -146,7 +146,9 @@ def test_a_worker_killed_after_its_child_ended_before_answering_leaves_the_paren
     wait_for(lambda: doomed.popen.poll() is not None, timeout_s=60, what="the worker to die at the crash point")
     doomed.kill()
     assert _status(stack, "scout", child_session(session, turn_id, "c1"), child) == "completed"
-    assert _status(stack, "boss", session, turn_id) == "suspended"  # nobody answered it
+    # nobody answered it: the worker died at the crash point before the answer (the parent may already be queued
+    # again by now, since the sweeper answers a parent parked on an ended child at its next pass, 0.5 s here)
+    assert _status(stack, "boss", session, turn_id) in ("suspended", "queued")
 
     # When the sweeper runs, Then the parent wakes with the child's result and completes on another worker
     result = _ended(stack, "boss", session, turn_id)

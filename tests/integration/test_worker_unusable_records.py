@@ -18,7 +18,7 @@ from june_worker.stores.postgres import PostgresStore
 
 from .conftest import Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.modes("prefork", "threads")]
 
 NUL = '{"text": "order\\u0000 2"}'
 SURROGATE = '{"text": "caf\\udce9"}'

@@ -1,0 +1,202 @@
+"""What a turn in flight costs a worker: many turns in one process (threads) next to one turn per process (prefork).
+
+Each turn (the ``wait`` agent of bench/agents.py) makes two model calls and one async tool call, each waiting W
+seconds, as real turns wait on a model and a service: a turn waits 3 W in all. All turns are sent at once, each
+in a session of its own, to
+
+* ONE worker process in the new mode (``june worker --turns-per-process N``, Celery's threads pool), and
+* a prefork worker with ``-c 8`` (one turn per pool process),
+
+first with W = 0 (what the turns cost when nothing waits: their wall time and the workers' CPU per turn), then
+with W (``--wait``, default 2 s). For each, it prints the turns in flight at the peak (rows ``running`` at once),
+the wall time, the worker process tree's PSS per in-flight turn (its peak minus its idle PSS, over the peak in
+flight), the Postgres connections the worker held at most, and ``overlap`` = wall(W) / (3 W + wall(W = 0)): 1
+when the turns' waits overlap perfectly, the number of waves when they do not. Its last line::
+
+    inflight: <turns> turns in flight, <MB> MB per in-flight turn, <n> Postgres connections, overlap <r>
+
+is the new mode's. The CPU line compares the modes on turns per CPU-second of the worker processes (turns/s per
+core), W = 0, in the same run. Needs JUNE_DATABASE_URL / JUNE_REDIS_URL (defaults: the machine's own).
+
+    python bench/inflight.py                     # 1,000 turns, W = 2 s, prefork 64 turns
+    python bench/inflight.py --turns 20 --prefork-turns 8 --wait 0.2   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._harness import BenchStack, Proc, cpu_s, machine, sigterm_as_exit, wait_for  # noqa: E402
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            todo.extend(int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+def pss_mb(pids: list[int]) -> float:
+    """The proportional set size of these processes, in MB (shared pages split between their sharers)."""
+    total_kb = 0
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total_kb += int(line.split()[1])
+                    break
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total_kb / 1024
+
+
+@dataclass
+class Run:
+    mode: str
+    wait_s: float
+    turns: int
+    wall_s: float = 0.0
+    peak_inflight: int = 0
+    peak_pss_mb: float = 0.0
+    idle_pss_mb: float = 0.0
+    connections: int = 0
+    cpu_s: float = 0.0
+    samples: list[tuple[float, int, float, int]] = field(default_factory=list)
+
+    @property
+    def mb_per_turn(self) -> float:
+        return (self.peak_pss_mb - self.idle_pss_mb) / max(self.peak_inflight, 1)
+
+    def line(self) -> str:
+        return (
+            f"{self.mode:<8} W={self.wait_s:<4g} {self.turns:>5} turns: peak {self.peak_inflight:>5} in flight, "
+            f"wall {self.wall_s:7.2f}s, PSS {self.idle_pss_mb:6.1f} -> {self.peak_pss_mb:7.1f} MB "
+            f"({self.mb_per_turn:6.2f} MB per in-flight turn; the whole tree over the turns in flight: "
+            f"{self.peak_pss_mb / max(self.peak_inflight, 1):6.2f} MB), {self.connections} Postgres connections, "
+            f"worker CPU {self.cpu_s:6.2f}s ({self.turns / max(self.cpu_s, 1e-9):7.1f} turns per CPU-second)"
+        )
+
+
+def _connections(stack: BenchStack) -> int:
+    rows = stack.sql(
+        "select count(*) from pg_stat_activity where datname = current_database() and pid <> pg_backend_pid() "
+        "and backend_type = 'client backend'"
+    )
+    return int(rows[0][0])
+
+
+def measure(stack: BenchStack, worker: Proc, mode: str, turns: int, wait_s: float) -> Run:
+    """Send ``turns`` turns at once and watch the worker until every one ended."""
+    run = Run(mode, wait_s, turns)
+    pids = tree(worker.pid)
+    run.idle_pss_mb = pss_mb(pids)
+    cpu0 = sum(cpu_s(p) for p in pids)
+    label = f"{mode}-{wait_s:g}-{time.monotonic_ns()}"
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            running = int(stack.sql("select count(*) from june_turns where status = 'running'")[0][0])
+            pss = pss_mb(tree(worker.pid))
+            conns = _connections(stack)
+            run.samples.append((time.monotonic(), running, pss, conns))
+            run.peak_inflight = max(run.peak_inflight, running)
+            run.peak_pss_mb = max(run.peak_pss_mb, pss)
+            run.connections = max(run.connections, conns)
+            stop.wait(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    t0 = time.monotonic()
+    sampler.start()
+    for i in range(turns):
+        stack.turn("wait", stack.session(f"{label}-{i}"), f"wait {wait_s}")
+    try:
+        wait_for(
+            lambda: (
+                int(
+                    stack.sql(
+                        "select count(*) from june_turns where status = 'completed' and session like %s", f"%{label}%"
+                    )[0][0]
+                )
+                >= turns
+            ),
+            timeout_s=600 + 20 * wait_s,
+            every_s=0.05,
+            what=f"{turns} turns ({mode}, W={wait_s})",
+        )
+    finally:
+        run.wall_s = time.monotonic() - t0
+        stop.set()
+        sampler.join()
+    run.cpu_s = sum(cpu_s(p) for p in tree(worker.pid)) - cpu0
+    return run
+
+
+def start(stack: BenchStack, mode: str, turns: int, prefork_c: int) -> Proc:
+    env = {"JUNE_LEASE_S": "30", "JUNE_ALIVE_S": "3", "JUNE_TASK_EVENTS": "1"}
+    if mode == "threads":
+        proc = stack.worker("inflight", pool="threads", concurrency=turns, queues=stack.queue, env=env)
+    else:
+        proc = stack.worker("prefork", concurrency=prefork_c, queues=stack.queue, env=env)
+    stack.wait_ready(proc, timeout_s=120)
+    return proc
+
+
+def warm(stack: BenchStack, proc: Proc, n: int) -> None:
+    measure(stack, proc, "warm", n, 0.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--turns", type=int, default=1000, help="turns sent at once to the one threads process")
+    parser.add_argument("--prefork-turns", type=int, default=64, help="turns sent at once to the prefork worker")
+    parser.add_argument("--cpu-turns", type=int, default=None, help="turns of the W = 0 runs (default --turns)")
+    parser.add_argument("--prefork-c", type=int, default=8, help="the prefork worker's pool size")
+    parser.add_argument("--wait", type=float, default=2.0, help="W: seconds each model call and the tool wait")
+    args = parser.parse_args(argv)
+    cpu_turns = args.cpu_turns or args.turns
+    print(f"# inflight: {machine()}; W={args.wait}s (a turn waits {3 * args.wait:g}s), threads {args.turns} turns, "
+          f"prefork -c {args.prefork_c} {args.prefork_turns} turns, {cpu_turns} turns at W=0")  # fmt: skip
+    runs: dict[tuple[str, float], Run] = {}
+    with sigterm_as_exit(), BenchStack("inflight") as stack:
+        for mode in ("threads", "prefork"):
+            proc = start(stack, mode, max(args.turns, cpu_turns), args.prefork_c)
+            warm(stack, proc, min(20, cpu_turns))
+            for wait_s, n in ((0.0, cpu_turns), (args.wait, args.turns if mode == "threads" else args.prefork_turns)):
+                run = measure(stack, proc, mode, n, wait_s)
+                runs[(mode, wait_s)] = run
+                print(run.line(), flush=True)
+            stack.stop(proc)
+    new, new0 = runs[("threads", args.wait)], runs[("threads", 0.0)]
+    old, old0 = runs[("prefork", args.wait)], runs[("prefork", 0.0)]
+    waiting = 3 * args.wait
+    overlap_new = new.wall_s / (waiting + new0.wall_s * new.turns / new0.turns)
+    overlap_old = old.wall_s / (waiting + old0.wall_s * old.turns / old0.turns)
+    rate_new, rate_old = new0.turns / new0.cpu_s, old0.turns / old0.cpu_s
+    print(f"overlap: threads {overlap_new:.2f}, prefork -c {args.prefork_c} {overlap_old:.2f}")
+    print(f"cpu: W=0 turns per worker CPU-second: threads {rate_new:.1f}, prefork {rate_old:.1f}, "
+          f"ratio {rate_new / rate_old:.2f}")  # fmt: skip
+    print(
+        f"inflight: {new.peak_inflight} turns in flight, {new.mb_per_turn:.2f} MB per in-flight turn, "
+        f"{new.connections} Postgres connections, overlap {overlap_new:.2f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())

@@ -1,0 +1,311 @@
+"""Many turns in flight in one worker process: one event loop runs them all, each turn's blocking calls run on its own thread.
+
+``june worker --turns-per-process N`` runs Celery's threads pool (``-P threads -c N``): each message
+in flight has a pool thread, which holds the message (``acks_late``) and does the turn's intake and
+lease statements, as a prefork process does. The turn itself runs as a task on the process's one
+event loop (:class:`EventLoopThread`), where a turn that waits on its model or an async tool costs a
+coroutine, not a process. What would hold that loop up goes back to the turn's pool thread
+(:class:`TurnThread`): every store statement of the turn, a sync tool inside its step's transaction,
+its event publishes (in order: a turn's publishes and statements run one at a time, first asked,
+first run), a child's launch. Neither Postgres nor Redis is ever waited on by the loop.
+
+:class:`LoopWatch` reports whatever holds the loop anyway (a blocking call inside an async tool):
+the tool, its turn and for how long. Nothing of a turn's safety needs the loop: leases, liveness
+and cancel marks are kept by the host's heartbeat thread, cancel signals land on the control
+listener's thread.
+
+The rule a reader must not break: **nothing blocking runs on the loop**. Give it to the turn's
+thread (:meth:`TurnThread.blocking`, :meth:`TurnThread.submit`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from ..engine.events import TurnEvent
+from ..engine.hooks import StepKind, TurnHooks
+from ..engine.secrets import scrubbed_logger
+from ..engine.sink import EventSink
+from ..engine.store import Commit, SessionRef
+
+__all__ = ["EventLoopThread", "LoopWatch", "QueuedSink", "TurnThread", "WatchedHooks"]
+
+log = scrubbed_logger("june_worker.worker")
+
+T = TypeVar("T")
+
+_DONE = object()
+
+
+class EventLoopThread:
+    """The process's event loop, run by a thread of its own from the first turn until :meth:`close`."""
+
+    def __init__(self, name: str = "june-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._ready.set)
+        self.loop.run_forever()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and wait for it here (a control task's short coroutine: an authorize hook)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class TurnThread:
+    """The pool thread a turn's message came on: it waits for the turn and, meanwhile, runs its blocking calls.
+
+    One per run of a turn (:meth:`run` once). Calls run one at a time in the order they were handed over,
+    so a publish handed over after a commit goes out after it.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._jobs: list[Callable[[], None] | object] = []
+        self._cond = threading.Condition(threading.Lock())
+        self._closed = False
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` as a task on the loop (in this thread's context: its trace span is the turn's parent) and
+        serve its blocking calls here until it ends; return its result or raise its exception."""
+        context = contextvars.copy_context()
+        outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def start() -> None:
+            task = self._loop.create_task(coro, context=context)
+            task.add_done_callback(lambda t: self._ended(t, outcome))
+
+        self._loop.call_soon_threadsafe(start)
+        try:
+            while True:
+                with self._cond:
+                    while not self._jobs:
+                        self._cond.wait()
+                    jobs, self._jobs = self._jobs, []
+                for job in jobs:
+                    if job is _DONE:
+                        return outcome.result()
+                    job()  # type: ignore[operator]
+        finally:
+            with self._cond:
+                self._closed = True
+                late, self._jobs = self._jobs, []
+            for job in late:  # (none in practice: the turn's task ended before _DONE was queued)
+                if job is not _DONE:
+                    job()  # type: ignore[operator]
+
+    def _ended(self, task: asyncio.Task[T], outcome: concurrent.futures.Future[T]) -> None:
+        if task.cancelled():
+            outcome.cancel()
+        elif (exc := task.exception()) is not None:
+            outcome.set_exception(exc)
+        else:
+            outcome.set_result(task.result())
+        self._put(_DONE)
+
+    def _put(self, job: Callable[[], None] | object) -> bool:
+        with self._cond:
+            if self._closed:
+                return False
+            self._jobs.append(job)
+            self._cond.notify()
+            return True
+
+    async def blocking(self, fn: Callable[[], T], /) -> T:
+        """:class:`~june_worker.engine.blocking.Blocking`: ``fn`` on this thread; the loop goes on meanwhile."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def job() -> None:
+            try:
+                value = fn()
+            except BaseException as exc:  # (a sync tool's rollback marker is one): the awaiting step decides
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, value, None)
+
+        if not self._put(job):
+            return fn()  # the run is over (a task of the turn outlived it): nothing else waits for this thread
+        return await future
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on this thread after what was handed over before it, without waiting for it; it never raises."""
+
+        def job() -> None:
+            try:
+                fn()
+            except Exception:
+                log.exception("a turn's background call failed")
+
+        if not self._put(job):
+            job()
+
+
+def _settle(future: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(value)
+
+
+class QueuedSink:
+    """The turn's sink as its coroutine sees it: each publish is handed to the turn's thread, in order, and returns
+    at once. The engine publishes only after a commit returned, so an event still never goes out before its commit."""
+
+    def __init__(self, inner: EventSink, thread: TurnThread) -> None:
+        self.inner = inner
+        self.thread = thread
+
+    def publish(self, ref: SessionRef, events: Sequence[TurnEvent]) -> None:
+        batch = list(events)
+        self.thread.submit(lambda: self.inner.publish(ref, batch))
+
+    def publish_delta(self, ref: SessionRef, event: TurnEvent) -> None:
+        self.thread.submit(lambda: self.inner.publish_delta(ref, event))
+
+
+class LoopWatch:
+    """Says when something holds the event loop longer than ``threshold_s``, and what: the tool, its turn, how long.
+
+    The loop stamps the time every ``tick_s``; a thread of the watch's own reads the stamp. A stamp older than
+    the threshold means the loop is held: the watch names the step running then (registered by
+    :class:`WatchedHooks`, else the task's coroutine) and, once the loop is free again, logs how long it was held
+    (and calls ``on_blocked(seconds, culprit)``, for metrics). Something still holding it is logged every
+    ``repeat_s`` meanwhile.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        threshold_s: float = 0.5,
+        tick_s: float = 0.05,
+        repeat_s: float = 10.0,
+        on_blocked: Callable[[float, str], None] | None = None,
+    ) -> None:
+        self.loop = loop
+        self.threshold_s = threshold_s
+        self.tick_s = min(tick_s, threshold_s / 4)
+        self.repeat_s = repeat_s
+        self.on_blocked = on_blocked
+        self._stamp = time.monotonic()
+        self._steps: dict[asyncio.Task[Any], str] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        loop.call_soon_threadsafe(self._tick)
+        self._thread = threading.Thread(target=self._watch, name="june-loop-watch", daemon=True)
+        self._thread.start()
+
+    def _tick(self) -> None:
+        self._stamp = time.monotonic()
+        if not self._stop.is_set():
+            self.loop.call_later(self.tick_s, self._tick)
+
+    @contextmanager
+    def running(self, what: str) -> Iterator[None]:
+        """Register the current task as running ``what`` (on the loop, around a step)."""
+        task = asyncio.current_task()
+        if task is None:
+            yield
+            return
+        with self._lock:
+            outer = self._steps.get(task)
+            self._steps[task] = what
+        try:
+            yield
+        finally:
+            with self._lock:
+                if outer is None:
+                    self._steps.pop(task, None)
+                else:
+                    self._steps[task] = outer
+
+    def culprit(self) -> str:
+        """What the loop runs now, read from another thread."""
+        task = asyncio.current_task(self.loop)
+        if task is None:
+            return "a callback of the event loop (no task)"
+        with self._lock:
+            what = self._steps.get(task)
+        if what is not None:
+            return what
+        coro = task.get_coro()
+        name = getattr(coro, "__qualname__", None) or repr(coro)
+        return f"task {task.get_name()} ({name})"
+
+    def _watch(self) -> None:
+        held_since: float | None = None
+        culprit = ""
+        told = 0.0
+        while not self._stop.wait(self.tick_s):
+            stamp, now = self._stamp, time.monotonic()
+            if held_since is not None and stamp > held_since:  # free again
+                held = stamp - held_since
+                log.warning("the event loop was held for %.2fs by %s: run blocking calls in a thread "
+                            "(asyncio.to_thread), or declare the tool with def", held, culprit)  # fmt: skip
+                if self.on_blocked is not None:
+                    try:
+                        self.on_blocked(held, culprit)
+                    except Exception:
+                        log.debug("on_blocked failed", exc_info=True)
+                held_since = None
+                continue
+            if held_since is None and now - stamp > self.threshold_s:
+                held_since, culprit, told = stamp, self.culprit(), now
+                log.warning("the event loop has been held for %.2fs by %s; other turns wait", now - stamp, culprit)
+            elif held_since is not None and now - told >= self.repeat_s:
+                told = now
+                log.warning("the event loop is still held, for %.0fs now, by %s", now - held_since, culprit)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
+class WatchedHooks:
+    """A turn's hooks, with each step registered with the :class:`LoopWatch` while it runs (so a step that holds
+    the loop is named)."""
+
+    def __init__(self, inner: TurnHooks, watch: LoopWatch, turn_id: str, ref: SessionRef) -> None:
+        self.inner = inner
+        self.watch = watch
+        self.turn_id = turn_id
+        self.ref = ref
+
+    @contextmanager
+    def step(self, kind: StepKind, step: str, tool: str | None = None) -> Iterator[None]:
+        what = f'tool "{tool}"' if tool else f"the {kind} step"
+        with (
+            self.watch.running(f"{what} of turn {self.turn_id} ({self.ref}), step {step}"),
+            self.inner.step(kind, step, tool),
+        ):
+            yield
+
+    def committed(self, commit: Commit) -> None:
+        self.inner.committed(commit)

@@ -1,0 +1,73 @@
+"""This worker process's host, assembled: the host, what sends its turns (Celery), what follows a turn's end.
+
+The host itself (:mod:`.host`) knows neither Celery nor subagents; this module, above both, wires them:
+:func:`dispatch` sends ``june.turn`` through the app, :func:`~.children.turn_ended` answers parents and
+cancels children. The tasks (:mod:`.tasks`) reach the host through :func:`get_host`.
+
+How many turns a process runs at once is the pool's: :mod:`.app` says at worker start whether the pool runs
+tasks on threads of one process (``june worker --turns-per-process N``: :func:`~.app.many_turns_per_process`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ..engine.agent import Agent
+from ..engine.store import TurnRecord
+from .app import app, many_turns_per_process
+from .broker import publish_options
+from .children import turn_ended
+from .control import turn_message
+from .host import WorkerHost
+from .settings import WorkerSettings
+
+__all__ = ["current_host", "dispatch", "get_host", "make_host"]
+
+_HOST: WorkerHost | None = None
+_HOST_PID: int | None = None
+_HOST_LOCK = threading.Lock()
+
+
+def dispatch(rec: TurnRecord, *, queue: str | None = None) -> None:
+    """Send ``june.turn`` for a recorded turn, with a monitoring summary instead of its text."""
+    app.send_task(
+        "june.turn",
+        args=[turn_message(rec)],
+        queue=queue or app.conf.task_default_queue,
+        argsrepr=f"{{agent={rec.agent} session={rec.session} turn_id={rec.turn_id}}}",
+        kwargsrepr="",
+        **publish_options(get_host().settings),
+    )
+
+
+def make_host(
+    settings: WorkerSettings | None = None, agents: dict[str, Agent] | None = None, *, inflight: bool | None = None
+) -> WorkerHost:
+    """A host wired as a worker's: it sends turns through the Celery app and follows subagents' turns."""
+    settings = settings if settings is not None else WorkerSettings.from_env()
+    isolation = settings.isolation_queue
+    return WorkerHost(
+        settings,
+        agents,
+        inflight=many_turns_per_process() if inflight is None else inflight,
+        dispatch=dispatch,
+        after_turn=turn_ended,
+        isolate=(lambda rec: dispatch(rec, queue=isolation)) if isolation else None,
+    )
+
+
+def get_host() -> WorkerHost:
+    """This process's host, created on first use (and again in a forked child)."""
+    global _HOST, _HOST_PID
+    with _HOST_LOCK:
+        if _HOST is None or _HOST_PID != os.getpid():
+            _HOST = make_host()
+            _HOST_PID = os.getpid()
+        return _HOST
+
+
+def current_host() -> Any:
+    """This process's host if it was made (None otherwise): for a shutdown that must not make one."""
+    return _HOST if _HOST_PID == os.getpid() else None
