@@ -175,9 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     with sigterm_as_exit(), BenchStack("inflight") as stack:
         for mode in ("threads", "prefork"):
             proc = start(stack, mode, max(args.turns, cpu_turns), args.prefork_c)
-            warm(stack, proc, min(20, cpu_turns))
+            idle = pss_mb(tree(proc.pid))
+            # the steady state: every pool thread (or process) made and every connection open, as in a worker that runs
+            warm(stack, proc, max(args.turns, cpu_turns) if mode == "threads" else min(20, cpu_turns))
             for wait_s, n in ((0.0, cpu_turns), (args.wait, args.turns if mode == "threads" else args.prefork_turns)):
                 run = measure(stack, proc, mode, n, wait_s)
+                run.idle_pss_mb = idle  # what the worker takes before any turn: the rest is what turns in flight cost
                 runs[(mode, wait_s)] = run
                 print(run.line(), flush=True)
             stack.stop(proc)

@@ -1208,7 +1208,7 @@ class TurnRunner:
     async def _commit(
         self, commit: Commit | CommitBuilder | _Fresh, step: str | None = None, *, cancellable: bool = False
     ) -> None:
-        """Write one checkpoint, mirror it in memory, then publish its events (never before).
+        """Write one checkpoint and publish its events (never before it), then mirror it in memory.
 
         ``cancellable`` (the opening, a model reply, a park): the commit applies only if no cancel is
         stored for the turn, else the turn is cancelled here. The store is the record of a cancel;
@@ -1236,10 +1236,19 @@ class TurnRunner:
 
         if isinstance(commit, _Fresh):
             commit = commit.make()
+
+        def commit_then_publish(what: Commit | CommitBuilder) -> None:
+            # One blocking call for both: the publish follows its commit at once, in the same place, never before it
+            events = self.store.commit(self.ref, what, fence=self.fence)
+            if step is not None:
+                self._hit("before-publish", step)
+            if events:
+                self.sink.publish(self.ref, events)
+
         try:
             if isinstance(commit, Commit):
                 ready = built = guarded(commit)
-                events = await self._blocking(lambda: self.store.commit(self.ref, ready, fence=self.fence))
+                await self._blocking(lambda: commit_then_publish(ready))
             else:
                 builder = commit
 
@@ -1248,7 +1257,7 @@ class TurnRunner:
                     built = guarded(builder(handle))
                     return built
 
-                events = await self._blocking(lambda: self.store.commit(self.ref, capture, fence=self.fence))
+                await self._blocking(lambda: commit_then_publish(capture))
         except CancelRequestedError as exc:
             raise _Cancel(exc.reason) from None
         assert built is not None
@@ -1259,10 +1268,6 @@ class TurnRunner:
                 self.compacted_at = index
         for s in built.steps:
             self.steps[s.step_id] = s
-        if step is not None:
-            self._hit("before-publish", step)
-        if events:
-            self.sink.publish(self.ref, events)
 
     def _hit(self, point: str, step: str) -> None:
         if self._crash is not None:

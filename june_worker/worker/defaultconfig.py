@@ -43,6 +43,10 @@ task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1
 task_track_started = False  # no STARTED state: one result-backend write less per task
 result_expires = 24 * 3600
+# One result backend (and its Redis connection pool) for the whole process, not one per thread: with many turns per
+# process (the threads pool) each of its N threads would make its own at its first task (redis-py's backend is
+# safe to share between threads).
+result_backend_thread_safe = True
 result_extended = False  # True would store each task's arguments (text, answers) with its result
 
 task_default_queue = _s.queue

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import queue
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -85,13 +86,15 @@ class TurnThread:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._jobs: list[Callable[[], None] | object] = []
-        self._cond = threading.Condition(threading.Lock())
+        self._jobs: queue.SimpleQueue[Callable[[], None] | object] = queue.SimpleQueue()
+        self._lock = threading.Lock()
         self._closed = False
+        self._ident: int | None = None
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` as a task on the loop (in this thread's context: its trace span is the turn's parent) and
         serve its blocking calls here until it ends; return its result or raise its exception."""
+        self._ident = threading.get_ident()
         context = contextvars.copy_context()
         outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
 
@@ -101,22 +104,16 @@ class TurnThread:
 
         self._loop.call_soon_threadsafe(start)
         try:
-            while True:
-                with self._cond:
-                    while not self._jobs:
-                        self._cond.wait()
-                    jobs, self._jobs = self._jobs, []
-                for job in jobs:
-                    if job is _DONE:
-                        return outcome.result()
-                    job()  # type: ignore[operator]
+            while (job := self._jobs.get()) is not _DONE:
+                job()  # type: ignore[operator]
+            return outcome.result()
         finally:
-            with self._cond:
+            with self._lock:
                 self._closed = True
-                late, self._jobs = self._jobs, []
-            for job in late:  # (none in practice: the turn's task ended before _DONE was queued)
-                if job is not _DONE:
-                    job()  # type: ignore[operator]
+            while not self._jobs.empty():  # (none in practice: the turn's task ended before _DONE was queued)
+                late = self._jobs.get_nowait()
+                if late is not _DONE:
+                    late()  # type: ignore[operator]
 
     def _ended(self, task: asyncio.Task[T], outcome: concurrent.futures.Future[T]) -> None:
         if task.cancelled():
@@ -128,11 +125,10 @@ class TurnThread:
         self._put(_DONE)
 
     def _put(self, job: Callable[[], None] | object) -> bool:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return False
-            self._jobs.append(job)
-            self._cond.notify()
+            self._jobs.put(job)
             return True
 
     async def blocking(self, fn: Callable[[], T], /) -> T:
@@ -153,7 +149,8 @@ class TurnThread:
         return await future
 
     def submit(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on this thread after what was handed over before it, without waiting for it; it never raises."""
+        """Run ``fn`` on this thread after what was handed over before it, without waiting for it; it never raises.
+        Asked from this thread itself (a commit's publish, inside the commit's call), it runs at once."""
 
         def job() -> None:
             try:
@@ -161,7 +158,7 @@ class TurnThread:
             except Exception:
                 log.exception("a turn's background call failed")
 
-        if not self._put(job):
+        if threading.get_ident() == self._ident or not self._put(job):
             job()
 
 
