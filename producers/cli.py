@@ -12,7 +12,8 @@
 
 A turn typed here is a message from the person at the shell: it carries the inbound event
 ``{"source": "cli", "kind": "message", "user": {"id": <--user, default the login name>,
-"attested": true}}`` unless ``--event`` gives another or ``--proactive-by`` makes it proactive.
+"attested": true}, "text": <what was typed>}`` unless ``--event`` gives another or ``--proactive-by``
+makes it proactive (the text in the event is what a follower of the session sees the person say).
 The speaker is attested as ``--by`` is trusted: whoever can reach the broker can send anything.
 
 Configuration comes from the worker's variables (``JUNE_REDIS_URL``, ``CELERY_BROKER_URL``,
@@ -156,9 +157,13 @@ def login_name() -> str:
         return "cli"
 
 
-def cli_event(user: str) -> dict[str, Any]:
-    """The inbound event of a turn typed at the shell: its speaker is the CLI's user, vouched for like ``--by``."""
-    return {"source": "cli", "kind": "message", "user": {"id": user, "attested": True}}
+def cli_event(user: str, text: str | None = None) -> dict[str, Any]:
+    """The inbound event of a turn typed at the shell: its speaker is the CLI's user, vouched for like ``--by``, and
+    what they typed (its ``turn.started`` then shows a follower of the session what the person said)."""
+    event: dict[str, Any] = {"source": "cli", "kind": "message", "user": {"id": user, "attested": True}}
+    if text is not None:
+        event["text"] = text
+    return event
 
 
 def _cmd_turn(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> int:
@@ -167,7 +172,7 @@ def _cmd_turn(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> in
     if args.user is not None and (event is not None or trigger is not None):
         raise ValueError("--user names the speaker of the default event; it cannot go with --event or --proactive-by")
     if event is None and trigger is None:
-        event = cli_event(args.user or login_name())
+        event = cli_event(args.user or login_name(), args.text)
     # A new turn's events all come after the stream's current end; a resent turn id may have older ones.
     start = "0-0" if args.turn_id or args.no_follow else producer.last_stream_id(args.agent, args.session)
     turn_id = producer.start_turn(

@@ -168,7 +168,7 @@ class LiveView:
 
     def _on_turn_started(self, event: FollowedEvent) -> None:
         trigger = event.data.get("trigger")
-        how = ""
+        how, said = "", None
         if isinstance(trigger, dict):
             kind = trigger.get("kind")
             if kind == "proactive":
@@ -180,7 +180,10 @@ class LiveView:
                 user = trigger["event"].get("user")
                 who = f" from {user.get('id')}" if isinstance(user, dict) else ""
                 how = f" ({source}{who})"
+                said = trigger["event"].get("text")
         self._line(("▶ ", "cyan"), ("turn ", "dim"), (event.turn_id or "?", "bold"), (f" started{how}", "dim"))
+        if isinstance(said, str) and said:  # what the person said: the other side of the conversation
+            self._line(("› ", "cyan"), (said, "bold"))
 
     def _current(self, event: FollowedEvent) -> bool:
         """False for a delta of an older attempt at its step (a dead worker's): it is not shown. The first

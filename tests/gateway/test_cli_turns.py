@@ -39,6 +39,22 @@ def test_a_cli_turn_is_an_inbound_message_of_its_user(gw_stack: Stack) -> None:
     assert started(gw_stack, "ops", other)["trigger"]["event"]["user"] == {"id": "op-bea", "attested": True}
 
 
+def test_following_a_session_shows_what_the_person_typed_as_well_as_the_agents_reply(gw_stack: Stack) -> None:
+    # Given a turn typed at the shell, and finished
+    session = new_session()
+    assert run_cli(gw_stack, "turn", "ops", session, "hello from ann", "--json", "--timeout", "30").code == 0
+    assert started(gw_stack, "ops", session)["trigger"]["event"]["text"] == "hello from ann"
+    # When someone follows the session on a terminal
+    turn_id = started(gw_stack, "ops", session)["turn_id"]
+    ran = run_cli(gw_stack, "follow", "ops", session, "--turn", turn_id, "--timeout", "30", tty=True)
+    # Then they see both sides: what ann typed, then the agent's reply
+    assert ran.code == 0, ran.out + ran.err
+    lines = ran.out.splitlines()
+    said = lines.index("› hello from ann")
+    assert lines[said - 1].endswith("started (cli from ann)")
+    assert "ok: hello from ann" in lines[said + 1 :]
+
+
 def test_proactive_by_keeps_the_proactive_form(gw_stack: Stack) -> None:
     session = new_session()
     ran = run_cli(gw_stack, "turn", "ops", session, "digest", "--proactive-by", "cron:daily", "--json")
