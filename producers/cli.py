@@ -43,7 +43,7 @@ from . import render
 from .client import JuneProducer
 from .errors import ProducerError, StreamGapError
 from .events import FollowedEvent
-from .render import LiveView, write_json
+from .render import LiveView, OpenRequests, write_json
 
 __all__ = ["build_parser", "cli_event", "login_name", "main", "parse_value"]
 
@@ -78,12 +78,45 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _position(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 class _Out:
-    """Where output goes: JSON lines on stdout, or the live view; messages for people on stderr."""
+    """Where output goes: JSON lines on stdout, or the live view; messages for people on stderr.
+
+    ``history``: the stream id up to which the events shown are the session's past (a follow that
+    replays it). An input request among them gets its ``answer with:`` hint only once the replay
+    has shown it still open (:meth:`end_of_history`): most were answered long ago.
+    """
 
     def __init__(self, stdout: TextIO, stderr: TextIO, json_mode: bool, agent: str, session: str) -> None:
         self.stdout, self.stderr, self.json_mode = stdout, stderr, json_mode
         self.view = LiveView(Console(file=stdout, highlight=False), agent, session)
+        self.requests = OpenRequests()
+        self.history: tuple[int, int] | None = None
+
+    def replaying(self, until: str) -> None:
+        """Events up to stream id ``until`` are the past: their input requests wait for :meth:`end_of_history`."""
+        self.history = _position(until)
+        self.view.hint_requests = False
+
+    def _past(self, event: FollowedEvent) -> bool:
+        return self.history is not None and _position(event.stream_id) <= self.history
+
+    def end_of_history(self) -> None:
+        """The replay has shown the past: hint how to answer each input request it left open, and go live."""
+        if self.history is None:
+            return
+        self.history = None
+        self.view.hint_requests = True
+        for event in self.requests.open():
+            command = render.resume_command(self.view.agent, self.view.session, event)
+            if self.json_mode:
+                print(f"june-produce: turn {event.turn_id} still waits; answer with: {command}", file=self.stderr)
+            else:
+                self.view.still_waiting(event)
 
     def info(self, text: str) -> None:
         if self.json_mode:
@@ -92,9 +125,12 @@ class _Out:
             self.view.note(text)
 
     def event(self, event: FollowedEvent) -> None:
+        if self.history is not None and not self._past(event):
+            self.end_of_history()  # the first event after the past: what is still open was, when it began
+        self.requests.see(event)
         if self.json_mode:
             write_json(self.stdout, event.to_json())
-            if event.type == "input.requested":
+            if event.type == "input.requested" and self.history is None and render.answerable(event):
                 command = render.resume_command(self.view.agent, self.view.session, event)
                 print(f"june-produce: answer with: {command}", file=self.stderr, flush=True)
         else:
@@ -125,21 +161,63 @@ class _Out:
             self.view.outcome(command, data, ok)
 
 
-def _follow(producer: JuneProducer, out: _Out, args: argparse.Namespace, turn_id: str | None, last_id: str) -> int:
-    last: FollowedEvent | None = None
-    last_seq: int | None = None
+class _Position:
+    """Where a follow goes on from: the last stream id handled, and the last structural seq held."""
+
+    def __init__(self, last_id: str) -> None:
+        self.last_id = last_id
+        self.last_seq: int | None = None
+        self.last: FollowedEvent | None = None
+
+
+def _drain(
+    producer: JuneProducer, out: _Out, args: argparse.Namespace, turn_id: str | None, at: _Position,
+    timeout_s: float | None,
+) -> int:  # fmt: skip
+    """Show the events after ``at`` (until the turn's terminal event, or ``timeout_s``); how many were shown."""
+    shown = 0
     while True:
         events = producer.follow(
-            args.agent, args.session, turn_id=turn_id, last_id=last_id, timeout_s=args.timeout, last_seq=last_seq
+            args.agent, args.session, turn_id=turn_id, last_id=at.last_id, timeout_s=timeout_s, last_seq=at.last_seq
         )
         try:
             for event in events:
                 out.event(event)
-                last = event
-            break
+                shown += 1
+                at.last, at.last_id = event, event.stream_id
+                if event.seq is not None:
+                    at.last_seq = event.seq
+            return shown
         except StreamGapError as gap:  # told, then followed on after the gap
             out.gap(gap)
-            last_id, last_seq = gap.resume_id, (gap.next_seq - 1 if gap.next_seq is not None else None)
+            at.last_id, at.last_seq = gap.resume_id, (gap.next_seq - 1 if gap.next_seq is not None else None)
+
+
+def _follow(
+    producer: JuneProducer, out: _Out, args: argparse.Namespace, turn_id: str | None, last_id: str,
+    history: str | None = None,
+) -> int:  # fmt: skip
+    """Show a session's (or a turn's) events after ``last_id``; the exit code. ``history``: the stream's last id
+    before anything was sent: a follow that starts before it replays the past first, to its end, then goes live."""
+    at = _Position(last_id)
+    if history is not None and history != "0-0" and last_id not in ("$", history):
+        out.replaying(history)
+        # A turn's follow ends at its first terminal event; one of the past (a park answered since) is not its end
+        while _drain(producer, out, args, turn_id, at, 0) and turn_id is not None and _answered_park(out, at.last):
+            pass
+        out.end_of_history()
+        if turn_id is not None and at.last is not None and at.last.terminal:
+            return _finish(out, args, turn_id, at.last)
+    _drain(producer, out, args, turn_id, at, args.timeout)
+    return _finish(out, args, turn_id, at.last)
+
+
+def _answered_park(out: _Out, last: FollowedEvent | None) -> bool:
+    """The replay stopped at a park of the past that its stream may answer further on: read on."""
+    return last is not None and last.type == "input.requested" and out._past(last)
+
+
+def _finish(out: _Out, args: argparse.Namespace, turn_id: str | None, last: FollowedEvent | None) -> int:
     if turn_id is None:
         return render.EXIT_OK
     if not out.json_mode:
@@ -173,8 +251,9 @@ def _cmd_turn(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> in
         raise ValueError("--user names the speaker of the default event; it cannot go with --event or --proactive-by")
     if event is None and trigger is None:
         event = cli_event(args.user or login_name(), args.text)
-    # A new turn's events all come after the stream's current end; a resent turn id may have older ones.
-    start = "0-0" if args.turn_id or args.no_follow else producer.last_stream_id(args.agent, args.session)
+    # A new turn's events all come after the stream's current end; a resent turn id may have older ones (its past).
+    tail = "0-0" if args.no_follow else producer.last_stream_id(args.agent, args.session)
+    start = "0-0" if args.turn_id else tail
     turn_id = producer.start_turn(
         args.agent,
         args.session,
@@ -195,11 +274,12 @@ def _cmd_turn(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> in
         out.info(f"queued {turn_id} for {args.agent}:{args.session} on {producer.queue}")
     else:
         out.view.enqueued(turn_id, producer.queue)
-    return _follow(producer, out, args, turn_id, start)
+    return _follow(producer, out, args, turn_id, start, history=tail)
 
 
 def _cmd_follow(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> int:
-    return _follow(producer, out, args, args.turn, args.from_id)
+    history = producer.last_stream_id(args.agent, args.session)  # what the stream holds is the past
+    return _follow(producer, out, args, args.turn, args.from_id, history=history)
 
 
 def _cmd_resume(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> int:
