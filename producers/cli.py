@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -39,7 +40,7 @@ from typing import Any, TextIO
 import redis
 from rich.console import Console
 
-from . import render
+from . import new_turn_id, render
 from .client import JuneProducer
 from .errors import ProducerError, StreamGapError
 from .events import FollowedEvent
@@ -96,6 +97,29 @@ class _Out:
         self.view = LiveView(Console(file=stdout, highlight=False), agent, session)
         self.requests = OpenRequests()
         self.history: tuple[int, int] | None = None
+        self.turn: str | None = None  # the turn being sent or followed, for the line Ctrl-C prints
+        self.sent = False  # whether that turn's message is known to be sent
+        self.last_id: str | None = None  # the stream id of the last event shown
+        self.waiting_for: str | None = None  # the control message whose answer is awaited (resume, cancel, reset)
+
+    def interrupted(self) -> str:
+        """The one line Ctrl-C prints: what goes on without this command, and the command that follows it."""
+        agent, session = self.view.agent, self.view.session
+        if self.waiting_for is not None:
+            return (
+                f"interrupted while waiting for the worker's answer to the {self.waiting_for}: it may have been sent "
+                f"and may still apply; see the session with: {shlex.join(['june-produce', 'follow', agent, session])}"
+            )
+        if self.turn is not None:
+            follow = shlex.join(["june-produce", "follow", agent, session, "--turn", self.turn])
+            if not self.sent:
+                return (
+                    f"interrupted while sending turn {self.turn}: it may be queued; send it again with --turn-id "
+                    f"{self.turn} (it runs once), or see it with: {follow}"
+                )
+            return f"stopped following; turn {self.turn} goes on without you: {follow}"
+        again = ["june-produce", "follow", agent, session] + (["--from", self.last_id] if self.last_id else [])
+        return f"stopped following {agent}:{session}; go on from where you were with: {shlex.join(again)}"
 
     def replaying(self, until: str) -> None:
         """Events up to stream id ``until`` are the past: their input requests wait for :meth:`end_of_history`."""
@@ -128,6 +152,7 @@ class _Out:
         if self.history is not None and not self._past(event):
             self.end_of_history()  # the first event after the past: what is still open was, when it began
         self.requests.see(event)
+        self.last_id = event.stream_id
         if self.json_mode:
             write_json(self.stdout, event.to_json())
             if event.type == "input.requested" and self.history is None and render.answerable(event):
@@ -254,16 +279,18 @@ def _cmd_turn(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> in
     # A new turn's events all come after the stream's current end; a resent turn id may have older ones (its past).
     tail = "0-0" if args.no_follow else producer.last_stream_id(args.agent, args.session)
     start = "0-0" if args.turn_id else tail
+    out.turn = args.turn_id or new_turn_id()  # minted here, so a Ctrl-C while sending can name it
     turn_id = producer.start_turn(
         args.agent,
         args.session,
         args.text,
         event=event,
-        turn_id=args.turn_id,
+        turn_id=out.turn,
         replace=args.replace,
         trigger=trigger,
         durable=True if args.durable else None,
     )
+    out.sent = True
     if args.no_follow:
         if out.json_mode:
             write_json(out.stdout, {"turn_id": turn_id, "agent": args.agent, "session": args.session})
@@ -278,12 +305,14 @@ def _cmd_turn(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> in
 
 
 def _cmd_follow(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> int:
+    out.turn, out.sent = args.turn, True
     history = producer.last_stream_id(args.agent, args.session)  # what the stream holds is the past
     return _follow(producer, out, args, args.turn, args.from_id, history=history)
 
 
 def _cmd_resume(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> int:
     start = producer.last_stream_id(args.agent, args.session) if args.follow else "0-0"
+    out.waiting_for = "resume"
     outcome = producer.resume(
         args.agent,
         args.session,
@@ -293,23 +322,29 @@ def _cmd_resume(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> 
         by=args.by,
         timeout_s=args.wait,
     )
+    out.waiting_for = None
     out.outcome("resume", {**outcome.raw, "status": outcome.status}, outcome.accepted)
     if not outcome.accepted:
         return render.EXIT_FAILED
     if args.follow:
+        out.turn, out.sent = args.turn, True
         return _follow(producer, out, args, args.turn, start)
     return render.EXIT_OK
 
 
 def _cmd_cancel(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> int:
+    out.waiting_for = "cancel"
     result = producer.cancel(args.agent, args.session, args.turn, timeout_s=args.wait)
+    out.waiting_for = None
     ok = result["status"] not in _CANCEL_FAILURES
     out.outcome("cancel", result, ok)
     return render.EXIT_OK if ok else render.EXIT_FAILED
 
 
 def _cmd_reset(producer: JuneProducer, out: _Out, args: argparse.Namespace) -> int:
+    out.waiting_for = "reset"
     outcome = producer.reset(args.agent, args.session, timeout_s=args.wait)
+    out.waiting_for = None
     ok = outcome.status != "rejected"
     out.outcome("reset", {**outcome.raw, "status": outcome.status}, ok)
     return render.EXIT_OK if ok else render.EXIT_FAILED
@@ -411,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         if not out.json_mode:
             out.view.end_line()
+        print(f"june-produce: {out.interrupted()}", file=stderr, flush=True)
         return render.EXIT_INTERRUPTED
     except ValueError as exc:  # a bad argument, checked before anything was sent (ProducerConfigError too)
         print(f"june-produce: {exc}", file=stderr)
