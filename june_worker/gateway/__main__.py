@@ -29,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         from .app import create_app
         from .settings import GatewaySettings
     except ImportError as exc:
-        print(f"june gateway: {exc}; install the extra: pip install 'june-worker[gateway]'", file=sys.stderr)
+        print(
+            f"june gateway: {exc}; install the gateway extra from a june-worker checkout or its wheel: "
+            "pip install './june-worker[gateway]'",
+            file=sys.stderr,
+        )
         return 2
     try:
         settings = GatewaySettings.from_env()
