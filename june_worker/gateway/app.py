@@ -219,4 +219,6 @@ def create_app(settings: GatewaySettings | None = None, *, tokens: Callable[[], 
         ok = all(v == "ok" for v in checks.values())
         return JSONResponse({"status": "ok" if ok else "unavailable", **checks}, status_code=200 if ok else 503)
 
+    app.state.metrics.start_at_zero(app)
+
     return app
