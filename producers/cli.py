@@ -444,8 +444,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with JuneProducer.from_env() as producer:
             return handler(producer, out, args)
     except KeyboardInterrupt:
-        if not out.json_mode:
-            out.view.end_line()
+        ended = out.view.end_line() if not out.json_mode else False
+        if not ended and stderr.isatty():
+            print(file=stderr)  # off the line where the terminal echoed ^C
         print(f"june-produce: {out.interrupted()}", file=stderr, flush=True)
         return render.EXIT_INTERRUPTED
     except ValueError as exc:  # a bad argument, checked before anything was sent (ProducerConfigError too)

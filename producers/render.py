@@ -157,9 +157,11 @@ class LiveView:
         self.console.print(Text(text, style=style), end="", soft_wrap=True)
         self._open = not text.endswith("\n")
 
-    def end_line(self) -> None:
-        """Finish a line of streamed text (before a note, or when the user interrupts)."""
+    def end_line(self) -> bool:
+        """Finish a line of streamed text (before a note, or when the user interrupts); whether one was open."""
+        was_open = self._open
         self._close()
+        return was_open
 
     def _close(self) -> None:
         if self._open:
