@@ -30,6 +30,9 @@ from tests.integration.conftest import ROOT
 from .kit import Gateway
 
 CHROMIUM = "/usr/bin/chromium"
+# An expectation waits up to 30 s (Playwright's default is 5): what it waits on is often a worker's answer (a resume,
+# a turn's end), which takes longer than 5 s on a busy machine. Not a timed assert: it passes the moment it holds.
+expect.set_options(timeout=30_000)
 EMPTY_TRANSCRIPT = re.compile(
     r"^Nothing shown yet\. Type a message and press Start turn, or enter a session and press Watch"
 )
