@@ -151,6 +151,8 @@ class Terminal:
     def close(self) -> None:
         subprocess.run([self.tmux, "-L", self.socket, "kill-server"], env=self.env, capture_output=True, timeout=30)
         self.rc.unlink(missing_ok=True)
+        sockets = Path(self.env.get("TMUX_TMPDIR") or "/tmp", f"tmux-{os.getuid()}")
+        (sockets / self.socket).unlink(missing_ok=True)  # kill-server leaves its socket file behind
 
 
 def offline_pip_env(python: str) -> dict[str, str]:
