@@ -15,12 +15,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/june demo
 
-# The gateway's browser test drives Debian's chromium, never a downloaded browser: install it as root when missing.
+# The gateway's browser test drives Debian's chromium, never a downloaded browser, and the README walkthrough types
+# into tmux: install them as root when missing (without them those tests fail, saying what to install).
 CHROMIUM ?= /usr/bin/chromium
 
 test: $(STAMP)
 	@[ -x $(CHROMIUM) ] || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \
 		{ echo "installing Debian's chromium for the browser test"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	@command -v tmux >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \
+		{ echo "installing tmux for the README walkthrough test"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null; }
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)

@@ -13,11 +13,13 @@ from .engine import (
     store_write,
     tool,
 )
+from .engine.context import ContextPolicy
 from .errors import FatalToolError
 
 __all__ = [
     "Agent",
     "AgentSession",
+    "ContextPolicy",
     "FatalToolError",
     "Runtime",
     "Tool",

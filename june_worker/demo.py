@@ -30,7 +30,7 @@ from .engine.events import (
     TurnStarted,
 )
 from .engine.model import Model, ModelRequest
-from .engine.types import ProactiveTrigger, ToolMessage, TriggerMessage, UserMessage
+from .engine.types import InboundTrigger, ProactiveTrigger, ToolMessage, TriggerMessage, UserMessage
 from .models.scripted import Reply, ScriptedModel
 from .stores.sqlite import SQLiteStore
 
@@ -146,8 +146,16 @@ def render(event: TurnEvent, out: TextIO = sys.stdout) -> None:
         out.write(f"  .. parked, waiting for a human: {event.request.prompt}\n")
     elif isinstance(event, TurnStarted):
         trigger = event.trigger
-        how = f"proactive, by {trigger.by}" if isinstance(trigger, ProactiveTrigger) else trigger.kind
+        if isinstance(trigger, ProactiveTrigger):
+            how = f"proactive, by {trigger.by}"
+        elif isinstance(trigger, InboundTrigger):
+            user = trigger.event.user
+            how = trigger.event.source + (f" from {user.id}" if user is not None else "")
+        else:
+            how = f"resumed after input {trigger.input_id or trigger.call_id}"
         out.write(f"[{event.turn_id}] started ({how})\n")
+        if isinstance(trigger, InboundTrigger) and trigger.event.text:
+            out.write(f"  > {trigger.event.text}\n")
     elif isinstance(event, TurnCompleted):
         out.write(f"[{event.turn_id}] completed\n")
     elif isinstance(event, TurnFailed):

@@ -22,6 +22,8 @@ from kombu.entity import Queue
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .metrics import producer_metrics
+
 __all__ = ["QUEUE_TYPES", "is_amqp", "is_redis", "producer_app"]
 
 QUEUE_TYPES = ("quorum", "classic")
@@ -89,8 +91,18 @@ def producer_app(
     publish_retries: int,
     connect_timeout_s: float,
 ) -> Any:
-    """A Celery app that sends to ``broker_url`` (and reads results from ``result_backend``, if any)."""
+    """A Celery app that sends to ``broker_url`` (and reads results from ``result_backend``, if any).
+
+    Each failed try to reach the broker while sending, before the next, is counted in
+    ``june_producer_publish_retries_total`` (:mod:`.metrics`), under ``control`` for the app JuneProducer names
+    ``...-control``, else ``turn``."""
     app = _PinnedCelery(main, broker_url=broker_url, result_backend=result_backend)
+    metrics = producer_metrics()
+    messages = "control" if main.endswith("-control") else "turn"
+
+    def retried(exc: BaseException, interval: float) -> None:  # kombu's errback: before each next try
+        metrics.publish_retried(messages)
+
     options = dict(transport_options)
     queue_arguments = None
     if is_redis(broker_url):  # Redis behind Sentinel too
@@ -117,6 +129,7 @@ def producer_app(
             "interval_start": 0,
             "interval_step": 0.2,
             "interval_max": 1.0,
+            "errback": retried,
         },
         task_serializer="json",
         result_serializer="json",

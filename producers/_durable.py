@@ -110,7 +110,8 @@ class DurableRecorder:
             import psycopg
         except ImportError:
             raise ProducerConfigError(
-                "durable=True records turns in Postgres and needs psycopg: pip install 'june-worker[producers-durable]'"
+                "durable=True records turns in Postgres and needs psycopg: install the producers-durable extra from a "
+                "june-worker checkout or its wheel (pip install './june-worker[producers-durable]')"
             ) from None
         with self._lock:
             for attempt in range(2):  # a connection that died while idle gets one fresh try: the call is idempotent

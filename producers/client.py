@@ -41,6 +41,7 @@ from ._sender import Sender
 from ._settings import DEFAULT_REDIS_URL, check_settings, settings_from_env
 from ._trace import sending
 from .errors import BrokerUnavailable, ProducerConfigError
+from .metrics import producer_metrics
 from .outcomes import ResetOutcome, ResumeOutcome, parse_cancel, parse_reset, parse_resume
 
 __all__ = ["DEFAULT_REDIS_URL", "JuneProducer", "redact"]
@@ -361,6 +362,7 @@ class JuneProducer:
             if recorded is None:
                 raise
             log.warning("%s; turn %s is recorded in Postgres, the sweeper will send it", exc, turn_id)
+            producer_metrics().durable_fallback(task)
 
     # --- control: sent to the control queue, waited for ------------------------------------------
 

@@ -26,6 +26,8 @@ __all__ = [
     "EXIT_UNAVAILABLE",
     "EXIT_USAGE",
     "LiveView",
+    "OpenRequests",
+    "answerable",
     "exit_code",
     "resume_command",
     "turn_status",
@@ -88,6 +90,33 @@ def _request(event: FollowedEvent) -> dict[str, Any]:
     return request if isinstance(request, dict) else {}
 
 
+def answerable(event: FollowedEvent) -> bool:
+    """Whether a person answers this input request; not one of a child turn's (``child:<agent>:<turn>``, a
+    subagent's: only the child's end answers it)."""
+    return not str(_request(event).get("id", "")).startswith("child:")
+
+
+class OpenRequests:
+    """The input requests a followed stream has left open so far: asked, and neither answered (one by one:
+    ``input.answered``; the last: the turn's ``turn.started`` of its resume) nor ended with their turn."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[str | None, str], FollowedEvent] = {}
+
+    def see(self, event: FollowedEvent) -> None:
+        if event.type == "input.requested":
+            if answerable(event):
+                self._open[(event.turn_id, str(_request(event).get("id")))] = event
+        elif event.type == "input.answered":
+            self._open.pop((event.turn_id, str(event.data.get("input_id"))), None)
+        elif event.type in ("turn.started", "turn.completed", "turn.failed", "turn.cancelled"):
+            for key in [k for k in self._open if k[0] == event.turn_id]:
+                del self._open[key]
+
+    def open(self) -> list[FollowedEvent]:
+        return list(self._open.values())
+
+
 def resume_command(agent: str, session: str, event: FollowedEvent) -> str:
     """The ``june-produce resume`` command line that answers the input request ``event`` announces."""
     request = _request(event)
@@ -111,6 +140,9 @@ class LiveView:
         self.agent = agent
         self.session = session
         self.show_reasoning = show_reasoning
+        self.hint_requests = True
+        """False while a follow replays the past: an input request then gets its ``answer with:`` line only if it
+        is still open once the replay is over (:meth:`still_waiting`)."""
         self._open = False  # streamed text is on the current line, without its newline
         self._streamed: dict[tuple[str | None, str], str] = {}
         self._attempts: dict[tuple[str | None, str], int] = {}  # the attempt whose deltas are shown, per step
@@ -125,9 +157,11 @@ class LiveView:
         self.console.print(Text(text, style=style), end="", soft_wrap=True)
         self._open = not text.endswith("\n")
 
-    def end_line(self) -> None:
-        """Finish a line of streamed text (before a note, or when the user interrupts)."""
+    def end_line(self) -> bool:
+        """Finish a line of streamed text (before a note, or when the user interrupts); whether one was open."""
+        was_open = self._open
         self._close()
+        return was_open
 
     def _close(self) -> None:
         if self._open:
@@ -155,6 +189,16 @@ class LiveView:
         if last is None or not last.terminal:
             self._line(("… stopped waiting; the turn has not ended (follow it again to see the rest)", "yellow"))
 
+    def still_waiting(self, event: FollowedEvent) -> None:
+        """An input request the replay of the past left open: which one, and the command that answers it."""
+        request = _request(event)
+        self._line(
+            ("⏸ still waiting for input ", "yellow"),
+            (str(request.get("id")), "bold yellow"),
+            (f" of turn {event.turn_id}", "yellow"),
+        )
+        self._line(("  answer with: ", "dim"), (resume_command(self.agent, self.session, event), "bold"))
+
     def outcome(self, command: str, data: dict[str, Any], ok: bool) -> None:
         """A control message's answer: ``resume: accepted`` and the details the worker gave."""
         details = {k: v for k, v in data.items() if k != "status" and v is not None}
@@ -168,7 +212,7 @@ class LiveView:
 
     def _on_turn_started(self, event: FollowedEvent) -> None:
         trigger = event.data.get("trigger")
-        how = ""
+        how, said = "", None
         if isinstance(trigger, dict):
             kind = trigger.get("kind")
             if kind == "proactive":
@@ -180,7 +224,10 @@ class LiveView:
                 user = trigger["event"].get("user")
                 who = f" from {user.get('id')}" if isinstance(user, dict) else ""
                 how = f" ({source}{who})"
+                said = trigger["event"].get("text")
         self._line(("▶ ", "cyan"), ("turn ", "dim"), (event.turn_id or "?", "bold"), (f" started{how}", "dim"))
+        if isinstance(said, str) and said:  # what the person said: the other side of the conversation
+            self._line(("› ", "cyan"), (said, "bold"))
 
     def _current(self, event: FollowedEvent) -> bool:
         """False for a delta of an older attempt at its step (a dead worker's): it is not shown. The first
@@ -252,7 +299,8 @@ class LiveView:
             self._line(("  expects ", "dim"), (_compact(request["schema"]), "dim"))
         if request.get("answerers") is not None:
             self._line(("  who may answer ", "dim"), (_compact(request["answerers"]), "dim"))
-        self._line(("  answer with: ", "dim"), (resume_command(self.agent, self.session, event), "bold"))
+        if self.hint_requests and answerable(event):
+            self._line(("  answer with: ", "dim"), (resume_command(self.agent, self.session, event), "bold"))
 
     def _on_turn_completed(self, event: FollowedEvent) -> None:
         usage = event.data.get("usage")

@@ -45,7 +45,9 @@ class InputBroker:
                 raise InputTimeoutError(id)
             return data.get("answer")
         event = ctx.event
-        if answerers is None and event is not None:
+        # An event that names no speaker (session.start in process: source "api") has no default answerer, like a
+        # turn with no event at all; a speaker the channel does not attest cannot be one.
+        if answerers is None and event is not None and event.user is not None:
             if event.user is not None and event.user.attested:
                 answerers = UserAnswerer(user=event.user.id)
             else:

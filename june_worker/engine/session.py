@@ -253,6 +253,9 @@ class AgentSession:
     ) -> str:
         """Record a turn and return its id without waiting for it to run.
 
+        Without ``event`` or ``trigger`` the turn is a person's message given to the API: its inbound
+        event is ``{"source": "api", "kind": "message", "text": text}`` (no speaker, so its requests for
+        input have no default answerer: anyone the app lets resume may answer).
         ``trigger={"kind": "proactive", "by": "cron:daily"}`` opens the turn with a
         ``trigger`` message instead of a user message. ``replace=True`` cancels every
         unfinished turn of the session first (never a parked one). ``target`` renders the
@@ -260,6 +263,8 @@ class AgentSession:
         :class:`TurnRejectedError` while the session is parked on another turn.
         """
         turn_id = turn_id or new_turn_id()
+        if event is None and trigger is None:
+            event = InboundEvent(source="api", kind="message", text=text)
         if target is not None and self.agent.deliver is None:
             raise AgentDefinitionError(f"agent {self.agent.name} has no deliver hook, so a target cannot be rendered")
         unstorable = unstorable_reason(

@@ -27,9 +27,13 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from .app import create_app
-        from .settings import GatewaySettings
+        from .settings import GatewaySettings, token_loader
     except ImportError as exc:
-        print(f"june gateway: {exc}; install the extra: pip install 'june-worker[gateway]'", file=sys.stderr)
+        print(
+            f"june gateway: {exc}; install the gateway extra from a june-worker checkout or its wheel: "
+            "pip install './june-worker[gateway]'",
+            file=sys.stderr,
+        )
         return 2
     try:
         settings = GatewaySettings.from_env()
@@ -40,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, tokens=token_loader()),
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,

@@ -5,18 +5,24 @@ time, and opens its clients in the lifespan. Besides the ``/v1`` routes it serve
 turn page at ``/``, the operator console at ``/console``, ``/metrics``, ``/healthz`` (no token: Redis and Postgres answer?) and the OpenAPI
 schema at ``/openapi.json`` (and ``/docs``).
 
+SIGHUP reloads the token table (``JUNE_GATEWAY_TOKENS_FILE`` read again) without a restart: a revoked
+token is refused from then on. A table that does not load keeps the one in use, saying why in the log.
+
 The rule a reader must not break: **errors from the services behind the gateway become
 502/503/504 with a sentence**, never a traceback or a URL with its password.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import dataclasses
 import hashlib
 import logging
 import re
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from importlib import resources
 
 import psycopg
@@ -32,7 +38,8 @@ from producers import BrokerUnavailable, ResultTimeout, ResultUnavailable, TaskF
 
 from .. import __version__
 from ..engine.secrets import scrub_handlers, scrubbed_logger
-from ..errors import StoreUnavailableError
+from ..errors import ConfigError, StoreUnavailableError
+from .auth import TokenTable
 from .backend import GatewayBackend
 from .guards import BodyLimit, body_parse_error, install_query_redaction, validation_error
 from .metrics import install_metrics
@@ -40,7 +47,7 @@ from .routes import router as turn_router
 from .routes_console import router as console_router
 from .routes_control import router as control_router
 from .routes_log import router as log_router
-from .settings import GatewaySettings
+from .settings import GatewaySettings, token_loader
 
 __all__ = ["create_app"]
 
@@ -115,9 +122,47 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, body_parse_error)
 
 
-def create_app(settings: GatewaySettings | None = None) -> FastAPI:
-    """The gateway app; settings from the environment when not given (a bad one is a ConfigError, at once)."""
-    settings = settings if settings is not None else GatewaySettings.from_env()
+def reload_tokens(app: FastAPI, load: Callable[[], TokenTable]) -> bool:
+    """Take a newly read token table into use (SIGHUP); a table that does not load keeps the one in use."""
+    current: GatewaySettings = app.state.settings
+    try:
+        settings = dataclasses.replace(current, tokens=load())  # validated as at start: no tokens is refused
+    except ConfigError as exc:
+        log.error("SIGHUP: token table not reloaded, the %d token(s) in use stay: %s", len(current.tokens), exc)
+        return False
+    app.state.settings = settings
+    log.info("SIGHUP: token table reloaded: %d token(s)", len(settings.tokens))
+    return True
+
+
+@contextmanager
+def _reload_on_sighup(app: FastAPI, load: Callable[[], TokenTable] | None) -> Iterator[None]:
+    """While the app serves, SIGHUP reloads its token table (where the process can take signals on this loop)."""
+    loop = asyncio.get_running_loop()
+    installed = False
+    if load is not None:
+        try:
+            loop.add_signal_handler(signal.SIGHUP, reload_tokens, app, load)
+            installed = True
+        except (RuntimeError, ValueError, NotImplementedError, AttributeError):
+            # not the main thread (an app served in a thread), or no SIGHUP here: restart to change tokens
+            log.info("SIGHUP does not reload the token table in this process: restart the gateway to change it")
+    try:
+        yield
+    finally:
+        if installed:
+            loop.remove_signal_handler(signal.SIGHUP)
+
+
+def create_app(settings: GatewaySettings | None = None, *, tokens: Callable[[], TokenTable] | None = None) -> FastAPI:
+    """The gateway app; settings from the environment when not given (a bad one is a ConfigError, at once).
+
+    ``tokens``: how SIGHUP reads the token table again; by default, with settings from the environment, the
+    environment's (:func:`~.settings.token_loader`); none for settings given without it.
+    """
+    if settings is None:
+        settings = GatewaySettings.from_env()
+        tokens = tokens if tokens is not None else token_loader()
     backend = GatewayBackend(settings)
 
     @asynccontextmanager
@@ -129,7 +174,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         await backend.start()
         log.info("june gateway serving agents %s with %d token(s)", ", ".join(settings.agents), len(settings.tokens))
         try:
-            yield
+            with _reload_on_sighup(app, tokens):
+                yield
         finally:
             await backend.close()
             await backend.blocking(app.state.metrics.state.close)
@@ -172,5 +218,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         checks = await backend.health()
         ok = all(v == "ok" for v in checks.values())
         return JSONResponse({"status": "ok" if ok else "unavailable", **checks}, status_code=200 if ok else 503)
+
+    app.state.metrics.start_at_zero(app)
 
     return app

@@ -12,7 +12,8 @@ instead of getting a 404 until a worker is free. And one table of its own,
 ``june_gateway_sessions`` (:mod:`.owners`): who opened each session, for :mod:`.access`.
 
 The rule a reader must not break: **nothing here blocks the event loop**; every psycopg and
-Celery call goes through :meth:`GatewayBackend.blocking`.
+Celery call goes through :meth:`GatewayBackend.blocking` (a read of Postgres through :meth:`GatewayBackend.read`,
+which outlives a Postgres restart: the pool holds connections that died idle, and no request may pay for them).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import anyio
 import anyio.to_thread
 import psycopg
 import redis.asyncio as aioredis
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from june_wire.keys import EventKeys
 from june_wire.redis_url import AsyncRedisClient, aconnect, is_cluster_url
@@ -34,6 +35,7 @@ from producers import JuneProducer, ResetOutcome, ResumeOutcome
 from ..engine.children import child_session_id, child_turn_id
 from ..engine.secrets import scrubbed_logger
 from ..engine.store import SessionRef, SuspendedCheckpoint, TurnRecord
+from ..errors import StoreUnavailableError
 from ..stores.postgres import PostgresStore
 from .access import SessionState
 from .owners import SessionOwners
@@ -65,6 +67,26 @@ select suspended::text, park_expires_at
  where agent = %(agent)s and session = %(session)s and suspended is not null and not reset_pending
 """
 """The park a new turn is refused for: none while a reset is pending (it ends the park; the turn queues behind: S90)."""
+
+
+_DROPPED_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+"""The server ended the connection: admin_shutdown (a restart, ``pg_terminate_backend``), crash_shutdown, and
+cannot_connect_now (it is starting)."""
+
+
+def _dropped(exc: BaseException) -> bool:
+    """Whether a read failed because its pooled connection was dead (Postgres restarted, or dropped it), not because
+    of the statement or because no connection could be had at all (a :class:`PoolTimeout`: Postgres is down)."""
+    if isinstance(exc, StoreUnavailableError):  # the store's own wrapping of a connection fault
+        exc = exc.__cause__ if exc.__cause__ is not None else exc
+    if isinstance(exc, PoolTimeout) or not isinstance(exc, psycopg.Error):
+        return False
+    if isinstance(exc, psycopg.InterfaceError):
+        return True
+    state = exc.sqlstate
+    if state is None:
+        return isinstance(exc, psycopg.OperationalError)  # raised by the client: the connection failed
+    return state.startswith("08") or state in _DROPPED_SQLSTATES
 
 
 class GatewayBackend:
@@ -154,6 +176,25 @@ class GatewayBackend:
         """Run a blocking call in a worker thread; control calls (which wait on a worker) have their own limit."""
         return await anyio.to_thread.run_sync(fn, limiter=self._control if control else None)
 
+    async def read(self, fn: Callable[[], T]) -> T:
+        """Run a blocking, idempotent read of Postgres in a worker thread, once more if its connection was dead.
+
+        After a Postgres restart every connection the pool held is dead, and nothing tells until one is used.
+        A read that meets one (transient: :func:`_dropped`) has the pool check its idle connections, which
+        replaces every dead one, and runs again on a fresh connection; a second failure is the caller's (a 503).
+        Without the check, each of the next requests would take one more dead connection and fail in turn.
+        """
+        try:
+            return await self.blocking(fn)
+        except (psycopg.Error, StoreUnavailableError) as exc:
+            if not _dropped(exc):
+                raise
+            log.info("a pooled Postgres connection was dead (%s): replacing the pool's dead ones", type(exc).__name__)
+        pool = self._pool
+        assert pool is not None, "the gateway backend is not started"
+        await self.blocking(pool.check)
+        return await self.blocking(fn)
+
     # --- reads -------------------------------------------------------------------------------
 
     def sent_key(self, ref: SessionRef) -> str:
@@ -173,7 +214,7 @@ class GatewayBackend:
             except psycopg.errors.UndefinedTable:
                 return owner, False, None  # no worker has created the schema yet: no session exists
 
-        owner, stored, parent_owner = await self.blocking(query)
+        owner, stored, parent_owner = await self.read(query)
         sent = bool(await self.redis.exists(self.sent_key(ref)))
         return SessionState(owner=owner, exists=owner is not None or stored or sent, parent_owner=parent_owner)
 
@@ -205,11 +246,11 @@ class GatewayBackend:
 
     async def claim(self, ref: SessionRef, principal: str) -> str:
         """Record ``principal`` as the opener of a new session; the owner that stands (another, if it raced us)."""
-        return await self.blocking(lambda: self.owners.claim(ref, principal))
+        return await self.read(lambda: self.owners.claim(ref, principal))  # idempotent: runs again alike
 
     async def turn(self, ref: SessionRef, turn_id: str) -> TurnRecord | None:
         try:
-            return await self.blocking(lambda: self.store.get_turn(ref, turn_id))
+            return await self.read(lambda: self.store.get_turn(ref, turn_id))
         except psycopg.errors.UndefinedTable:
             return None
 
@@ -218,7 +259,7 @@ class GatewayBackend:
 
     async def pending(self, ref: SessionRef) -> SuspendedCheckpoint | None:
         try:
-            return await self.blocking(lambda: self.store.pending(ref))
+            return await self.read(lambda: self.store.pending(ref))
         except psycopg.errors.UndefinedTable:
             return None
 
@@ -232,7 +273,7 @@ class GatewayBackend:
             return SuspendedCheckpoint.model_validate_json(row[0]).with_expiry(row[1]) if row else None
 
         try:
-            return await self.blocking(query)
+            return await self.read(query)
         except psycopg.errors.UndefinedTable:
             return None
 
@@ -255,7 +296,7 @@ class GatewayBackend:
                 conn.execute("select 1")
 
         try:
-            await self.blocking(pg)
+            await self.read(pg)  # a connection that died idle is not Postgres being down
             checks["postgres"] = "ok"
         except Exception as exc:
             log.warning("health check: Postgres is unavailable (%s)", type(exc).__name__)

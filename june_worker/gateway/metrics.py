@@ -8,7 +8,12 @@ The gateway records into a registry of its own (one per app; not prometheus_clie
   never the path that was asked for;
 * ``june_gateway_sse_streams_open`` and ``june_gateway_sse_events_sent_total``, from the
   backend's stream counters;
-* the state gauges of :class:`june_worker.observe.state.StateCollector`.
+* the state gauges of :class:`june_worker.observe.state.StateCollector`;
+* the counters of the gateway's producer (:mod:`producers.metrics`: publish retries, durable fallbacks).
+
+Every route's request counter and histogram exist from the start, at 0, under the route's own success
+status (``200``, ``202``): a panel shows 0 before the first request, not "no data"
+(:func:`june_worker.observe.metrics.at_zero`).
 
 ``/metrics`` needs an operator's bearer token (Prometheus sends it with ``authorization:
 credentials``); with ``JUNE_GATEWAY_METRICS_PUBLIC=1`` it needs none (serve it on a private
@@ -23,10 +28,14 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from producers.metrics import producer_metrics
+
+from ..observe.metrics import at_zero
 from ..observe.state import StateCollector, broker_depths
 from .backend import GatewayBackend
 from .deps import Authenticated
@@ -74,6 +83,29 @@ class GatewayMetrics:
             settings.database_url, agents=settings.agents, depths=lambda: broker_depths(broker, queues)
         )
         self.registry.register(self.state)
+        for collector in producer_metrics().collectors():
+            self.registry.register(collector)
+
+    def start_at_zero(self, app: FastAPI) -> None:
+        """Every route's request series, at 0 (call once its routes are all added): those of the OpenAPI schema
+        under their first success status, and the pages (``/``, ``/console``, ``/metrics``) under 200."""
+        routes = [
+            (
+                method.upper(),
+                path,
+                next((code for code in operation.get("responses", {}) if code.startswith("2")), "200"),
+            )
+            for path, operations in app.openapi().get("paths", {}).items()
+            for method, operation in operations.items()
+        ]
+        routes += [
+            (method, r.path, str(r.status_code or 200))
+            for r in app.routes
+            if isinstance(r, APIRoute) and not r.include_in_schema
+            for method in sorted(r.methods or ())
+        ]
+        at_zero(self.requests, routes)
+        at_zero(self.seconds, [(method, path) for method, path, _ in routes])
 
 
 class _RequestMetrics:

@@ -187,14 +187,16 @@ async def wait_outcome(backend: GatewayBackend, ref: SessionRef, turn_id: str, l
     )
 
 
-def inbound_event(request: Request, principal: Principal) -> dict[str, Any]:
-    """The inbound event of a turn started here: the speaker is the verified principal (attested)."""
+def inbound_event(request: Request, principal: Principal, text: str) -> dict[str, Any]:
+    """The inbound event of a turn started here: the speaker is the verified principal (attested), and what they
+    said (its ``turn.started`` shows a follower of the session, the page's Watch session, what the person typed)."""
     source = request.app.state.settings.event_source
     return {
         "source": source,
         "kind": "message",
         "user": {"id": principal.id, "attested": True},
         "principal": principal.to_json(),
+        "text": text,
     }
 
 
@@ -236,7 +238,9 @@ async def start_turn(
                 f"{parked.request.id!r}: answer it (resume) or reset the session before starting another turn",
             )
     start_id = "0-0" if existing is not None else await backend.tail(ref)
-    await backend.start_turn(ref, turn_id, body.text, event=inbound_event(request, principal), replace=body.replace)
+    await backend.start_turn(
+        ref, turn_id, body.text, event=inbound_event(request, principal, body.text), replace=body.replace
+    )
     log.info("turn %s of %s sent for %s", turn_id, ref, principal.id)
     if wants_sse(request):
         return sse_response(backend, ref, turn_id, start_id)

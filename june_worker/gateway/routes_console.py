@@ -77,7 +77,7 @@ async def _read(backend: GatewayBackend, fn: Callable[[Any], Any]) -> Any:
             return fn(conn)
 
     try:
-        return await backend.blocking(run)
+        return await backend.read(run)
     except psycopg.errors.UndefinedTable:
         return None
     except console.BadCursor as exc:

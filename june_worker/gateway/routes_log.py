@@ -76,7 +76,7 @@ async def session_log(
         except psycopg.errors.UndefinedTable:
             return [], None
 
-    events, first_kept = await backend.blocking(read)
+    events, first_kept = await backend.read(read)
     page = events[:limit]
     body = [{"agent": agent, "session": session, **e.model_dump(mode="json", by_alias=True)} for e in page]
     more = len(events) > limit and page[-1].seq is not None

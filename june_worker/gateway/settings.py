@@ -53,7 +53,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +66,7 @@ from .access import AuthorizeSession
 from .auth import TokenTable, load_tokens
 from .slack_settings import SlackGatewaySettings, slack_from_env
 
-__all__ = ["AGENT_NAME_RE", "GatewaySettings", "agent_names", "load_hook"]
+__all__ = ["AGENT_NAME_RE", "GatewaySettings", "agent_names", "load_hook", "token_loader"]
 
 AGENT_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _DEFAULT_AGENTS = "june_worker.demo:build_agent"
@@ -263,6 +263,14 @@ class GatewaySettings:
             f"queue={self.queue!r}, control_queue={self.control_queue!r}, key_prefix={self.key_prefix!r}, "
             f"host={self.host!r}, port={self.port})"
         )
+
+
+def token_loader(env: Mapping[str, str] | None = None) -> Callable[[], TokenTable]:
+    """How the token table is read again on SIGHUP: ``JUNE_GATEWAY_TOKENS`` as the process got it (its
+    environment does not change), ``JUNE_GATEWAY_TOKENS_FILE`` from the file as it is then."""
+    env = os.environ if env is None else env
+    tokens_json, tokens_file = env.get("JUNE_GATEWAY_TOKENS"), env.get("JUNE_GATEWAY_TOKENS_FILE")
+    return lambda: load_tokens(tokens_json, tokens_file)
 
 
 _SHARED = frozenset(

@@ -57,7 +57,9 @@ __all__ = ["DEFAULT_MODEL", "INSTALL_HINT", "AnthropicModel", "ModelProviderErro
 log = scrubbed_logger("june_worker.models.anthropic")
 
 DEFAULT_MODEL = "claude-sonnet-4-6"
-INSTALL_HINT = "pip install 'june-worker[anthropic]'"
+INSTALL_HINT = (
+    "install the anthropic extra from a june-worker checkout or its wheel: pip install './june-worker[anthropic]'"
+)
 
 _TOO_LONG = ("prompt is too long", "exceed context limit")
 """How the API's 400 ``invalid_request_error`` says a request is longer than the model's context window."""

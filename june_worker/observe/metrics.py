@@ -21,15 +21,25 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["STEP_BUCKETS_S", "TURN_BUCKETS_S", "Metrics", "metrics", "multiprocess_dir", "reset_metrics"]
+__all__ = ["STEP_BUCKETS_S", "TURN_BUCKETS_S", "Metrics", "at_zero", "metrics", "multiprocess_dir", "reset_metrics"]
 
 TURN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 OTHER = "_other"
 """The label value of an agent this process does not serve (a message can name any agent)."""
+
+
+def at_zero(metric: Any, label_sets: Iterable[Sequence[str]]) -> None:
+    """Make each of ``label_sets`` a child of ``metric`` now, with nothing counted: exposed as 0 from the start.
+
+    prometheus_client leaves out a labelled child until its first sample, so a panel or an alert on a
+    counter nothing has counted yet shows "no data" instead of 0, and ``increase()`` misses the first
+    count. Call it once the label values are known (the agents served, the routes, the statuses)."""
+    for values in label_sets:
+        metric.labels(*values)
 
 
 def multiprocess_dir() -> str | None:

@@ -186,6 +186,16 @@ def test_a_turn_started_over_http_is_an_inbound_message_of_the_attested_principa
     assert (event["source"], event["kind"], event["user"]) == ("http", "message", {"id": "op-alice", "attested": True})
 
 
+def test_a_turn_started_over_http_carries_what_the_person_said_in_its_inbound_event(gateway: Gateway) -> None:
+    # Given a turn started over HTTP
+    session = new_session()
+    r = gateway.client("op").post(gateway.path("ops", session, "/turns"), json={"text": "hi there"}, params={"wait": 1})
+    assert r.json()["status"] == "completed"
+    # Then its turn.started, which a follower of the session replays, holds the text the person typed
+    started = next(e for e in gateway.stack.events("ops", session) if e["type"] == "turn.started")
+    assert started["trigger"]["event"]["text"] == "hi there"
+
+
 @pytest.fixture
 def delegating(gateway: Gateway) -> Iterator[tuple[str, dict[str, str]]]:
     """A gateway over the agents that delegate (``boss`` starts child turns on ``scout``), for alice and bob."""

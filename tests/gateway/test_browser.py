@@ -14,6 +14,7 @@ test fails, it never skips.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 import uuid
@@ -29,6 +30,13 @@ from tests.integration.conftest import ROOT
 from .kit import Gateway
 
 CHROMIUM = "/usr/bin/chromium"
+# An expectation waits up to 30 s (Playwright's default is 5): what it waits on is often a worker's answer (a resume,
+# a turn's end), which takes longer than 5 s on a busy machine. Not a timed assert: it passes the moment it holds.
+expect.set_options(timeout=30_000)
+EMPTY_TRANSCRIPT = re.compile(
+    r"^Nothing shown yet\. Type a message and press Start turn, or enter a session and press Watch"
+)
+EMPTY_EVENTS = re.compile(r"^No events yet\. The session's events \(turn\.started")
 ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -81,16 +89,57 @@ def start(page: Page, agent: str, text: str) -> str:
     return session
 
 
+def screenshot(page: Page, tmp_path: Path, name: str) -> None:
+    """A screenshot of the whole page in the test's temp dir, and in docs/ with ``JUNE_GATEWAY_SCREENSHOT=docs``."""
+    shot = tmp_path / name
+    page.screenshot(path=str(shot), full_page=True)
+    if os.environ.get("JUNE_GATEWAY_SCREENSHOT") == "docs":
+        shutil.copyfile(shot, ROOT / "docs" / name)
+
+
+def test_the_empty_page_says_in_words_what_each_box_will_hold(page: Page, tmp_path: Path) -> None:
+    # Given the page, signed in, before any turn or session is shown
+    # Then neither box is blank: each says what it is for and how to fill it
+    expect(page.locator("#transcript")).to_have_text(EMPTY_TRANSCRIPT)
+    expect(page.locator("#events")).to_have_text(EMPTY_EVENTS)
+    expect(page.locator("#status")).to_have_text("idle")
+    screenshot(page, tmp_path, "gateway-page-empty.png")
+
+
+def test_watching_a_session_shows_what_the_person_said_and_who_said_it(page: Page, gateway: Gateway) -> None:
+    # Given a session where someone said something over HTTP, and the agent answered
+    session = f"web-{uuid.uuid4().hex[:8]}"
+    done = gateway.client().post(
+        gateway.path("ops", session, "/turns"), json={"text": "hello watcher"}, params={"wait": 1}
+    )
+    assert done.json()["status"] == "completed"
+    # When the page watches that session
+    page.select_option("#agent", "ops")
+    page.fill("#session", session)
+    page.click("#watch")
+    # Then it replays both sides: the person's message (with who sent it, and how), then the reply
+    user = page.locator("#transcript .msg.user")
+    expect(user).to_have_count(1)
+    expect(user).to_have_text("op-alice · httphello watcher")
+    expect(user.locator(".from")).to_have_text("op-alice · http")
+    expect(page.locator("#transcript .msg.assistant")).to_have_text("ok: hello watcher")
+    expect(page.locator("#transcript .empty")).to_have_count(0)
+
+
+def test_a_turn_started_on_the_page_shows_the_persons_message_once(page: Page) -> None:
+    start(page, "ops", "hello once")
+    expect(page.locator("#status")).to_have_text("completed")
+    expect(page.locator("#transcript .msg.user")).to_have_count(1)
+    expect(page.locator("#transcript .msg.user")).to_have_text("hello once")
+
+
 def test_the_page_starts_a_turn_shows_the_approval_and_completes_it_on_approve(page: Page, tmp_path: Path) -> None:
     start(page, "ops", "refund")
     expect(page.locator("#status")).to_have_text("waiting for input")
     expect(page.locator("#prompt")).to_have_text("Refund 5.0?")
     expect(page.locator("#transcript")).to_contain_text('→ approve {"amount":5}')
     expect(page.get_by_role("button", name="Deny")).to_be_visible()
-    shot = tmp_path / "gateway-page.png"
-    page.screenshot(path=str(shot), full_page=True)
-    if os.environ.get("JUNE_GATEWAY_SCREENSHOT") == "docs":
-        shutil.copyfile(shot, ROOT / "docs" / "gateway-page.png")
+    screenshot(page, tmp_path, "gateway-page.png")
     page.get_by_role("button", name="Approve").click()
     expect(page.locator("#status")).to_have_text("completed")
     expect(page.locator("#transcript")).to_contain_text("Done: approve -> {'refunded': True}")
@@ -137,8 +186,8 @@ def test_switching_sessions_leaves_nothing_of_the_previous_one_on_the_page(page:
     second = f"web-{uuid.uuid4().hex[:8]}"
     page.fill("#session", second)
     page.press("#session", "Tab")  # the field's change event: another session
-    expect(page.locator("#transcript")).to_have_text("")
-    expect(page.locator("#events")).to_have_text("")
+    expect(page.locator("#transcript")).to_have_text(EMPTY_TRANSCRIPT)
+    expect(page.locator("#events")).to_have_text(EMPTY_EVENTS)
     expect(page.locator("#status")).to_have_text("idle")
     expect(page.locator("#turn-id")).to_have_text("")
     page.fill("#text", "hello second")
@@ -151,7 +200,7 @@ def test_switching_sessions_leaves_nothing_of_the_previous_one_on_the_page(page:
     expect(page.locator("#transcript")).to_contain_text("ok: hello first")
     expect(page.locator("#transcript")).not_to_contain_text("hello second")
     page.select_option("#agent", "form")  # another agent: another session too
-    expect(page.locator("#transcript")).to_have_text("")
+    expect(page.locator("#transcript")).to_have_text(EMPTY_TRANSCRIPT)
 
 
 def test_a_reply_that_comes_after_switching_sessions_is_not_drawn_into_the_session_shown(
@@ -169,7 +218,7 @@ def test_a_reply_that_comes_after_switching_sessions_is_not_drawn_into_the_sessi
     # When the user switches to another session, and only then the POST goes through and its reply streams back
     page.fill("#session", f"web-{uuid.uuid4().hex[:8]}")
     page.press("#session", "Tab")
-    expect(page.locator("#transcript")).to_have_text("")
+    expect(page.locator("#transcript")).to_have_text(EMPTY_TRANSCRIPT)
     with page.expect_response(lambda r: r.request.method == "POST" and r.url.endswith("/turns")) as sent:
         held[0].continue_()
     page.unroute("**/sessions/*/turns")

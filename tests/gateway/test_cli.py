@@ -105,3 +105,44 @@ def test_june_gateway_exits_2_with_one_line_on_a_configuration_mistake(gw_stack:
         "16 printable characters without spaces"
     ]
     assert "too-short" not in done.stderr
+
+
+def agents_status(url: str, token: str) -> int:
+    return httpx.get(f"{url}/v1/agents", headers={"Authorization": f"Bearer {token}"}, timeout=10).status_code
+
+
+@pytest.mark.parametrize("how", ["june gateway", "uvicorn --factory"])
+def test_sighup_reloads_the_token_table_so_a_revoked_token_is_refused_without_a_restart(
+    gw_stack: Stack, tmp_path: Path, started: list[Started], how: str
+) -> None:
+    # Given a gateway serving the tokens of its file
+    port = free_port()
+    if how == "june gateway":
+        args = [sys.executable, "-m", "june_worker.cli", "gateway", "--port", str(port)]
+    else:
+        args = [sys.executable, "-m", "uvicorn", "june_worker.gateway.app:create_app", "--factory",
+                "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    env = gateway_env(gw_stack, tmp_path)
+    proc = Started(args, env, tmp_path / "gateway.log")
+    started.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(url, proc), timeout_s=30, every_s=0.1, what=f"{how} to answer /healthz")
+    assert agents_status(url, TOKEN) == 200
+    # When the file revokes that token for another, and the gateway gets SIGHUP
+    new_token = f"cli-token-{uuid.uuid4().hex}"
+    tokens = Path(env["JUNE_GATEWAY_TOKENS_FILE"])
+    tokens.write_text(f'[tokens."{new_token}"]\nprincipal = "op-new"\nagents = ["ops"]\n')
+    os.kill(proc.popen.pid, signal.SIGHUP)
+    # Then the revoked token is refused and the new one let in, by the same process
+    wait_for(lambda: agents_status(url, TOKEN) == 401, timeout_s=30, what="the revoked token to be refused")
+    assert agents_status(url, new_token) == 200
+    # and a table that does not load keeps the one in use, saying so in its log
+    tokens.write_text("this is not [ toml")
+    os.kill(proc.popen.pid, signal.SIGHUP)
+    wait_for(lambda: "token table not reloaded" in proc.log.read_text(), timeout_s=30, what="the refusal logged")
+    assert agents_status(url, new_token) == 200 and proc.popen.poll() is None
+    log = proc.log.read_text()
+    assert "not valid TOML" in log
+    if how == "june gateway":  # logs at INFO (uvicorn --factory leaves june's loggers at WARNING)
+        assert "SIGHUP: token table reloaded: 1 token(s)" in log
+    assert TOKEN not in log and new_token not in log

@@ -14,7 +14,7 @@ from typing import Any
 
 from tests.integration.conftest import Stack
 
-from .cli_kit import run_cli
+from .cli_kit import OnTerminal, run_cli
 
 
 def new_session() -> str:
@@ -37,6 +37,22 @@ def test_a_cli_turn_is_an_inbound_message_of_its_user(gw_stack: Stack) -> None:
     other = new_session()
     assert run_cli(gw_stack, "turn", "ops", other, "hello", "--user", "op-bea", "--json").code == 0
     assert started(gw_stack, "ops", other)["trigger"]["event"]["user"] == {"id": "op-bea", "attested": True}
+
+
+def test_following_a_session_shows_what_the_person_typed_as_well_as_the_agents_reply(gw_stack: Stack) -> None:
+    # Given a turn typed at the shell, and finished
+    session = new_session()
+    assert run_cli(gw_stack, "turn", "ops", session, "hello from ann", "--json", "--timeout", "30").code == 0
+    assert started(gw_stack, "ops", session)["trigger"]["event"]["text"] == "hello from ann"
+    # When someone follows the session on a terminal
+    turn_id = started(gw_stack, "ops", session)["turn_id"]
+    ran = run_cli(gw_stack, "follow", "ops", session, "--turn", turn_id, "--timeout", "30", tty=True)
+    # Then they see both sides: what ann typed, then the agent's reply
+    assert ran.code == 0, ran.out + ran.err
+    lines = ran.out.splitlines()
+    said = lines.index("› hello from ann")
+    assert lines[said - 1].endswith("started (cli from ann)")
+    assert "ok: hello from ann" in lines[said + 1 :]
 
 
 def test_proactive_by_keeps_the_proactive_form(gw_stack: Stack) -> None:
@@ -62,3 +78,23 @@ def test_the_cli_user_is_the_default_answerer_of_its_turns_requests(gw_stack: St
     ok = run_cli(gw_stack, "resume", "form", session, turn_id, "shipping", answer, "--by", "ann", "--json", "--follow")
     assert ok.code == 0, ok.out + ok.err
     assert json.loads(ok.out.splitlines()[-1])["type"] == "turn.completed"
+
+
+def test_ctrl_c_while_following_a_turn_says_in_one_line_that_it_goes_on_and_how_to_follow_it(gw_stack: Stack) -> None:
+    # Given june-produce turn showing a turn that is still running (its tool holds until released)
+    session, key = new_session(), uuid.uuid4().hex[:8]
+    cli = OnTerminal(gw_stack, "turn", "ops", session, f"slow {key}")
+    cli.wait_for("→ hold")
+    # When the person presses Ctrl-C
+    ran = cli.interrupt()
+    # Then it exits 130 with one line saying the turn goes on, and the command that follows it
+    turn_id = started(gw_stack, "ops", session)["turn_id"]
+    last = ran.out.strip().splitlines()[-1]
+    follow = f"june-produce follow ops {session} --turn {turn_id}"
+    assert last == f"june-produce: stopped following; turn {turn_id} goes on without you: {follow}", ran.out
+    assert ran.code == 130 and "Traceback" not in ran.out
+    # and the turn does go on: released, it completes, and that command shows its end
+    gw_stack.redis.set(f"it:hold:{key}:release", "1")
+    assert gw_stack.wait_terminal("ops", session, turn_id)["type"] == "turn.completed"
+    shown = run_cli(gw_stack, *follow.split()[1:], "--timeout", "30", tty=True)
+    assert shown.code == 0 and "✓ completed" in shown.out

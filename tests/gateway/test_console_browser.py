@@ -121,6 +121,52 @@ def test_a_failed_turn_shows_its_error_and_its_timeline(
         shutil.copyfile(shot, ROOT / "docs" / "console.png")
 
 
+def test_an_empty_console_says_in_words_what_each_list_will_hold(
+    browser: Browser, database_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    from june_worker.gateway import GatewaySettings, Principal, TokenTable, create_app
+    from tests.integration.conftest import _database
+
+    from .kit import ServedApp
+
+    # Given a console over a database nothing was ever sent to
+    databases = _database(database_url)
+    token = f"empty-console-{uuid.uuid4().hex}"
+    settings = GatewaySettings(
+        agents=("ops",), tokens=TokenTable.of({token: Principal("op-erin", None, operator=True)}),
+        database_url=next(databases), redis_url=redis_url, key_prefix=f"june-empty-{uuid.uuid4().hex[:8]}",
+    )  # fmt: skip
+    served = ServedApp(create_app(settings))
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    try:
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        page.goto(served.url + "/console")
+        # Then before signing in, each list says how to fill it
+        for name in ("inbox", "failed", "sessions"):
+            expect(page.locator(f"#{name} .empty")).to_have_text(
+                "Sign in with an operator's token (above) to see this list."
+            )
+        shot = tmp_path / "console-signed-out.png"
+        page.screenshot(path=str(shot), full_page=True)
+        # When an operator signs in
+        page.fill("#token", token)
+        page.click("#use-token")
+        expect(page.locator("#live")).to_have_text("live")
+        # Then each empty list says what it will hold, not a blank table
+        expect(page.locator("#inbox .empty")).to_contain_text("No turn is waiting for an answer")
+        expect(page.locator("#failed .empty")).to_contain_text("No failed turn")
+        expect(page.locator("#sessions .empty")).to_contain_text("No session yet")
+        shot = tmp_path / "console-empty.png"
+        page.screenshot(path=str(shot), full_page=True)
+        if os.environ.get("JUNE_GATEWAY_SCREENSHOT") == "docs":
+            shutil.copyfile(shot, ROOT / "docs" / "console-empty.png")
+    finally:
+        context.close()
+        served.stop()
+        databases.close()
+
+
 def _rejected(gw: Gateway) -> tuple[str, str]:
     """A session whose only turn a worker refused at intake (its text is not a string)."""
     session, turn_id = f"web-{uuid.uuid4().hex[:8]}", f"t_{uuid.uuid4().hex}"

@@ -11,36 +11,20 @@ from __future__ import annotations
 import re
 import shlex
 import uuid
-from collections.abc import Iterator
 
 import httpx
-import psycopg
-import pytest
 
 from june_worker.gateway import Principal, TokenTable, create_app
-from tests.integration.conftest import ROOT, Stack, _admin_url
+from tests.integration.conftest import ROOT, Stack
 
 from .cli_kit import run_cli
 from .conftest import settings_for
+from .demo_kit import demo_stack
 from .kit import ServedApp
 
+__all__ = ["demo_stack"]  # the fixture, imported for pytest
+
 TURN_ID = re.compile(r"t_[0-9A-HJKMNP-TV-Z]{26}")
-
-
-@pytest.fixture(scope="module")
-def demo_stack(database_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    name = f"june_demo_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(f'create database "{name}"')
-    stack = Stack(_admin_url(database_url, name), redis_url, tmp_path_factory.mktemp("demo-stack"))
-    del stack.env["JUNE_AGENTS"]  # the default: the demo agent
-    try:
-        stack.worker("demo", concurrency=2)
-        yield stack
-    finally:
-        stack.stop()
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(f'drop database if exists "{name}" with (force)')
 
 
 def readme_transcript() -> list[tuple[str, list[str]]]:

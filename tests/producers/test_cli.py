@@ -166,6 +166,54 @@ def test_follow_that_times_out_before_the_turn_ends_exits_4(
     assert "has not ended" in capsys.readouterr().err
 
 
+def answered_park(rclient: redis.Redis, stream: str, session_id: str) -> None:
+    """t_1 parked on input ``approve``, was answered and completed; then t_2 ran."""
+    write_script(rclient, stream, "ops", session_id, "t_1", script("t_1", end="input.requested"))
+    resumed = {"trigger": {"kind": "resume", "call_id": "call_2", "input_id": "approve"}}
+    add_event(rclient, stream, "ops", session_id, "turn.started", "t_1", 7, **resumed)
+    add_event(rclient, stream, "ops", session_id, "turn.completed", "t_1", 8, text="Refunded.")
+    write_script(rclient, stream, "ops", session_id, "t_2", script("t_2", first_seq=9))
+
+
+def test_following_a_session_gives_no_answer_hint_for_a_park_answered_since(
+    env: Names, rclient: redis.Redis, session_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a session whose first turn parked on an approval that was answered long ago
+    answered_park(rclient, f"{env.prefix}:events:{{ops:{session_id}}}", session_id)
+    # When its events are followed from the start
+    assert main(["follow", "ops", session_id, "--json", "--timeout", "0"]) == 0
+    # Then the old request is shown, and nothing tells to answer it
+    captured = capsys.readouterr()
+    assert "input.requested" in [e["type"] for e in lines(captured.out)]
+    assert "answer with" not in captured.err
+
+
+def test_following_a_session_still_parked_says_how_to_answer_it_once_its_past_is_shown(
+    env: Names, rclient: redis.Redis, session_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a session whose turn parked and is still waiting
+    stream = f"{env.prefix}:events:{{ops:{session_id}}}"
+    write_script(rclient, stream, "ops", session_id, "t_1", script("t_1", end="input.requested"))
+    # When its events are followed from the start
+    assert main(["follow", "ops", session_id, "--json", "--timeout", "0"]) == 0
+    # Then the command that answers it is given
+    command = f"june-produce resume ops {session_id} t_1 approve true --by U9"
+    assert capsys.readouterr().err.splitlines() == [f"june-produce: turn t_1 still waits; answer with: {command}"]
+
+
+def test_following_a_turn_answered_since_it_parked_shows_it_to_its_end(
+    env: Names, rclient: redis.Redis, session_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a turn that parked, was answered and completed
+    answered_park(rclient, f"{env.prefix}:events:{{ops:{session_id}}}", session_id)
+    # When that turn is followed from the start
+    code = main(["follow", "ops", session_id, "--turn", "t_1", "--json", "--timeout", str(WAIT_S)])
+    # Then the follow goes past its old park to its end, and exits as the turn ended
+    captured = capsys.readouterr()
+    assert [e["type"] for e in lines(captured.out)][-3:] == ["input.requested", "turn.started", "turn.completed"]
+    assert code == 0 and "answer with" not in captured.err
+
+
 @pytest.mark.parametrize(("typed", "value"), [("true", True), ("42", 42), ('"42"', "42"), ("ship it", "ship it")])
 def test_resume_sends_the_value_parsed_as_json_when_it_parses(
     stub_env: Names, session_id: str, capsys: pytest.CaptureFixture[str], typed: str, value: object

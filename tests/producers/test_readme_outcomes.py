@@ -19,7 +19,7 @@ def listed(doc: Path, marker: str) -> list[str]:
 
 
 def test_the_readme_lists_every_resume_outcome_error_included() -> None:
-    outcomes = listed(ROOT / "README.md", "producer.resume(")
+    outcomes = listed(ROOT / "README.md", "print(outcome.status)")
     assert sorted(outcomes) == sorted(typing.get_args(ResumeStatus))
     assert "error" in outcomes  # the authorize_answer hook raised: nothing applied, retry later
 

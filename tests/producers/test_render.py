@@ -89,6 +89,24 @@ def test_text_from_a_turn_is_printed_verbatim_never_as_markup() -> None:
     assert "[bold red]not markup[/bold red]" in text
 
 
+def test_the_live_view_shows_what_the_person_said_under_the_line_of_the_turn_they_started() -> None:
+    # Given a turn opened by a person's message (its inbound event holds what they typed, markup and all)
+    trigger = {"kind": "inbound", "event": {"source": "cli", "user": {"id": "ann"}, "text": "Order [b]3[/b] widgets"}}
+    events = followed("t_1", [("turn.started", 1, {"trigger": trigger})])
+    # When it is shown
+    _, text = render(events)
+    # Then the person's words come right after the turn's start, verbatim
+    lines = text.splitlines()
+    at = lines.index("▶ turn t_1 started (cli from ann)")
+    assert lines[at + 1] == "› Order [b]3[/b] widgets"
+
+
+def test_a_turn_whose_event_holds_no_text_shows_no_line_of_the_person() -> None:
+    events = followed("t_1", [("turn.started", 1, {"trigger": {"kind": "proactive", "by": "cron:daily"}})])
+    _, text = render(events)
+    assert "▶ turn t_1 started (proactive, by cron:daily)" in text and "›" not in text
+
+
 def test_a_message_caught_up_without_its_deltas_is_printed_whole() -> None:
     _, text = render(followed("t_1", [("message.completed", 1, {"step": "model:1", "text": "From the store."})]))
     assert "From the store." in text.splitlines()

@@ -22,3 +22,16 @@ async def test_the_demo_places_an_order_parks_a_refund_and_replays_without_dupli
     assert "The refund on order 42 was approved and sent." in text
     assert "orders table still has 1 row(s) (was 1)" in text
     assert "failed" not in text
+
+
+async def test_the_demo_shows_each_typed_turn_as_a_message_with_its_text_not_as_proactive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    out = io.StringIO()
+    assert await run_demo(tmp_path / "demo.db", out) == 0
+    text = out.getvalue()
+    assert "proactive" not in text
+    assert text.count("] started (api)\n") == 2
+    assert "  > Order 3 widgets\n" in text and "  > Please refund order 42\n" in text
+    assert "] started (resumed after input approve-refund)" in text

@@ -84,11 +84,36 @@ async def test_s21_structured_event_order_for_a_tool_turn() -> None:
         "turn.completed",
     ]
     started, _, requested, completed, _, last = structural
-    assert started.trigger.model_dump() == {"kind": "proactive", "by": "system"}
+    assert started.trigger.kind == "inbound" and started.trigger.event.source == "api"
     assert requested.call.name == "create_order"
     assert completed.call.name == "create_order" and completed.result["orderId"] == 1
     assert (last.type, last.turn_id, last.text) == ("turn.completed", "t1", "Done — order placed.")
     assert [e.seq for e in structural] == [1, 2, 3, 4, 5, 6]
+
+
+async def test_a_turn_typed_in_process_opens_with_the_persons_message_as_an_api_inbound_event() -> None:
+    # Given an in-process session
+    rt = runtime_with(MemoryStore(), ScriptedModel(ORDER_SCRIPT), [list_order_tool([])])
+    session = rt.session("ops", "s1")
+    rec = Recorder()
+    session.observe(rec)
+    # When a turn is started with text only
+    await session.turn("Order 3 widgets", turn_id="t1")
+    # Then it opened as a message given to the API, with what was typed, not as a proactive turn
+    started = rec.of("turn.started")[0]
+    assert started.trigger.model_dump(exclude_none=True) == {
+        "kind": "inbound",
+        "event": {"source": "api", "kind": "message", "text": "Order 3 widgets"},
+    }
+
+
+async def test_a_turn_started_in_process_as_proactive_stays_proactive() -> None:
+    rt = runtime_with(MemoryStore(), ScriptedModel(ORDER_SCRIPT), [list_order_tool([])])
+    session = rt.session("ops", "s1")
+    rec = Recorder()
+    session.observe(rec)
+    await session.turn("Order 3 widgets", turn_id="t1", trigger={"kind": "proactive", "by": "cron:daily"})
+    assert rec.of("turn.started")[0].trigger.model_dump() == {"kind": "proactive", "by": "cron:daily"}
 
 
 async def test_s23_done_is_terminal_and_the_stream_is_closed() -> None:

@@ -12,7 +12,11 @@ from june_worker.observe.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "operations.md").read_text()
-SOURCES = [ROOT / "june_worker" / "observe" / "state.py", ROOT / "june_worker" / "gateway" / "metrics.py"]
+SOURCES = [
+    ROOT / "june_worker" / "observe" / "state.py",
+    ROOT / "june_worker" / "gateway" / "metrics.py",
+    ROOT / "producers" / "metrics.py",
+]
 _NAME = re.compile(r"\bjune_[a-z_]+\b")
 
 

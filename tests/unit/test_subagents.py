@@ -380,7 +380,7 @@ async def test_parallel_calls_each_delegating_park_the_parent_once_on_all_its_ch
     asked = [e.request.id for e in events if e.type == "input.requested"]
     # the children had not ended when the batch parked: one park with four child requests, one resume
     assert sorted(asked) == sorted(f"child:researcher:{t.turn_id}" for t in children)
-    assert [e.trigger.kind for e in events if e.type == "turn.started"] == ["proactive", "resume"]
+    assert [e.trigger.kind for e in events if e.type == "turn.started"] == ["inbound", "resume"]
     assert [tool_result(store, f"tool:1:c{i}")["result"]["status"] for i in range(1, 5)] == ["completed"] * 4
     assert runs.runs == 8  # each call ran to its park, then once more to read its answer
 
