@@ -25,8 +25,9 @@ from ..engine.failures import DEFAULT_MAX_ATTEMPTS
 from ..engine.store import SessionRef, SessionSnapshot, SuspendedCheckpoint, TurnPayload, TurnRecord
 from ..errors import UnusableTurnError
 from ..stores._pg_commit import NOTHING_NEW
+from ..stores._pg_conn import pooled
 from ..stores._sql import one_line
-from ..stores.postgres import TURN_WIDTH, pooled, session_snapshot, stored_turn, turn_columns, turn_from_row
+from ..stores.postgres import TURN_WIDTH, session_snapshot, stored_turn, turn_columns, turn_from_row
 from .transcripts import Held, held_params
 
 __all__ = ["Intake", "Lease", "SessionQueue", "Stranded"]
