@@ -395,7 +395,7 @@ async def test_a_retryable_provider_error_that_passes_on_a_later_attempt_complet
 
 
 def test_a_model_reply_the_store_cannot_hold_is_made_storable() -> None:
-    from june_worker.engine.loop import _storable_reply
+    from june_worker.engine._runner_base import _storable_reply
 
     reply = ModelReply(text="ok", tool_calls=[{"id": "c\x00", "name": "t", "input": {"p": "\udcff"}}])
     clean = _storable_reply(reply)
