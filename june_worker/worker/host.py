@@ -27,6 +27,9 @@ from typing import Any, TypeVar
 import redis
 from psycopg_pool import ConnectionPool
 
+from june_wire.keys import EventKeys
+from june_wire.redis_url import connect, is_cluster_url
+
 from ..engine.agent import Agent
 from ..engine.blocking import inline
 from ..engine.crash import CrashAt
@@ -49,8 +52,6 @@ from ..engine.store import (
     TurnRecord,
 )
 from ..errors import ConfigError, LeaseLostError, ResumeConflictError, UnusableTurnError
-from ..events._redis_url import connect, is_cluster_url
-from ..events.keys import EventKeys
 from ..events.redis_stream import RedisStreamSink, Trim
 from ..observe.metrics import metrics
 from ..observe.turns import TurnObserver
