@@ -41,8 +41,8 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._harness import machine, throwaway_database  # noqa: E402
+from june_wire.keys import EventKeys  # noqa: E402
 from june_worker.engine import Agent, Runtime  # noqa: E402
-from june_worker.events.keys import EventKeys  # noqa: E402
 from june_worker.events.redis_stream import RedisStreamSink  # noqa: E402
 from june_worker.models.scripted import Reply, ScriptedModel  # noqa: E402
 from june_worker.stores import PostgresStore  # noqa: E402

@@ -14,6 +14,7 @@ on celery (to send tasks by name), redis and rich (the CLI) only, and on :mod:`j
 wire protocol it shares with the workers (standard library and redis). See ``docs/producers.md``.
 """
 
+from june_wire.events import DELTA_TYPES, TERMINAL_TYPES, FollowedEvent
 from june_wire.ids import new_turn_id
 
 from .client import JuneProducer
@@ -28,7 +29,6 @@ from .errors import (
     TaskFailed,
     UnexpectedResult,
 )
-from .events import DELTA_TYPES, TERMINAL_TYPES, FollowedEvent
 from .outcomes import ResetOutcome, ResumeOutcome
 
 __all__ = [

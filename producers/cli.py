@@ -40,10 +40,11 @@ from typing import Any, TextIO
 import redis
 from rich.console import Console
 
+from june_wire.events import FollowedEvent
+
 from . import new_turn_id, render
 from .client import JuneProducer
 from .errors import ProducerError, StreamGapError
-from .events import FollowedEvent
 from .render import LiveView, OpenRequests, write_json
 
 __all__ = ["build_parser", "cli_event", "login_name", "main", "parse_value"]

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.text import Text
 
-from .events import FollowedEvent
+from june_wire.events import FollowedEvent
 
 __all__ = [
     "EXIT_FAILED",

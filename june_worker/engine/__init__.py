@@ -1,5 +1,7 @@
 """The turn engine: pure Python, no infrastructure imports. See :mod:`june_worker.engine.loop`."""
 
+from june_wire.ids import new_turn_id
+
 from .agent import Agent, AnswerRequest
 from .crash import CrashAt
 from .events import (
@@ -13,7 +15,6 @@ from .events import (
     TurnResult,
     TurnResultAdapter,
 )
-from .ids import new_turn_id
 from .loop import TurnRunner
 from .model import Done, Model, ModelRequest, ReasoningChunk, TextChunk, ToolSpec
 from .resume import Grant

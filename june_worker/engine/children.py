@@ -18,13 +18,14 @@ import hashlib
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Protocol
 
+from june_wire.storable import unstorable_reason
+
 from ..errors import DelegationError, ResumeAuthorizationError, ResumeConflictError
 from .blocking import Blocking, inline
 from .events import Cancelled, ChildInputRequested, TurnEvent, TurnResult
 from .ids import validate_session_id
 from .resume import Grant
 from .signals import SyncParkError
-from .storable import unstorable_reason
 from .store import (
     ENDED_TURN_STATUSES,
     UNFINISHED_TURN_STATUSES,

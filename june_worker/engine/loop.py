@@ -7,99 +7,64 @@ continues at the first step with nothing stored. Every checkpoint is one
 
 The one rule a reader must not break: **nothing reaches the store outside a commit, and
 nothing is published before its commit.**
+
+This module owns :class:`TurnRunner`'s course through a turn: its attempts (transient retries, lost
+races, poison), the opening, the loop itself and the endings (park, cancel, fail, complete). The steps
+are :mod:`._model_steps` and :mod:`._tool_steps`; the state they share and the commit are
+:mod:`._runner_base`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
-from pydantic import BaseModel
+from june_wire.storable import storable_json
 
 from ..errors import (
-    CancelRequestedError,
-    ContextWindowExceededError,
-    FatalToolError,
     LeaseLostError,
-    ModelStepError,
-    ModelStreamError,
     PoisonTurnError,
     TurnEndedError,
 )
-from .agent import Agent
-from .blocking import Blocking, finish, inline
+from ._model_steps import ModelSteps
+from ._runner_base import _Cancel, _Fresh, _Park, _StepFailure, log
+from ._tool_steps import ToolSteps
 from .cancel import NO_CANCEL, CancelProbe
-from .children import ChildLauncher, Delegator, child_session_id, parse_child_input
-from .context import Compaction, Due, compaction_due, plan_compaction, refused_due, request_view
+from .children import child_session_id, parse_child_input
 from .crash import CrashHook
-from .cutoff import CUT_OFF_FINISHES, without_cut_calls
 from .endings import error_info, reject_turn
 from .events import (
-    ActionCompleted,
-    ActionRequested,
     Cancelled,
     Completed,
-    ContextCompacted,
     Failed,
     InputRequested,
-    MessageCompleted,
-    MessageDelta,
-    ReasoningDelta,
     Suspended,
     TurnCancelled,
     TurnCompleted,
-    TurnEvent,
     TurnFailed,
     TurnResult,
     TurnStarted,
 )
-from .failures import DEFAULT_MAX_ATTEMPTS, RACE_STALL_S, STEP_RETRIES, Failure, backoff_s, classify
-from .hooks import NO_HOOKS, TurnHooks
-from .inputs import InputBroker
-from .model import Done, Model, ModelRequest, ReasoningChunk, TextChunk
+from .failures import Failure, backoff_s, classify
 from .races import winners_outcome
-from .secrets import StreamScrubber, scrub, scrub_json, scrubbed_logger
-from .signals import CrashInjected, ParkSignal, SyncParkError
-from .sink import EventSink
-from .storable import storable_json, storable_text
+from .signals import CrashInjected
 from .store import (
     ENDED_TURN_STATUSES,
     INITIATOR_STEP,
     Commit,
-    CommitBuilder,
     OpenInput,
-    SessionRef,
-    SessionSnapshot,
-    SessionStore,
     StepRecord,
-    StoreHandle,
     SurfacePolicy,
     SuspendedCheckpoint,
-    TurnRecord,
-)
-from .tools import (
-    SyncToolReturnedAwaitableError,
-    Tool,
-    ToolContext,
-    ToolInputError,
-    format_tool_error,
 )
 from .types import (
     AssistantMessage,
-    Finish,
     InboundTrigger,
     InputRequest,
     JsonValue,
     Message,
-    ModelReply,
     Principal,
     ProactiveTrigger,
-    SummaryMessage,
     ToolCall,
     ToolMessage,
     Trigger,
@@ -110,72 +75,8 @@ from .types import (
 
 __all__ = ["NO_CANCEL", "CancelProbe", "CrashHook", "TurnRunner", "error_info", "reject_turn"]
 
-log = scrubbed_logger("june_worker.turn")
 
-
-class _Cancel(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class _StepFailure(Exception):
-    """Carries the exception that failed a step, with where it happened."""
-
-    def __init__(self, exc: BaseException, phase: str, step: str) -> None:
-        super().__init__(str(exc))
-        self.exc = exc
-        self.phase = phase
-        self.step = step
-
-
-class _ToolRaised(BaseException):
-    """Raised inside a sync tool's commit builder so the store rolls the tool's writes back."""
-
-    def __init__(self, exc: Exception) -> None:
-        super().__init__(exc)
-        self.exc = exc
-
-
-def _to_json(value: Any) -> JsonValue:
-    """A tool result as plain, storable JSON with no secret in it (:mod:`.secrets`: what the model reads next, so
-    it cannot repeat one); pydantic models are dumped, anything else must already be JSON."""
-    if isinstance(value, BaseModel):
-        value = value.model_dump(mode="json")
-    else:
-        json.dumps(value, allow_nan=False)
-    return scrub_json(storable_json(value))
-
-
-def _storable_reply(reply: ModelReply) -> ModelReply:
-    """The model's reply with every string storable (text, tool calls, reasoning) and no secret in its text or its
-    calls' input; usually the reply itself. Its reasoning and a call's provider_state are left as they came: a
-    provider signs them, and takes them back only unchanged (the published reasoning deltas are scrubbed)."""
-    data = reply.model_dump(by_alias=True)
-    clean = storable_json(data)
-    text = scrub(clean["text"])
-    inputs = [scrub_json(call["input"]) for call in clean["tool_calls"]]  # (a call's provider_state is opaque too)
-    if text is not clean["text"] or any(a is not c["input"] for a, c in zip(inputs, clean["tool_calls"], strict=True)):
-        calls = [{**c, "input": a} for a, c in zip(inputs, clean["tool_calls"], strict=True)]
-        clean = {**clean, "text": text, "tool_calls": calls}
-    return reply if clean is data else ModelReply.model_validate(clean)
-
-
-@dataclass(frozen=True)
-class _Fresh:
-    """A commit to make from the runner's state once the turn's earlier commits are mirrored (see ``_commit``)."""
-
-    make: Callable[[], Commit]
-
-
-@dataclass
-class _Park:
-    request: InputRequest
-    step: str
-    call: ToolCall
-
-
-class TurnRunner:
+class TurnRunner(ModelSteps, ToolSteps):
     """Runs (or replays) one turn of one session to a result.
 
     A runner is used once. The host (in-process session, Celery worker) makes sure only one
@@ -207,86 +108,6 @@ class TurnRunner:
     a process that dies before the runner's first commit, however often, still uses up the turn's
     attempts); ``record.attempts`` is the count before it. The runner then writes no count of its own.
     """
-
-    def __init__(
-        self,
-        agent: Agent,
-        store: SessionStore,
-        sink: EventSink,
-        ref: SessionRef,
-        record: TurnRecord,
-        *,
-        fence: int | None = None,
-        cancel: CancelProbe = NO_CANCEL,
-        crash: CrashHook | None = None,
-        runtime: Any = None,
-        snapshot: SessionSnapshot | None = None,
-        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-        step_retries: int = STEP_RETRIES,
-        attempt: int | None = None,
-        hooks: TurnHooks = NO_HOOKS,
-        children: ChildLauncher | None = None,
-        counted: bool = False,
-        race_stall_s: float = RACE_STALL_S,
-        blocking: Blocking = inline,
-    ) -> None:
-        self.agent = agent
-        self.store = store
-        self.sink = sink
-        self.ref = ref
-        self.record = record
-        self.turn_id = record.turn_id
-        self.fence = fence
-        self.cancel = cancel
-        self._crash = crash
-        self.runtime = runtime
-        self._snapshot = snapshot
-        self.max_attempts = max_attempts
-        self.step_retries = step_retries
-        self.attempt = attempt if attempt is not None else record.attempts + 1
-        self.hooks = hooks
-        self._blocking = blocking
-        self._commits = asyncio.Lock()
-        """One commit of this turn at a time, made from the runner's state as it is then (calls run in parallel
-        each commit their own result)."""
-        self.messages: list[Message] = []
-        """The transcript as committed: what was read, then each message once its commit returned."""
-        self.generation: int | None = None
-        """The generation of the session ``messages`` belong to; None until the session was read."""
-        self.compacted_at: int | None = None
-        """Index of the latest summary in ``messages`` (a context policy's compaction); None: none."""
-        self._compacted_on_refusal = False
-        self.steps: dict[str, StepRecord] = {}
-        self.usage = Usage()
-        self.policy: SurfacePolicy | None = None
-        self.principal: Principal | None = None
-        self.initiator: Principal | None = None
-        self.tools: dict[str, Tool] = {}
-        self._broker = InputBroker(self.steps)
-        self._delegator = (
-            Delegator(
-                agent=agent,
-                store=store,
-                launcher=children,
-                ref=ref,
-                record=record,
-                steps=self.steps,
-                broker=self._broker,
-                crash=crash,
-                blocking=blocking,
-            )
-            if children is not None
-            else None
-        )
-        self._counted = False
-        self._counted_by_host = counted
-        self.race_stall_s = race_stall_s
-        self.raced = False
-        """This run lost a race for the turn (another runner committed a step first): its result is the winner's."""
-        self._settled: dict[str, tuple[JsonValue, str | None]] = {}
-        """Outcomes of async tool calls this run got but may not have committed (a transient fault)."""
-        self._at: tuple[str | None, str] = (None, "turn:open")
-        """The phase and step in flight, for a failure that escapes it."""
 
     # --- entry point -----------------------------------------------------------------------------
 
@@ -533,541 +354,7 @@ class TurnRunner:
             if result is not None:
                 return result
 
-    def _owed_calls(self) -> tuple[int, list[ToolCall]] | None:
-        """The calls of this turn's last assistant message that have no tool result yet."""
-        answered: set[str] = set()
-        i = len(self.messages) - 1
-        while i >= 0:
-            m = self.messages[i]
-            if isinstance(m, ToolMessage):
-                answered.add(m.call_id)
-                i -= 1
-                continue
-            if isinstance(m, AssistantMessage) and m.turn_id == self.turn_id and m.tool_calls:
-                owed = [c for c in m.tool_calls if c.id not in answered]
-                return (i, owed) if owed else None
-            return None
-        return None
-
-    def _stored_result(self, n: int, call: ToolCall) -> tuple[JsonValue, str | None] | None:
-        """The result a call's own step committed, when its message is not in the transcript yet (a batch
-        run in parallel commits each result as it finishes, and the messages in call order)."""
-        stored = self.steps.get(f"tool:{n}:{call.id}")
-        if stored is None or stored.turn_id != self.turn_id or not isinstance(stored.data, dict):
-            return None
-        if "result" not in stored.data:
-            return None
-        error = stored.data.get("error")
-        return stored.data["result"], error if isinstance(error, str) else None
-
-    async def _flush_settled(self, n: int) -> bool:
-        """Commit the messages of owed calls whose results are stored already, from the first one on; True if any."""
-        owed = self._owed_calls()
-        if owed is None or self._stored_result(n, owed[1][0]) is None:
-            return False
-        await self._commit(_Fresh(lambda: Commit(messages=self._ready_messages(n, None))), f"tool:{n}:{owed[1][0].id}")
-        return True
-
-    def _ready_messages(
-        self, n: int, settling: tuple[ToolCall, JsonValue, str | None] | None
-    ) -> list[tuple[int, Message]]:
-        """The tool messages that can join the transcript now, in call order: the owed calls from the first
-        one on, as long as each has its result (stored, or ``settling``: the one this commit adds)."""
-        owed = self._owed_calls()
-        if owed is None:
-            return []
-        out: list[tuple[int, Message]] = []
-        at = len(self.messages)
-        for call in owed[1]:
-            if settling is not None and call.id == settling[0].id:
-                result, error = settling[1], settling[2]
-            else:
-                stored = self._stored_result(n, call)
-                if stored is None:
-                    break
-                result, error = stored
-            message = ToolMessage(
-                turn_id=self.turn_id, call_id=call.id, name=call.name, result=result, is_error=error is not None
-            )
-            out.append((at, message))
-            at += 1
-        return out
-
-    def _check_cancel(self) -> None:
-        reason = self.cancel.reason()
-        if reason is not None:
-            raise _Cancel(reason)
-
-    # --- model step --------------------------------------------------------------------------------
-
-    async def _model_step(self) -> TurnResult | None:
-        n = len(self.messages)
-        step = f"model:{n}"
-        self._at = ("model", step)
-        self._check_cancel()
-        request = ModelRequest(
-            system=self.agent.system_prompt(self.policy),
-            messages=request_view(self.messages, self.compacted_at),
-            tools=[t.spec for t in self.tools.values()],
-            turn_id=self.turn_id,
-            step=step,
-        )
-        try:
-            done = await self._stream(request, step)
-        except _StepFailure as failure:
-            if not isinstance(failure.exc, ContextWindowExceededError):
-                raise
-            if await self._compact_after_refusal():
-                return None  # shorter now: the loop asks again
-            raise _StepFailure(
-                ContextWindowExceededError(
-                    "the request is longer than the model's context window, and compacting the transcript "
-                    f"{'did not make it short enough' if self._compacted_on_refusal else 'is not configured'} "
-                    f"(agent {self.agent.name}: Agent(context=ContextPolicy(...))); the provider said: {failure.exc}"
-                ),
-                "model",
-                step,
-            ) from failure.exc
-        # A cancel can land while the stream closes (its cleanup runs in aclose): recheck.
-        self._check_cancel()
-        reply, finish = _storable_reply(done.reply), done.finish
-        if finish is not None and finish.abnormal:
-            provider = f" (provider: {finish.raw})" if finish.raw and finish.raw != finish.reason else ""
-            stopped = f"model stopped abnormally — {finish.reason}{provider}"
-            cut: list[ToolCall] = []
-            if reply.tool_calls and finish.reason in CUT_OFF_FINISHES:
-                # A call's input may be cut short yet parse (a qty of 1 for 12): only whole calls stay (.cutoff).
-                reply, cut = without_cut_calls(reply, done.complete_calls, self.tools)
-            names = ", ".join(dict.fromkeys(c.name for c in cut))
-            if reply.empty and cut:
-                why = f"{stopped} while writing a tool call ({names}); its input was cut off, so nothing was run"
-                raise _StepFailure(ModelStepError(why), "model", step)
-            if reply.empty:
-                raise _StepFailure(ModelStepError(f"{stopped} — and returned an empty reply"), "model", step)
-            if cut:
-                log.warning(
-                    "turn %s at %s: %s; dropped the call(s) it was writing (%s)", self.turn_id, step, stopped, names
-                )
-        usage = done.usage
-        if usage is not None:
-            self.usage = self.usage + usage
-        message = AssistantMessage(
-            turn_id=self.turn_id,
-            text=reply.text,
-            tool_calls=reply.tool_calls,
-            reasoning=reply.reasoning,
-            usage=usage,
-            window_tokens=done.window_tokens if usage is not None else None,
-        )
-        events: list[TurnEvent] = []
-        if reply.text:
-            events.append(MessageCompleted(turn_id=self.turn_id, step=step, text=reply.text))
-        batch = self._concurrent_ids(reply.tool_calls)
-        limit = self.agent.parallel_tools if batch else None
-        for call in reply.tool_calls:
-            together, at_once = (batch, limit) if call.id in batch else (None, None)
-            step_id = f"tool:{n}:{call.id}"
-            events.append(
-                ActionRequested(turn_id=self.turn_id, step=step_id, call=call, batch=together, batch_limit=at_once)
-            )
-        step_rec = StepRecord(step_id=step, turn_id=self.turn_id, data=_model_step_data(finish, usage))
-        commit = Commit(messages=[(n, message)], steps=[step_rec], events=events)
-        result: TurnResult | None = None
-        if not reply.tool_calls:
-            result = Completed(turn_id=self.turn_id, text=reply.text, usage=self.usage)
-            events.append(TurnCompleted(turn_id=self.turn_id, text=reply.text, usage=self.usage))
-            commit.status, commit.turn_id, commit.turn_status, commit.turn_result = (
-                "done",
-                self.turn_id,
-                "completed",
-                result,
-            )
-        self._hit("before-model-commit", step)
-        await self._commit(commit, step, cancellable=True)
-        self._hit("after-model-commit", step)
-        return result
-
-    # --- compaction step (the agent's context policy, see .context) --------------------------------------
-
-    def _summary_index(self, reported: int | None) -> int | None:
-        """The store's ``compacted_at``, if it does point at a summary (else the transcript is sent whole)."""
-        if reported is None:
-            return None
-        if 0 <= reported < len(self.messages) and isinstance(self.messages[reported], SummaryMessage):
-            return reported
-        log.error("session %s: compacted_at=%s is not a summary's index; ignoring it", self.ref, reported)
-        return None
-
-    async def _compact_if_due(self) -> bool:
-        """Compact first when the request about to be sent is estimated past the policy's share of the window."""
-        system = self.agent.system_prompt(self.policy)
-        due = compaction_due(self.agent.context, self.agent.model, self.messages, self.compacted_at, system=system)
-        return due is not None and await self._compact(due)
-
-    async def _compact_after_refusal(self) -> bool:
-        """The model refused the request as too long: compact (once per run) so that the step can ask again."""
-        if self.agent.context is None or self._compacted_on_refusal:
-            return False
-        self._compacted_on_refusal = True
-        system = self.agent.system_prompt(self.policy)
-        return await self._compact(
-            refused_due(self.agent.context, self.agent.model, self.messages, self.compacted_at, system=system)
-        )
-
-    async def _compact(self, due: Due) -> bool:
-        """The compaction step ``compact:<n>``: the model summarises the transcript before a cut, and the summary
-        commits as message ``n`` (checkpointed like a model reply: a replay finds it and never summarises again).
-        False when there is nothing to cut: the request goes as it is."""
-        policy, n = due.policy, len(self.messages)
-        step = f"compact:{n}"
-        keep = max(int(policy.keep * due.window), 1)
-        plan = plan_compaction(
-            self.messages, self.compacted_at, keep_tokens=keep, chars_per_token=policy.chars_per_token
-        )
-        if plan is None:
-            log.warning("turn %s of %s: ~%d tokens, and nothing to compact", self.turn_id, self.ref, due.tokens)
-            return False
-        with self.hooks.step("compact", step):
-            await self._summarise(due, plan, step, n)
-        return True
-
-    async def _summarise(self, due: Due, plan: Compaction, step: str, n: int) -> None:
-        """The compaction step's model call, and the commit of its summary as message ``n``."""
-        policy = due.policy
-        self._at = ("model", step)
-        self._check_cancel()
-        # What it is sent stays clear of the window with room for its instructions and its answer.
-        room = int((1 - policy.keep) * due.window * policy.chars_per_token) - len(policy.instructions)
-        text = plan.request_text(message_chars=policy.message_chars, max_chars=room)
-        request = ModelRequest(
-            system=policy.instructions,
-            messages=[UserMessage(turn_id=self.turn_id, text=text)],
-            turn_id=self.turn_id,
-            step=step,
-        )
-        try:
-            done = await self._stream(request, step, model=policy.model, live=False)  # a summary is no reply: no deltas
-        except _StepFailure as refused:
-            if isinstance(refused.exc, ContextWindowExceededError):
-                why = f"the compaction step's own request was too long for the model: {refused.exc}"
-                raise _StepFailure(ContextWindowExceededError(why), "model", step) from refused.exc
-            raise
-        self._check_cancel()
-        reply, finish = _storable_reply(done.reply), done.finish
-        if not reply.text.strip() or (finish is not None and finish.reason in ("refusal", "content_filter")):
-            stopped = f" (it stopped: {finish.reason})" if finish is not None else ""
-            failure = ModelStepError(f"the model wrote no usable summary when compacting the transcript{stopped}")
-            raise _StepFailure(failure, "model", step)
-        if done.usage is not None:
-            self.usage = self.usage + done.usage
-        summary = SummaryMessage(turn_id=self.turn_id, text=reply.text.strip(), kept_from=plan.kept_from)
-        event = ContextCompacted(
-            turn_id=self.turn_id,
-            step=step,
-            at=n,
-            kept_from=plan.kept_from,
-            summarized=len(plan.older),
-            tokens_before=due.tokens,
-            reason=due.reason,
-        )
-        data = {**_model_step_data(finish, done.usage), "kept_from": plan.kept_from, "tokens_before": due.tokens}
-        record = StepRecord(step_id=step, turn_id=self.turn_id, data=data)
-        self._hit("before-compact-commit", step)
-        await self._commit(Commit(messages=[(n, summary)], steps=[record], events=[event]), step, cancellable=True)
-        self._hit("after-compact-commit", step)
-        log.info(
-            "turn %s of %s: compacted ~%d tokens (%s): messages before %d summarised as message %d",
-            self.turn_id,
-            self.ref,
-            due.tokens,
-            due.reason,
-            plan.kept_from,
-            n,
-        )
-
-    # --- reading a model's stream ------------------------------------------------------------------
-
-    async def _stream(self, request: ModelRequest, step: str, *, model: Model | None = None, live: bool = True) -> Done:
-        """Read the model's stream; a cancel that arrives while we wait on it interrupts the wait.
-
-        ``model``: another model than the agent's; ``live=False``: its deltas are not published."""
-        task = asyncio.current_task()
-        assert task is not None
-        interrupted = False
-
-        def interrupt() -> None:
-            nonlocal interrupted
-            if asyncio.current_task() is task:
-                return  # raised from inside this turn: the next boundary check sees it
-            interrupted = True
-            task.cancel()
-
-        self.cancel.on_cancel(interrupt)
-        try:
-            done = await self._consume(request, step, model or self.agent.model, live)
-            if interrupted:
-                await asyncio.sleep(0)  # a cancellation still pending on the task is delivered here
-            return done
-        except asyncio.CancelledError:
-            if not interrupted:
-                raise
-            task.uncancel()
-            raise _Cancel(self.cancel.reason() or "requested") from None
-        finally:
-            self.cancel.on_cancel(None)
-
-    async def _consume(self, request: ModelRequest, step: str, model: Model, live: bool) -> Done:
-        try:
-            stream = model.stream(request)
-        except Exception as exc:
-            raise self._model_failure(exc, step) from exc
-        done: Done | None = None
-        # deltas are scrubbed as they stream: a secret split over two of them is held back until it is whole
-        said, thought = StreamScrubber(), StreamScrubber()
-
-        def publish(kind: type[MessageDelta] | type[ReasoningDelta], text: str) -> None:
-            if text:
-                self.sink.publish_delta(
-                    self.ref, kind(turn_id=self.turn_id, step=step, text=text, attempt=self.attempt)
-                )
-
-        try:
-            async for delta in stream:
-                self._check_cancel()
-                if not live and not isinstance(delta, Done):
-                    continue
-                if isinstance(delta, TextChunk):
-                    if delta.text:
-                        publish(MessageDelta, said.feed(storable_text(delta.text)))
-                elif isinstance(delta, ReasoningChunk):
-                    if delta.text:
-                        publish(ReasoningDelta, thought.feed(storable_text(delta.text)))
-                elif isinstance(delta, Done):
-                    publish(ReasoningDelta, thought.flush())
-                    publish(MessageDelta, said.flush())
-                    done = delta
-                    break
-                else:
-                    raise ModelStreamError(f"model yielded {type(delta).__name__}, not a model delta")
-        except (_Cancel, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            raise self._model_failure(exc, step) from exc
-        finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                # Whatever the stream does after its final reply is ignored, errors included.
-                with contextlib.suppress(Exception):
-                    await aclose()
-        if done is None:
-            raise _StepFailure(ModelStreamError("model stream ended without a final reply"), "model", step)
-        return done
-
-    @staticmethod
-    def _model_failure(exc: Exception, step: str) -> Exception:
-        """What a model error becomes: itself when transient (the step runs again), else the step's failure."""
-        if classify(exc, phase="model") is Failure.TRANSIENT:
-            return exc
-        return _StepFailure(exc, "model", step)
-
-    # --- tool step ---------------------------------------------------------------------------------
-
-    def _concurrent_ids(self, calls: list[ToolCall]) -> list[str]:
-        """The ids of the calls that run concurrently (async, with ``parallel_tools`` > 1); empty when none do."""
-        if self.agent.parallel_tools <= 1:
-            return []
-        ids = [c.id for c in calls if (t := self.tools.get(c.name)) is not None and t.is_async]
-        return ids if len(ids) > 1 else []
-
-    async def _tool_batch(self, n: int, calls: list[ToolCall]) -> list[_Park]:
-        """Run the calls a reply still owes a result: in turn, or (``Agent.parallel_tools`` > 1) the async ones
-        concurrently. Each commits its own result as it finishes. Returns the parks, in call order: in turn,
-        the first one stops the batch; in parallel, every call that asked for input parks the turn with it."""
-        runnable = [c for c in calls if self._stored_result(n, c) is None]
-        together = set(self._concurrent_ids(runnable))
-        concurrent = [c for c in runnable if c.id in together]
-        if not concurrent:
-            for call in runnable:
-                parked = await self._call_in_turn(n, call)
-                if parked is not None:
-                    return [parked]
-            return []
-        gate = asyncio.Semaphore(self.agent.parallel_tools)
-
-        async def one(call: ToolCall) -> _Park | None:
-            async with gate:
-                if self.cancel.reason() is not None:
-                    return None  # not started: the loop ends the turn cancelled
-                return await self._hooked_step(n, call)
-
-        tasks = {c.id: asyncio.ensure_future(one(c)) for c in concurrent}
-        parks: dict[str, _Park] = {}
-        failed: str | None = None  # the step of the call whose exception leaves the batch
-        try:
-            # The sync calls (and unknown tools) in turn, each once the async ones had a chance to run: an async
-            # call starts and runs to its first wait before the next sync call holds the loop with its transaction.
-            for call in runnable:
-                if call.id in tasks:
-                    continue
-                await asyncio.sleep(0)
-                failed = f"tool:{n}:{call.id}"
-                parked = await self._call_in_turn(n, call)
-                failed = None
-                if parked is not None:  # a sync tool cannot park; kept for symmetry with the serial path
-                    parks[call.id] = parked
-            await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
-            for call_id, t in tasks.items():  # the first failure, in call order
-                if t.done() and not t.cancelled() and (failure := t.exception()) is not None:
-                    failed = f"tool:{n}:{call_id}"
-                    raise failure
-            parks.update((call_id, found) for call_id, t in tasks.items() if (found := t.result()) is not None)
-        finally:
-            pending = [t for t in tasks.values() if not t.done()]
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending)
-            if failed is not None:
-                # ``_at`` is shared by the calls running together: name the one that failed, not the last to start
-                self._at = ("tool", failed)
-        return [parks[c.id] for c in runnable if c.id in parks]
-
-    async def _call_in_turn(self, n: int, call: ToolCall) -> _Park | None:
-        """One call run in turn: never started once a cancel came (the turn ends cancelled)."""
-        self._check_cancel()
-        return await self._hooked_step(n, call)
-
-    async def _hooked_step(self, n: int, call: ToolCall) -> _Park | None:
-        with self.hooks.step("tool", f"tool:{n}:{call.id}", call.name):
-            return await self._tool_step(n, call)
-
-    async def _tool_step(self, n: int, call: ToolCall) -> _Park | None:
-        step = f"tool:{n}:{call.id}"
-        self._at = ("tool", step)
-        tool = self.tools.get(call.name)
-        if tool is None:
-            await self._commit_tool_result(
-                step, call, {"error": f"unknown tool {call.name}"}, error=f"unknown tool {call.name}"
-            )
-            return None
-        try:
-            validated = tool.validate(call.input)
-        except ToolInputError as exc:
-            # the model's own input can be quoted back (a validator's message): scrubbed like any tool error
-            message = scrub(str(exc))
-            await self._commit_tool_result(step, call, {"error": message}, error=message)
-            return None
-        if tool.is_async:
-            return await self._async_tool_step(tool, step, call, validated)
-        await self._sync_tool_step(tool, step, call, validated)
-        return None
-
-    def _context(self, call: ToolCall, step: str, *, store: StoreHandle | None, is_sync: bool) -> ToolContext:
-        ctx = ToolContext(
-            turn_id=self.turn_id,
-            session=self.ref,
-            call=call,
-            step=step,
-            principal=self.principal,
-            initiator=self.initiator,
-            event=self.record.payload.event,
-            runtime=self.runtime,
-            is_sync=is_sync,
-            _broker=self._broker,
-            _delegator=self._delegator,
-        )
-        if store is not None:
-            ctx.store = store
-        return ctx
-
-    async def _sync_tool_step(self, tool: Tool, step: str, call: ToolCall, validated: Any) -> None:
-        def build(handle: StoreHandle) -> Commit:
-            ctx = self._context(call, step, store=handle, is_sync=True)
-            try:
-                out = tool.invoke(ctx, validated)
-                if inspect.isawaitable(out):
-                    if inspect.iscoroutine(out):
-                        out.close()
-                    raise SyncToolReturnedAwaitableError(
-                        f"tool {tool.name!r} is declared with def but returned an awaitable; declare it "
-                        "'async def' so it is awaited (at-least-once) instead of committing a lost result"
-                    )
-                result = _to_json(out)
-            except (FatalToolError, ParkSignal, SyncParkError):
-                raise
-            except Exception as exc:
-                raise _ToolRaised(exc) from exc
-            self._hit("before-tool-commit", step)
-            return self._tool_commit(step, call, result, error=None)
-
-        try:
-            await self._commit(build, step)
-        except _ToolRaised as raised:
-            # The store rolled back whatever the tool wrote; the error becomes the call's result,
-            # unless it is the store's own (the step's transaction lost its connection): run it again.
-            if classify(raised.exc, phase="tool") is Failure.TRANSIENT:
-                raise raised.exc from None
-            message = format_tool_error(raised.exc)
-            await self._commit_tool_result(step, call, {"error": message}, error=message)
-            return
-        except (FatalToolError, SyncParkError) as exc:
-            raise _StepFailure(exc, "tool", step) from exc
-        except ParkSignal as exc:  # cannot happen through request_input; a hand-raised signal
-            raise _StepFailure(
-                SyncParkError(f"tool {tool.name!r} runs sync; only an async tool can park"), "tool", step
-            ) from exc
-        self._hit("after-tool-commit", step)
-
-    async def _async_tool_step(self, tool: Tool, step: str, call: ToolCall, validated: Any) -> _Park | None:
-        settled = self._settled.get(step)
-        if settled is None:
-            ctx = self._context(call, step, store=None, is_sync=False)
-            try:
-                out = await tool.invoke(ctx, validated)
-                settled = (_to_json(out), None)
-            except ParkSignal as park:
-                return _Park(request=park.request, step=step, call=call)
-            except FatalToolError as exc:
-                raise _StepFailure(exc, "tool", step) from exc
-            except SyncParkError as exc:
-                raise _StepFailure(exc, "tool", step) from exc
-            except Exception as exc:
-                if classify(exc, phase="tool") is Failure.TRANSIENT:
-                    raise
-                message = format_tool_error(exc)
-                settled = ({"error": message}, message)
-            # Kept for this run: if the commit below meets a transient fault, the retry commits this outcome
-            # instead of calling the tool again (its side effects happened; only a new process re-runs it).
-            self._settled[step] = settled
-        result, error = settled
-        await self._commit_tool_result(step, call, result, error=error)
-        return None
-
-    def _tool_commit(self, step: str, call: ToolCall, result: JsonValue, *, error: str | None) -> Commit:
-        n = int(step.split(":", 2)[1])
-        child = self._delegator.started.get(call.id) if self._delegator is not None else None
-        completed = ActionCompleted(
-            turn_id=self.turn_id,
-            step=step,
-            call=call,
-            result=result,
-            error=error,
-            child_agent=child[0].agent if child is not None else None,
-            child_session=child[0].session if child is not None else None,
-            child_turn_id=child[1] if child is not None else None,
-        )
-        return Commit(
-            messages=self._ready_messages(n, (call, result, error)),
-            steps=[StepRecord(step_id=step, turn_id=self.turn_id, data={"result": result, "error": error})],
-            events=[completed],
-        )
-
-    async def _commit_tool_result(self, step: str, call: ToolCall, result: JsonValue, *, error: str | None) -> None:
-        self._hit("before-tool-commit", step)
-        await self._commit(_Fresh(lambda: self._tool_commit(step, call, result, error=error)), step)
-        self._hit("after-tool-commit", step)
-
-    # --- endings -----------------------------------------------------------------------------------
+    # --- endings ---------------------------------------------------------------------------------
 
     async def _park(self, parks: list[_Park]) -> Suspended:
         """Park the turn on the requests its calls left open (several when calls ran in parallel; one request
@@ -1202,82 +489,3 @@ class TurnRunner:
             "turn:end",
         )
         return result
-
-    # --- plumbing ------------------------------------------------------------------------------------
-
-    async def _commit(
-        self, commit: Commit | CommitBuilder | _Fresh, step: str | None = None, *, cancellable: bool = False
-    ) -> None:
-        """Write one checkpoint and publish its events (never before it), then mirror it in memory.
-
-        ``cancellable`` (the opening, a model reply, a park): the commit applies only if no cancel is
-        stored for the turn, else the turn is cancelled here. The store is the record of a cancel;
-        its signal only makes a waiting step stop sooner, so a lost signal never lets a cancelled
-        turn open, take another model reply or park. A tool's result is not guarded: a tool that
-        ran keeps its result (what committed stays committed; the cancel takes effect between calls).
-
-        Commits of one turn run one at a time (calls running in parallel each commit their result); a
-        :class:`_Fresh` commit is made once the ones before it are mirrored. Where the store call may wait
-        (:mod:`.blocking`), a cancel of the waiting task is delivered once the commit is mirrored.
-        """
-        async with self._commits:
-            if self._blocking is inline:  # nothing suspends in between: the plain call, no task for it
-                await self._commit_now(commit, step, cancellable)
-            else:
-                await finish(self._commit_now(commit, step, cancellable))
-
-    async def _commit_now(self, commit: Commit | CommitBuilder | _Fresh, step: str | None, cancellable: bool) -> None:
-        built: Commit | None = None
-
-        def guarded(c: Commit) -> Commit:
-            if cancellable:
-                c.turn_id, c.expect_not_cancelled = self.turn_id, True
-            return c
-
-        if isinstance(commit, _Fresh):
-            commit = commit.make()
-
-        def commit_then_publish(what: Commit | CommitBuilder) -> None:
-            # One blocking call for both: the publish follows its commit at once, in the same place, never before it
-            events = self.store.commit(self.ref, what, fence=self.fence)
-            if step is not None:
-                self._hit("before-publish", step)
-            if events:
-                self.sink.publish(self.ref, events)
-
-        try:
-            if isinstance(commit, Commit):
-                ready = built = guarded(commit)
-                await self._blocking(lambda: commit_then_publish(ready))
-            else:
-                builder = commit
-
-                def capture(handle: StoreHandle) -> Commit:
-                    nonlocal built
-                    built = guarded(builder(handle))
-                    return built
-
-                await self._blocking(lambda: commit_then_publish(capture))
-        except CancelRequestedError as exc:
-            raise _Cancel(exc.reason) from None
-        assert built is not None
-        self.hooks.committed(built)
-        for index, message in built.messages:
-            self.messages.append(message)
-            if isinstance(message, SummaryMessage):
-                self.compacted_at = index
-        for s in built.steps:
-            self.steps[s.step_id] = s
-
-    def _hit(self, point: str, step: str) -> None:
-        if self._crash is not None:
-            self._crash(point, step)
-
-
-def _model_step_data(finish: Finish | None, usage: Usage | None) -> dict[str, JsonValue]:
-    data: dict[str, JsonValue] = {}
-    if finish is not None:
-        data["finish"] = finish.model_dump()
-    if usage is not None:
-        data["usage"] = usage.model_dump()
-    return data

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from june_wire.ids import new_turn_id
 from june_wire.storable import unstorable_reason
 
 from ..errors import (
@@ -52,7 +53,7 @@ from .children import (
 from .events import Cancelled, Completed, Failed, Rejected, Suspended, TurnResult
 from .failures import DEFAULT_MAX_ATTEMPTS, RACE_STALL_S, Failure, backoff_s, classify
 from .fanout import FanoutSink, Observer
-from .ids import new_turn_id, validate_session_id
+from .ids import validate_session_id
 from .loop import CrashHook, TurnRunner, reject_turn
 from .resume import (
     RESUME_RACES,

@@ -1,6 +1,6 @@
-"""Redis key names, for the worker's modules that import them from here: they live in :mod:`june_wire.keys`
-(the producers use the same), and this module holds no logic of its own."""
+"""Kept only for ``june_worker/worker/settings.py``, the one importer left, which the settings-layer change
+rewrites: the names live in :mod:`june_wire.keys`. Delete this module once that importer imports from there."""
 
-from june_wire.keys import DEFAULT_KEYS, EventKeys, broker_unacked_keys, default_firehose_partitions
+from june_wire.keys import default_firehose_partitions
 
-__all__ = ["DEFAULT_KEYS", "EventKeys", "broker_unacked_keys", "default_firehose_partitions"]
+__all__ = ["default_firehose_partitions"]

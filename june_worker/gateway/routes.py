@@ -77,7 +77,7 @@ router = APIRouter(prefix="/v1")
 SESSION = "/agents/{agent}/sessions/{session}"
 TURN = SESSION + "/turns/{turn_id}"
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
+ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "No bearer token, or an unknown one."},
     404: {
         "model": ErrorBody,
@@ -86,6 +86,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     },
     503: {"model": ErrorBody, "description": "The broker, Redis or Postgres is unavailable."},
 }
+"""The errors a session's routes answer (OpenAPI responses); the control routes add theirs (routes_control)."""
 BODY_ERRORS: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorBody, "description": "The body is larger than JUNE_GATEWAY_MAX_BODY_BYTES."},
     415: {"model": ErrorBody, "description": "The body is not sent as JSON (Content-Type: application/json)."},
@@ -93,7 +94,7 @@ BODY_ERRORS: dict[int | str, dict[str, Any]] = {
 SSE_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "SSE: id = Redis stream id."}}}
 _ERROR_JSON = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
 SSE_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"description": doc["description"], "content": _ERROR_JSON} for code, doc in _ERRORS.items()
+    code: {"description": doc["description"], "content": _ERROR_JSON} for code, doc in ERRORS.items()
 }
 """The errors of a route whose 200 is an SSE stream: JSON like everywhere else (not its route's media type)."""
 Wait = Annotated[bool, Query(description="Answer with how the turn ended (completed, suspended, failed, cancelled).")]
@@ -200,7 +201,7 @@ def inbound_event(request: Request, principal: Principal, text: str) -> dict[str
     }
 
 
-@router.get("/agents", response_model=AgentList, responses={401: _ERRORS[401]}, summary="Agents this token sees")
+@router.get("/agents", response_model=AgentList, responses={401: ERRORS[401]}, summary="Agents this token sees")
 async def list_agents(request: Request, principal: Authenticated) -> AgentList:
     agents = [a for a in request.app.state.settings.agents if principal.sees(a)]
     return AgentList(principal=principal.id, agents=agents, operator=principal.operator)
@@ -213,7 +214,7 @@ async def list_agents(request: Request, principal: Authenticated) -> AgentList:
     response_model=TurnAccepted,
     summary="Start a turn",
     responses={
-        **_ERRORS,
+        **ERRORS,
         **BODY_ERRORS,
         200: {"model": TurnOutcome, "content": SSE_DOC, "description": "With ?wait=true, or an SSE stream."},
         409: {"model": ErrorBody, "description": "The session is parked on another turn's input."},
@@ -261,7 +262,7 @@ async def known_turn(
     return ref
 
 
-@router.get(TURN, response_model=TurnInfo, responses=_ERRORS, summary="A turn's status")
+@router.get(TURN, response_model=TurnInfo, responses=ERRORS, summary="A turn's status")
 async def get_turn(
     request: Request, agent: AgentName, session: SessionId, turn_id: TurnIdPath, principal: Authenticated,
     backend: Backend,
@@ -324,7 +325,7 @@ async def session_events(
     response_model=ResumeAccepted,
     summary="Answer a parked turn",
     responses={
-        **_ERRORS,
+        **ERRORS,
         **BODY_ERRORS,
         200: {"model": TurnOutcome, "content": SSE_DOC, "description": "With ?wait=true, or an SSE stream."},
         403: {"model": ErrorBody, "description": "This principal may not answer the request."},

@@ -8,7 +8,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from .deps import AgentName, Authenticated, Backend, SessionId, TurnIdPath, use_session
-from .routes import SESSION, TURN, known_turn
+from .routes import ERRORS, SESSION, TURN, known_turn
 from .schemas import CancelOutcome, ErrorBody, Pending, PendingInput, ResetOutcome
 
 __all__ = ["router"]
@@ -16,13 +16,7 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorBody, "description": "No bearer token, or an unknown one."},
-    404: {
-        "model": ErrorBody,
-        "description": "Unknown agent (or not granted to this token), session (or one this principal may not use) "
-        "or turn.",
-    },
-    503: {"model": ErrorBody, "description": "The broker, Redis or Postgres is unavailable."},
+    **ERRORS,
     504: {"model": ErrorBody, "description": "No worker answered in time."},
 }
 

@@ -18,7 +18,7 @@ import psycopg
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
-from ..stores.postgres import pooled
+from ..stores._pg_conn import pooled
 from .deps import AgentName, Authenticated, Backend, SessionId, use_session
 from .routes import SESSION
 from .schemas import ErrorBody

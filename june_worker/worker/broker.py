@@ -18,7 +18,7 @@ message is only gone once its task ran.
   and ends at once (intake is idempotent by turn id). Without persistence (AOF) a Redis
   restart loses what was queued: see ``docker-compose.yml`` and ``durable=True`` producers.
   kombu's set of unacknowledged messages is one per database; june's workers keep theirs
-  under ``<JUNE_KEY_PREFIX>:broker:unacked*`` (:func:`~june_worker.events.keys.broker_unacked_keys`),
+  under ``<JUNE_KEY_PREFIX>:broker:unacked*`` (:func:`~june_wire.keys.broker_unacked_keys`),
   so they never put back another Celery app's messages.
 
 Producers (``producers/``) declare the same queues the same way; a test checks they agree.
@@ -32,8 +32,9 @@ from kombu.entity import Queue
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from june_wire.keys import broker_unacked_keys
+
 from ..errors import ConfigError
-from ..events.keys import broker_unacked_keys
 from .settings import WorkerSettings
 
 __all__ = ["QUEUE_TYPES", "broker_kind", "celery_options", "publish_options", "queues"]

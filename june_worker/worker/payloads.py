@@ -11,7 +11,8 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from ..engine.storable import unstorable_reason
+from june_wire.storable import unstorable_reason
+
 from ..engine.types import InboundEvent, JsonValue, Principal
 from ..errors import PayloadError
 

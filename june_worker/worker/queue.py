@@ -25,8 +25,9 @@ from ..engine.failures import DEFAULT_MAX_ATTEMPTS
 from ..engine.store import SessionRef, SessionSnapshot, SuspendedCheckpoint, TurnPayload, TurnRecord
 from ..errors import UnusableTurnError
 from ..stores._pg_commit import NOTHING_NEW
+from ..stores._pg_conn import pooled
 from ..stores._sql import one_line
-from ..stores.postgres import TURN_WIDTH, pooled, session_snapshot, stored_turn, turn_columns, turn_from_row
+from ..stores.postgres import TURN_WIDTH, session_snapshot, stored_turn, turn_columns, turn_from_row
 from .transcripts import Held, held_params
 
 __all__ = ["Intake", "Lease", "SessionQueue", "Stranded"]
@@ -61,7 +62,7 @@ _LEASE_IS_FREE = f"""(
     or not exists (select 1 from june_workers w where w.owner = {{s}}.lease_owner and w.alive_until >= {_NOW}))"""
 
 
-# Intake in one statement: june_intake (migrations 8 and 10 in stores/postgres.py, where the whole statement is,
+# Intake in one statement: june_intake (migrations 8 and 10 in stores/_pg_schema.py, where the whole statement is,
 # with why each part is there) records the turn and takes the lease, and with the lease reads the session: only the
 # messages after those the worker holds (`held`), when what it holds is still the session's transcript.
 _INTAKE = one_line(f"""

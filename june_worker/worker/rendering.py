@@ -37,7 +37,8 @@ from ..engine.sink import EventSink
 from ..engine.store import SessionRef, TurnRecord
 from ..engine.types import JsonValue
 from ..errors import ChannelError
-from ..stores.postgres import PostgresStore, pooled
+from ..stores._pg_conn import pooled
+from ..stores.postgres import PostgresStore
 
 __all__ = ["LiveRender", "PgRenderState", "deliver_once", "notify", "start_live"]
 

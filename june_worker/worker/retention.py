@@ -34,7 +34,7 @@ from typing import Any
 from psycopg_pool import ConnectionPool
 
 from ..events.redis_stream import RedisStreamSink
-from ..stores.postgres import pooled
+from ..stores._pg_conn import pooled
 from .settings import WorkerSettings
 
 __all__ = ["Pruned", "prune"]

@@ -37,9 +37,10 @@ from typing import Any, TypeVar
 import redis
 from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
 
+from june_wire.storable import storable_text
+
 from ..engine.endings import reject_turn
 from ..engine.secrets import scrubbed_logger
-from ..engine.storable import storable_text
 from ..engine.store import TurnPayload, TurnRecord
 from ..errors import StoreUnavailableError
 from ..events import losses

@@ -16,9 +16,10 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Reject
 
+from june_wire.storable import storable_text
+
 from ..engine.loop import reject_turn
 from ..engine.secrets import scrubbed_logger
-from ..engine.storable import storable_text
 from ..engine.store import SessionRef, TurnPayload
 from ..errors import PayloadError, StoreUnavailableError
 from ..observe import tracing

@@ -36,11 +36,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from june_wire.redis_url import connect
 from june_worker import Agent, ToolContext, tool
 from june_worker.engine.agent import AnswerRequest
 from june_worker.engine.model import Done, ModelDelta, ModelRequest, TextChunk
 from june_worker.engine.types import Message, ModelReply, ToolMessage, TriggerMessage, UserMessage
-from june_worker.events._redis_url import connect
 from june_worker.models import Reply, ScriptedModel
 
 from ..unit.kit import WindowModel

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import psycopg
 import pytest
 
-from june_worker.events._redis_url import connect
+from june_wire.redis_url import connect
 from tests._budgets import PROCESS_START_S
 
 ROOT = Path(__file__).resolve().parents[2]

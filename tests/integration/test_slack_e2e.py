@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
+from june_wire.keys import EventKeys
 from june_worker.engine.store import SessionRef
-from june_worker.events.keys import EventKeys
 from june_worker.gateway import create_app
 from tests._fake_slack import signed
 from tests.gateway.kit import ServedApp

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
+from june_wire.redis_url import connect
 from june_worker.engine.events import TurnCompleted, TurnStarted
 from june_worker.engine.store import Commit, SessionRef, TurnPayload
 from june_worker.engine.types import ProactiveTrigger
 from june_worker.events import EventKeys, losses
-from june_worker.events._redis_url import connect
 from june_worker.worker.sweeper import sweep
 from tests import _services
 from tests._services import RedisServer

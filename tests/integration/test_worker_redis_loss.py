@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
+from june_wire.redis_url import connect
 from june_worker.errors import StreamGapError
 from june_worker.events import EventKeys
-from june_worker.events._redis_url import connect
 from june_worker.events.reader import follow
 from producers.errors import StreamGapError as ProducerGapError
 from tests import _services

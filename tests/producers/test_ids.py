@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from june_worker.engine.ids import new_turn_id as engine_turn_id
+from june_worker.engine import new_turn_id as engine_turn_id
 from producers import new_turn_id
 
 ULID = re.compile(r"^[0-7][0-9A-HJKMNP-TV-Z]{25}$")

@@ -395,7 +395,7 @@ async def test_a_retryable_provider_error_that_passes_on_a_later_attempt_complet
 
 
 def test_a_model_reply_the_store_cannot_hold_is_made_storable() -> None:
-    from june_worker.engine.loop import _storable_reply
+    from june_worker.engine._runner_base import _storable_reply
 
     reply = ModelReply(text="ok", tool_calls=[{"id": "c\x00", "name": "t", "input": {"p": "\udcff"}}])
     clean = _storable_reply(reply)
@@ -445,11 +445,11 @@ def test_a_statement_that_met_a_concurrent_schema_change_is_transient_and_other_
     # runs fine again: a transient fault (the task's autoretry), not the turn's failure.
     from psycopg import errors as pg_errors
 
-    from june_worker.stores.postgres import _is_unavailable
+    from june_worker.stores._pg_conn import is_unavailable
 
-    assert _is_unavailable(pg_errors.InternalError_("cache lookup failed for type 26332"))
-    assert not _is_unavailable(pg_errors.InternalError_("unexpected chunk number 3"))
-    assert not _is_unavailable(pg_errors.UniqueViolation("duplicate key"))
+    assert is_unavailable(pg_errors.InternalError_("cache lookup failed for type 26332"))
+    assert not is_unavailable(pg_errors.InternalError_("unexpected chunk number 3"))
+    assert not is_unavailable(pg_errors.UniqueViolation("duplicate key"))
 
 
 def test_only_a_lost_connection_a_shutdown_a_serialization_failure_a_deadlock_or_too_many_connections_is_unavailable() -> (
@@ -458,7 +458,7 @@ def test_only_a_lost_connection_a_shutdown_a_serialization_failure_a_deadlock_or
     import psycopg
     from psycopg import errors as pg_errors
 
-    from june_worker.stores.postgres import _is_unavailable
+    from june_worker.stores._pg_conn import is_unavailable
 
     for lost in (
         psycopg.OperationalError("consuming input failed: server closed the connection unexpectedly"),
@@ -471,11 +471,11 @@ def test_only_a_lost_connection_a_shutdown_a_serialization_failure_a_deadlock_or
         pg_errors.SerializationFailure("could not serialize access"),
         pg_errors.DeadlockDetected("deadlock detected"),
     ):
-        assert _is_unavailable(lost), type(lost).__name__
+        assert is_unavailable(lost), type(lost).__name__
     # the statement's own, though psycopg files them under OperationalError: they would fail the same way again
     for own in (
         pg_errors.QueryCanceled("canceling statement due to statement timeout"),
         pg_errors.LockNotAvailable("could not obtain lock on row"),
         pg_errors.ProgramLimitExceeded("index row size exceeds maximum"),
     ):
-        assert isinstance(own, psycopg.OperationalError) and not _is_unavailable(own), type(own).__name__
+        assert isinstance(own, psycopg.OperationalError) and not is_unavailable(own), type(own).__name__
