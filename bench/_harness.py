@@ -326,6 +326,7 @@ class BenchStack:
         self._db_made = False
         self._conn: psycopg.Connection[Any] | None = None
         self._producer: JuneProducer | None = None
+        self._durable: JuneProducer | None = None
         base = {k: v for k, v in os.environ.items() if not k.startswith(("JUNE_", "CELERY_"))}
         self.env = {
             **base,
@@ -401,14 +402,15 @@ class BenchStack:
             if self.broker == "amqp":
                 self._delete_queues()
         finally:
+            for producer in (self._producer, self._durable):
+                if producer is not None:
+                    producer.close()
             if self._conn is not None:
                 self._conn.close()
             if self._db_made:
                 with psycopg.connect(self.admin_url, autocommit=True) as admin:
                     admin.execute(f'drop database if exists "{self.dbname}" with (force)')
                 self._db_made = False
-            if self._producer is not None:
-                self._producer.close()
             self.sender.close()
             self.client.close()
             self.redis.close()
@@ -505,9 +507,19 @@ class BenchStack:
         """A producer client for this stack's queues and streams, as another service would use it."""
         if self._producer is None:
             self._producer = JuneProducer(
-                self.redis_url, queue=self.queue, control_queue=self.control_queue, key_prefix=self.prefix
-            )
+                self.redis_url, broker_url=self.broker_url, queue=self.queue, control_queue=self.control_queue,
+                key_prefix=self.prefix,
+            )  # fmt: skip
         return self._producer
+
+    def durable_producer(self) -> JuneProducer:
+        """A producer that records each turn in this stack's Postgres before it sends it (``durable=True``)."""
+        if self._durable is None:
+            self._durable = JuneProducer(
+                self.redis_url, broker_url=self.broker_url, queue=self.queue, control_queue=self.control_queue,
+                key_prefix=self.prefix, database_url=self.db_url, durable=True,
+            )  # fmt: skip
+        return self._durable
 
     # --- messages and rows -------------------------------------------------------------------------
 

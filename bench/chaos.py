@@ -27,6 +27,7 @@ held, how long after the kill each completed (p50 / p99).
 
     python bench/chaos.py --turns 500 --sessions 50
     python bench/chaos.py --turns 500 --sessions 50 --mode threads
+    python bench/chaos.py --turns 500 --sessions 50 --mode threads --broker amqp --durable
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ class Chaos:
 
 
 def send_all(
-    stack: BenchStack, redis: OwnRedis, turns: int, sessions: int, rate: float
+    stack: BenchStack, redis: OwnRedis, turns: int, sessions: int, rate: float, *, durable: bool = False
 ) -> tuple[list[tuple[str, str]], float]:
     accepted: list[tuple[str, str]] = []
     restarted_down_s = 0.0
@@ -222,7 +223,10 @@ def send_all(
         payload = {"turn_id": turn_id, "agent": "chaos", "session": session, "text": f"turn {n}"}
         while True:
             try:
-                stack.send("june.turn", payload, argsrepr=f"{{chaos {session} {turn_id}}}")
+                if durable:  # recorded in Postgres first: the sweeper sends it again if the broker loses it
+                    stack.durable_producer().start_turn("chaos", session, f"turn {n}", turn_id=turn_id)
+                else:
+                    stack.send("june.turn", payload, argsrepr=f"{{chaos {session} {turn_id}}}")
                 break
             except Exception:  # the broker is restarting: the same turn again, under the same id
                 time.sleep(0.2)
@@ -261,6 +265,14 @@ def main() -> None:
         "--mode", choices=("prefork", "threads"), default="prefork",
         help="workers of -c 2 pool processes, or of one process running many turns (--turns-per-process)",
     )  # fmt: skip
+    parser.add_argument(
+        "--broker", choices=("redis", "amqp"), default="redis",
+        help="the broker: the Redis that restarts (default), or RabbitMQ (JUNE_BENCH_AMQP_URL; only events and "
+        "results are on the restarting Redis then)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--durable", action="store_true", help="send through JuneProducer(durable=True): each turn recorded first"
+    )
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
@@ -269,7 +281,7 @@ def main() -> None:
     os.environ["JUNE_REDIS_URL"] = redis.url
     env = {"JUNE_LEASE_S": "5", "JUNE_ALIVE_S": "1", "JUNE_SWEEP_S": "1", "JUNE_BENCH_PAUSE_MS": str(args.pause_ms)}
     try:
-        with sigterm_as_exit(), BenchStack("chaos", env=env) as stack:
+        with sigterm_as_exit(), BenchStack("chaos", env=env, broker=args.broker) as stack:
             stack.sql("create table chaos_writes (turn_id text not null, call_id text not null)")
             chaos = Chaos(stack, rng, tuple(args.kill_every), mode=args.mode)
             chaos.start_worker()
@@ -278,7 +290,7 @@ def main() -> None:
             killer = threading.Thread(target=chaos.run, name="killer", daemon=True)
             began = time.monotonic()
             killer.start()
-            accepted, down_s = send_all(stack, redis, args.turns, args.sessions, args.rate)
+            accepted, down_s = send_all(stack, redis, args.turns, args.sessions, args.rate, durable=args.durable)
             try:
                 wait_for(lambda: ended(stack, accepted) >= len(accepted), timeout_s=args.settle_s, every_s=0.5,
                          what="every accepted turn to end")  # fmt: skip
@@ -329,10 +341,15 @@ def report(
         out_of_order += sum(1 for a, b in zip(seqs, seqs[1:], strict=False) if b <= a)
     recovery = [finished[t] - k.at for k in chaos.kills for t in k.turns if t in finished and finished[t] >= k.at]
     mains = sum(1 for k in chaos.kills if k.what == "main")
+    workers = (
+        f"2 workers x {TURNS_PER_PROCESS} turns in one process"
+        if chaos.mode == "threads"
+        else "2 workers x 2 processes"
+    )
     print(f"# chaos  {machine()}  seed {seed}")
     print(
         f"# {len(accepted)} turns over {len(sessions)} sessions at {args.rate:g}/s, steps pausing {args.pause_ms:g} ms, "
-        f"2 workers x 2 processes; {len(chaos.kills)} SIGKILLs ({mains} main, {len(chaos.kills) - mains} pool) "
+        f"{workers}; broker {args.broker}{', durable enqueue' if args.durable else ''}; {len(chaos.kills)} SIGKILLs ({mains} main, {len(chaos.kills) - mains} pool) "
         f"every {args.kill_every[0]:g}-{args.kill_every[1]:g} s over {chaos_s:.0f} s; Redis restarted once "
         f"(down {down_s:.2f} s)"
     )

@@ -38,8 +38,9 @@ REFUSED_WITHIN_S = 10.0
 ISOLATION_AFTER_S = REFUSED_WITHIN_S
 """The isolation worker starts this long after the others (once they did not refuse to start)."""
 _BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
-_STEADY_S = 60.0
-"""A worker that ran this long before it died is started again without waiting."""
+_STEADY_S = REFUSED_WITHIN_S
+"""A worker that ran this long before it died (a normal run, not a refusal) is started again without waiting: the
+turns it held are what matter, and another process serving the queue is what recovers them soonest."""
 
 
 def _take_option(args: list[str], short: str, long: str) -> str | None:
@@ -89,6 +90,17 @@ def _metrics_directory(env: os._Environ[str]) -> dict[str, str]:
     return {"PROMETHEUS_MULTIPROC_DIR": str(path), "JUNE_METRICS_DIR_KEPT": "1"}
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, SIGKILL it when the supervisor dies (even by SIGKILL), so that no worker
+    outlives it; elsewhere nothing (the supervisor's signal handlers still pass stops on)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
 @dataclass
 class _Worker:
     index: int
@@ -124,7 +136,7 @@ def supervise(app: str, *, turns: int, processes: int, rest: Sequence[str]) -> i
             if w.popen is None and not stopping and now >= w.due:
                 # the first turn worker serves the metrics of all (the directory they share); the others record only
                 own = env if w.index == 1 or "JUNE_METRICS_PORT" not in env else {**env, "JUNE_METRICS_PORT": "0"}
-                w.popen = subprocess.Popen(w.command, env=own)
+                w.popen = subprocess.Popen(w.command, env=own, preexec_fn=_die_with_parent)
                 w.started = time.monotonic()
             if w.popen is None or w.popen.poll() is None:
                 continue

@@ -41,7 +41,10 @@ SCRIPTS = {
     # Kills 0.5-1 s apart cannot outpace start-ups: the killer waits for the worker that replaces a killed main
     # process to be ready before it kills again, and Celery forks a killed pool process again at once. The turns get
     # the script's own settling time (--settle-s, 240 s): on a busy machine they take longer, and are not lost.
-    "chaos.py": (["--turns", "6", "--sessions", "2", "--rate", "20", "--kill-every", "0.5", "1"], "stuck sessions"),
+    "chaos.py": (
+        ["--turns", "6", "--sessions", "2", "--rate", "20", "--kill-every", "0.5", "1", "--durable"],
+        "stuck sessions",
+    ),
 }
 
 HANG_GUARD_S = 900

@@ -3,12 +3,15 @@ message is taken (a worker that says "ready" and then drops every turn it is sen
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from .conftest import Stack
+from .conftest import Proc, Stack, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -56,3 +59,26 @@ def test_a_many_turns_worker_whose_agents_do_not_load_refuses_to_start_in_one_li
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines[-1] == NO_SUCH_AGENT and done.stderr.count(NO_SUCH_AGENT) == 1, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_no_worker_outlives_its_supervisor_even_killed(stack: Stack) -> None:
+    # Given june worker --turns-per-process running its workers; when the supervisor alone is SIGKILLed (no
+    # signal handler runs); then its workers end too, instead of serving the queue unsupervised for ever
+    args = [sys.executable, "-m", "june_worker.cli", "worker", "--turns-per-process", "4", "-Q", stack.queue]
+    proc = Proc("lonely", [*args, "-n", "lonely@%h", "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"],
+                stack.env, stack.tmp / "lonely.log")  # fmt: skip
+    stack.procs.append(proc)
+    stack._wait_ready(proc)
+    workers = proc.children()
+    assert workers, "the supervisor started no worker"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.popen.wait(10)
+    wait_for(lambda: not any(_alive(pid) for pid in workers), timeout_s=30, what="the supervisor's workers to end")
