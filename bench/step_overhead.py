@@ -17,18 +17,28 @@ SQLite: the store's own connection), measured in the same run, interleaved with 
 that load on the machine hits both alike. Each figure is printed for a session whose
 transcript already holds 10 and 1,000 messages, with the bytes each step stored: if a step
 copied the history, the 1,000-message figures would show it.
+
+``--against REV`` is the regression guard: it checks REV out in a temporary ``git worktree``, starts
+two bench processes on Postgres, one importing this checkout's ``june_worker`` and one REV's (the
+measuring code is this file in both), and alternates them round by round (the order swapped every
+round), so that load drifting on the machine hits both sides alike. It prints, per side, the median
+over rounds of each round's step median (with the rounds' range), the bytes stored per step, and the
+ratio this / REV; the worktree is removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import secrets
 import shutil
 import sqlite3
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -312,12 +322,196 @@ def report(results: list[Result]) -> None:
             )
 
 
+# --- the regression guard: this checkout against an older one, alternating -------------------------------
+
+
+async def serve(url: str, steps: int) -> None:
+    """One side of ``--against``: Postgres sessions warmed up, then a round per ``round`` line on stdin.
+
+    Each reply is one JSON line on stdout. Runs the same code whichever ``june_worker`` it imports.
+    """
+    backend = PostgresBackend(url)
+    try:
+        probe = Probe()
+        agent = Agent(name="bench", model=ScriptedModel(make_script(steps)), tools=[tick])
+        runtime = Runtime(agents=[agent], store=backend.store, crash=probe)
+        sessions = {}
+        for history in HISTORIES:
+            session_id = f"h{history}-{secrets.token_hex(3)}"
+            preload(backend.store, SessionRef("bench", session_id), history)
+            sessions[history] = runtime.session("bench", session_id)
+            await sessions[history].turn("warm up")
+            await sessions[history].turn("warm up")
+            probe.steps()
+        size0 = {h: backend.stored_bytes(s.ref) for h, s in sessions.items()}
+        n_steps = dict.fromkeys(HISTORIES, 0)
+        loop = asyncio.get_running_loop()
+        print(json.dumps({"ready": True}), flush=True)
+        while True:
+            line = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
+            if line == "round":
+                out: dict[str, object] = {}
+                for history, session in sessions.items():
+                    bare = backend.bare(steps)
+                    await session.turn("go")
+                    t, m = probe.steps()
+                    n_steps[history] += len(t) + len(m)
+                    out[str(history)] = {
+                        "tool": statistics.median(t),
+                        "model": statistics.median(m),
+                        "bare": statistics.median(bare),
+                    }
+                print(json.dumps(out), flush=True)
+            elif line == "bytes":
+                per = {
+                    str(h): (backend.stored_bytes(s.ref) - size0[h]) / max(1, n_steps[h]) for h, s in sessions.items()
+                }
+                print(json.dumps(per), flush=True)
+            else:
+                break
+        await runtime.aclose()
+    finally:
+        backend.close()
+
+
+class Side:
+    """A ``--serve`` process importing ``june_worker`` from ``tree``."""
+
+    def __init__(self, label: str, tree: Path, url: str, steps: int) -> None:
+        self.label = label
+        env = dict(os.environ, PYTHONPATH=str(tree), JUNE_DATABASE_URL=url)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--serve", "--steps", str(steps)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.ask_ready()
+        self.rounds: list[dict[str, dict[str, float]]] = []
+
+    def _read(self) -> dict[str, object]:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the {self.label} bench process ended (exit {self.proc.wait()})")
+            if line.startswith("{"):  # anything else a library printed is not a reply
+                reply: dict[str, object] = json.loads(line)
+                return reply
+
+    def ask_ready(self) -> None:
+        self._read()
+
+    def ask(self, command: str) -> dict[str, object]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@contextmanager
+def worktree_at(rev: str) -> Iterator[Path]:
+    """REV checked out (detached) in a temporary git worktree, removed on exit."""
+    repo = Path(__file__).resolve().parent.parent
+    base = Path(tempfile.mkdtemp(prefix="june-against-"))
+    tree = base / "tree"
+    subprocess.run(
+        ["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), rev], check=True, capture_output=True
+    )
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], capture_output=True)
+        subprocess.run(["git", "-C", str(repo), "worktree", "prune"], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def against(rev: str, url: str, steps: int, rounds: int) -> None:
+    repo = Path(__file__).resolve().parent.parent
+    sha = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--short", rev], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    here = f"this ({head}{'+changes' if dirty else ''})"
+    print(f"# against {rev} ({sha}): {rounds} rounds, each side one turn of {steps} tool round trips per history")
+    with worktree_at(rev) as tree:
+        sides: list[Side] = []
+        try:
+            sides.append(Side(here, repo, url, steps))
+            sides.append(Side(sha, tree, url, steps))
+            for i in range(rounds):
+                for side in sides if i % 2 == 0 else sides[::-1]:
+                    side.rounds.append(side.ask("round"))  # type: ignore[arg-type]
+            stored = [side.ask("bytes") for side in sides]
+        finally:
+            for side in sides:
+                side.close()
+    report_against(sides, stored)
+
+
+def report_against(sides: list[Side], stored: list[dict[str, object]]) -> None:
+    this, rev = sides
+    print(
+        f"{'history':>7}  {'step':5} {'side':22} {'median ms':>9} {'rounds, min-max':>15} {'ratio to bare':>13} "
+        f"{'bytes/step':>10}"
+    )
+    for history in (str(h) for h in HISTORIES):
+        for kind in ("tool", "model"):
+            meds = {}
+            for side, got in zip(sides, stored, strict=True):
+                xs = [r[history][kind] * 1000 for r in side.rounds]
+                to_bare = statistics.median(r[history][kind] / r[history]["bare"] for r in side.rounds)
+                meds[side.label] = statistics.median(xs)
+                print(
+                    f"{history:>7}  {kind:5} {side.label:22} {meds[side.label]:9.3f} {min(xs):7.3f}-{max(xs):7.3f} "
+                    f"{to_bare:13.2f} {float(got[history]):10.0f}"  # type: ignore[arg-type]
+                )
+            pairs = [a[history][kind] / b[history][kind] for a, b in zip(this.rounds, rev.rounds, strict=True)]
+            print(
+                f"{history:>7}  {kind:5} {'ratio this / ' + rev.label:22} {meds[this.label] / meds[rev.label]:9.3f} "
+                f"{min(pairs):7.3f}-{max(pairs):7.3f}   (per round: {statistics.median(pairs):.3f})"
+            )
+    bare = {s.label: statistics.median(r[h]["bare"] * 1000 for r in s.rounds for h in r) for s in sides}
+    print("bare one-row commit, median of rounds (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in bare.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="tool round trips per turn")
     parser.add_argument("--rounds", type=int, default=15, help="turns per configuration")
+    parser.add_argument("--against", metavar="REV", help="alternate with REV (a git worktree) on Postgres")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     url = os.environ.get("JUNE_DATABASE_URL", DEFAULT_URL)
+    if args.serve:
+        asyncio.run(serve(url, args.steps))
+        return
+    if args.against:
+        against(args.against, url, args.steps, args.rounds)
+        return
     print(
         f"# step_overhead  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cores  "
         f"python {platform.python_version()}  {args.rounds} turns x {args.steps} tool round trips per config"

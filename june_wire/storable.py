@@ -35,11 +35,30 @@ def storable_text(text: str) -> str:
 def storable_json(value: Any) -> Any:
     """A JSON value (``dict``/``list``/``str``/numbers) with :func:`storable_text` applied to every string and key.
 
-    Returns ``value`` itself when nothing needs replacing (the common case costs one walk).
+    Returns ``value`` itself when nothing needs replacing (the common case costs one walk, which builds no
+    field paths: only :func:`unstorable_reason` names where the bad character is).
     """
-    if unstorable_reason(value) is None:
+    if _clean(value):
         return value
     return _rebuild(value)
+
+
+def _clean(value: Any) -> bool:
+    """True if no string or key in ``value`` holds a NUL or a lone surrogate: the check of
+    :func:`unstorable_reason` without the path it reports, which a step's commit need not build."""
+    if isinstance(value, str):
+        return "\x00" not in value if value.isascii() else _BAD.search(value) is None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and not _clean(k):
+                return False
+            if not _clean(v):
+                return False
+    elif isinstance(value, list | tuple):
+        for v in value:
+            if not _clean(v):
+                return False
+    return True
 
 
 def _rebuild(value: Any) -> Any:
