@@ -28,6 +28,8 @@ SCRIPTS = {
     "history_cost.py": (["--history", "10,40", "--history-turns", "2"], "pg trips/turn"),
     "event_latency.py": (["-n", "20", "--warmup", "5"], "target p99 < 1.5 ms"),
     "step_overhead.py": (["--steps", "2", "--rounds", "1"], "tables+indexes grew per step"),
+    # the regression guard: this checkout against a git worktree of HEAD (what --against REV does for any REV)
+    "step_overhead.py --against": (["--steps", "2", "--rounds", "1", "--against", "HEAD"], "ratio this / "),
     "storage.py": (["--threads", "2", "--turns", "3"], "after relay and pruning"),
     "parallel_tools.py": (["--calls", "2", "--wait-ms", "5", "--rounds", "1"], "ratio serial / parallel"),
     "subagents.py": (["--children", "2", "--wait-ms", "5", "--rounds", "1"], "ratio serial / parallel"),
@@ -76,6 +78,6 @@ def test_the_benchmark_script_runs_to_its_summary(script: str, database_url: str
     args, summary = SCRIPTS[script]
     # PYTHONPATH: the script imports this checkout's package, not whichever one is installed
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JUNE_DATABASE_URL": database_url, "JUNE_REDIS_URL": redis_url}
-    done = _run([sys.executable, str(ROOT / "bench" / script), *args], env)
+    done = _run([sys.executable, str(ROOT / "bench" / script.split()[0]), *args], env)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     assert summary in done.stdout, done.stdout[-2000:]
