@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 
@@ -54,6 +55,9 @@ from june_worker.engine.store import Commit, SessionRef, SessionStore
 from june_worker.engine.types import AssistantMessage, Message, ToolMessage, UserMessage
 from june_worker.models.scripted import Reply, ScriptedModel
 from june_worker.stores import PostgresStore, SQLiteStore
+
+if TYPE_CHECKING:  # (not at run time: --against runs this file on an older june_worker too)
+    from june_worker.engine.session import AgentSession
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 HISTORIES = (10, 1000)
@@ -243,8 +247,11 @@ class Result:
         return statistics.median(r[col] / r[2] for r in self.rounds)
 
 
-async def run_backend(backend: Backend, steps: int, rounds: int) -> list[Result]:
-    """Both histories on one backend, their turns interleaved so that drift in load hits both alike."""
+async def warmed_sessions(
+    backend: Backend, steps: int, *, warm_turns: int
+) -> tuple[Probe, Runtime, dict[int, AgentSession]]:
+    """A session per history on ``backend``, its history preloaded, each warmed up by ``warm_turns`` turns (the first
+    statements on a connection: prepare, caches); the probe's steps so far dropped."""
     probe = Probe()
     agent = Agent(name="bench", model=ScriptedModel(make_script(steps)), tools=[tick])
     runtime = Runtime(agents=[agent], store=backend.store, crash=probe)
@@ -253,8 +260,15 @@ async def run_backend(backend: Backend, steps: int, rounds: int) -> list[Result]
         session_id = f"h{history}-{secrets.token_hex(3)}"
         preload(backend.store, SessionRef("bench", session_id), history)
         sessions[history] = runtime.session("bench", session_id)
-        await sessions[history].turn("warm up")  # first statements on the connection: prepare, caches
+        for _ in range(warm_turns):
+            await sessions[history].turn("warm up")
         probe.steps()
+    return probe, runtime, sessions
+
+
+async def run_backend(backend: Backend, steps: int, rounds: int) -> list[Result]:
+    """Both histories on one backend, their turns interleaved so that drift in load hits both alike."""
+    probe, runtime, sessions = await warmed_sessions(backend, steps, warm_turns=1)
     got = {h: Result(backend.name, h, [], [], [], 0.0, None) for h in HISTORIES}
     size0 = {h: backend.stored_bytes(s.ref) for h, s in sessions.items()}
     rel = {h: 0 for h in HISTORIES}
@@ -332,17 +346,7 @@ async def serve(url: str, steps: int) -> None:
     """
     backend = PostgresBackend(url)
     try:
-        probe = Probe()
-        agent = Agent(name="bench", model=ScriptedModel(make_script(steps)), tools=[tick])
-        runtime = Runtime(agents=[agent], store=backend.store, crash=probe)
-        sessions = {}
-        for history in HISTORIES:
-            session_id = f"h{history}-{secrets.token_hex(3)}"
-            preload(backend.store, SessionRef("bench", session_id), history)
-            sessions[history] = runtime.session("bench", session_id)
-            await sessions[history].turn("warm up")
-            await sessions[history].turn("warm up")
-            probe.steps()
+        probe, runtime, sessions = await warmed_sessions(backend, steps, warm_turns=2)
         size0 = {h: backend.stored_bytes(s.ref) for h, s in sessions.items()}
         n_steps = dict.fromkeys(HISTORIES, 0)
         loop = asyncio.get_running_loop()
