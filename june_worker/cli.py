@@ -80,6 +80,39 @@ def beat_args(rest: list[str], log_format: str | None = None) -> list[str]:
     return ["--quiet", "beat", *rest] if fmt.strip().lower() == "json" else ["beat", *rest]
 
 
+def _migrate(parser: argparse.ArgumentParser, partitions: int | None) -> int:
+    """``june migrate``: one line naming the cause when Postgres cannot be used (within seconds), else what it did."""
+    from .worker.startcheck import check_postgres, migrate, postgres_problem, say_applied
+
+    url = os.environ.get("JUNE_DATABASE_URL")
+    if not url:
+        parser.error("set JUNE_DATABASE_URL to the Postgres database to migrate")
+    problem = check_postgres(url)
+    if problem is not None:
+        print(f"june migrate: {problem.text}", file=sys.stderr)
+        return 1
+    import psycopg
+
+    try:
+        applied = migrate(url)
+        print(say_applied(applied))
+        if partitions is not None:
+            from .stores.postgres import PostgresStore
+
+            store = PostgresStore(url, min_size=1, max_size=1)
+            try:
+                changed = store.partition(partitions)
+            except ValueError as exc:
+                parser.error(str(exc))
+            finally:
+                store.close()
+            print(f"per-session tables {'now' if changed else 'already'} in {partitions} hash partitions")
+    except psycopg.Error as exc:
+        print(f"june migrate: {postgres_problem(url, exc).text}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="june", description="june-worker: durable AI-agent turns")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("gateway", help="serve the HTTP gateway (the 'gateway' extra)", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
+    if args.command in ("worker", "beat", "migrate"):
+        # a bad setting is one line and exit 2 here, not Celery's "Unable to load celery application" and a traceback
+        from .errors import ConfigError
+        from .worker.settings import WorkerSettings
+
+        try:
+            WorkerSettings.from_env()
+        except ConfigError as exc:
+            print(f"june {args.command}: {exc}", file=sys.stderr)
+            return 2
     if args.command == "demo":
         from .demo import main as demo_main
 
@@ -123,23 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "flower":
         return _celery(args.command, *rest)
     if args.command == "migrate":
-        from .stores.postgres import PostgresStore
-
-        url = os.environ.get("JUNE_DATABASE_URL")
-        if not url:
-            parser.error("set JUNE_DATABASE_URL to the Postgres database to migrate")
-        store = PostgresStore(url)
-        try:
-            if args.partitions is not None:
-                try:
-                    changed = store.partition(args.partitions)
-                except ValueError as exc:
-                    parser.error(str(exc))
-                print(f"per-session tables {'now' if changed else 'already'} in {args.partitions} hash partitions")
-        finally:
-            store.close()
-        print("schema is up to date")
-        return 0
+        return _migrate(parser, args.partitions)
     if args.command == "gateway":
         from .gateway.__main__ import main as gateway_main
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import sys
 from typing import Any
 
 from celery import Celery
@@ -100,12 +101,21 @@ def _check_before_start(sender: Any = None, **_: Any) -> None:
     from .settings import WorkerSettings
 
     try:
-        agents = load_agents(
-            WorkerSettings.from_env().agents
-        )  # imported here, before the pool forks: its processes inherit them
+        settings = WorkerSettings.from_env()
+        agents = load_agents(settings.agents)  # imported here, before the pool forks: its processes inherit them
     except ConfigError as exc:
         raise SystemExit(f"june worker: {exc}") from None
+    if os.environ.get("JUNE_START_CHECKED") != "1":  # (june's supervisor checked once for all its processes)
+        from .startcheck import wait_until_ready
+
+        code = wait_until_ready(settings, _say)
+        if code:
+            raise SystemExit(code)
     log.info("serving agents %s", ", ".join(sorted(agents)))
+
+
+def _say(line: str) -> None:
+    print(f"june worker: {line}", file=sys.stderr, flush=True)
 
 
 # --- operating it: metrics and log format (docs/operations.md) --------------------------------------------

@@ -59,7 +59,7 @@ task_routes = {
 
 # Task events, for Flower and `celery events`. They cost every task a few PUBLISHes (about 40 % of
 # an empty task's CPU here); JUNE_TASK_EVENTS=0 turns them off where nothing watches.
-worker_send_task_events = os.environ.get("JUNE_TASK_EVENTS", "1") != "0"
+worker_send_task_events = _s.task_events
 task_send_sent_event = True
 
 beat_schedule: dict[str, dict[str, object]] = {
