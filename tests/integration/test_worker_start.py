@@ -203,3 +203,20 @@ def test_a_many_turns_worker_says_a_refusal_once_for_all_its_processes(stack: St
 def _where(url: str) -> str:
     info = psycopg.conninfo.conninfo_to_dict(url)
     return f"{info['host']}:{info['port']}"
+
+
+def test_a_workers_first_ctrl_c_says_how_many_turns_it_waits_for(stack: Stack, session_id: str) -> None:
+    stack.sql("create table if not exists it_flight (turn_id text not null, call_id text not null)")
+    key = session_id
+    worker = stack.worker("interrupted", pool="prefork", concurrency=2)
+    for i in range(2):
+        stack.turn("flight", f"{session_id}-{i}", f"flight {key}")
+    wait_for(lambda: int(stack.redis.get(f"it:flight:{key}:lingering") or 0) == 2, timeout_s=30, what="two turns")
+    os.kill(worker.pid, signal.SIGINT)  # the worker's main process, as a terminal's Ctrl-C
+    line = ("june worker: waiting for 2 running turns to end; Ctrl-C again stops at once (another worker then takes "
+            "them over once the lease lapses, 2 s)")  # fmt: skip
+    wait_for(lambda: line in worker.log.read_text(), timeout_s=30, what="the worker to say what it waits for")
+    assert worker.popen.poll() is None  # it waits
+    stack.redis.set(f"it:flight:{key}:go", "1")
+    worker.popen.wait(30)
+    assert worker.log.read_text().count("june worker: waiting for") == 1
