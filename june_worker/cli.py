@@ -73,6 +73,27 @@ def _turns_per_process(rest: list[str]) -> tuple[int, int, list[str]] | None:
     return turns, processes or 1, args
 
 
+POOLS_SUPPORTED = (
+    "use prefork (one turn per process), solo, or threads (--turns-per-process N: many turns in one process)"
+)
+"""What ``june worker`` says of a pool it refuses (also :func:`june_worker.worker.app._check_before_start`)."""
+
+
+def _greenlet_pool(rest: list[str]) -> str | None:
+    """``gevent`` / ``eventlet`` when ``rest`` asks for that pool: its turns' blocking calls would share one thread."""
+    for i, arg in enumerate(rest):
+        value = None
+        if arg in ("-P", "--pool") and i + 1 < len(rest):
+            value = rest[i + 1]
+        elif arg.startswith("--pool="):
+            value = arg.split("=", 1)[1]
+        elif arg.startswith("-P") and len(arg) > 2:
+            value = arg[2:]
+        if value in ("gevent", "eventlet"):
+            return value
+    return None
+
+
 def beat_args(rest: list[str], log_format: str | None = None) -> list[str]:
     """``celery beat``'s arguments for ``june beat <rest>``: with ``JUNE_LOG_FORMAT=json``, Celery's ``--quiet`` first,
     since beat prints its banner before june could turn it into JSON (june_worker/worker/logformat.py)."""
@@ -150,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main([args.db])
     if args.command == "worker":
+        greenlets = _greenlet_pool(rest)
+        if greenlets is not None:
+            # said here, once, before Celery imports (and monkey-patches with) it: one line instead of a traceback
+            print(f"june worker: --pool {greenlets} is not supported: {POOLS_SUPPORTED}", file=sys.stderr)
+            return 2
         try:
             many = _turns_per_process(rest)
         except ValueError as exc:

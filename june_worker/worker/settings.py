@@ -107,7 +107,7 @@ class WorkerEnv(EnvModel):
         "JUNE_DELIVERY_ATTEMPTS",
         5,
         "tries of a target's deliver hook before the worker gives the delivery up",
-        expected="a whole number, at least 1",
+        expected="a whole number, at least 0 (0 counts as 1)",
         ge=0,
     )
     max_attempts: int = var(
@@ -115,7 +115,7 @@ class WorkerEnv(EnvModel):
         5,
         "starts of one turn (a killed process, a transient fault that "
         "outlasts a step's retries) before it ends failed as poison and the session moves on",
-        expected="a whole number, at least 1",
+        expected="a whole number, at least 0 (0 counts as 1)",
         ge=0,
     )
     outbox_retention_s: float = var(
@@ -195,7 +195,7 @@ class WorkerEnv(EnvModel):
         "JUNE_DB_POOL_SIZE",
         3,
         "with many turns per process: Postgres connections its turns' statements share (the heartbeat has one more)",
-        expected="a whole number, at least 1",
+        expected="a whole number, at least 0 (0 counts as 1)",
         ge=0,
     )
     redis_connections: int = var(

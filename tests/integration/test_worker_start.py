@@ -220,3 +220,10 @@ def test_a_workers_first_ctrl_c_says_how_many_turns_it_waits_for(stack: Stack, s
     stack.redis.set(f"it:flight:{key}:go", "1")
     worker.popen.wait(30)
     assert worker.log.read_text().count("june worker: waiting for") == 1
+
+
+@pytest.mark.parametrize("pool", [["-P", "gevent"], ["--pool=eventlet"], ["--turns-per-process", "2", "-P", "threads"]])
+def test_a_pool_june_refuses_is_said_once_in_one_line(stack: Stack, pool: list[str]) -> None:
+    done = _june("worker", *pool, "-Q", stack.queue, env=stack.env)
+    assert done.returncode == 2
+    assert len(_own_lines(done.stderr)) == 1 and len(done.stderr.splitlines()) == 1, done.stderr
