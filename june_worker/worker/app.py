@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import os
 import signal
-import sys
 from typing import Any
 
 from celery import Celery
@@ -100,8 +99,10 @@ def _check_before_start(sender: Any = None, **_: Any) -> None:
     from .host import load_agents
     from .settings import WorkerSettings
 
+    global _JSON_LOGS
     try:
         settings = WorkerSettings.from_env()
+        _JSON_LOGS = settings.log_format == "json"
         agents = load_agents(settings.agents)  # imported here, before the pool forks: its processes inherit them
     except ConfigError as exc:
         raise SystemExit(f"june worker: {exc}") from None
@@ -117,6 +118,7 @@ def _check_before_start(sender: Any = None, **_: Any) -> None:
 
 
 _LEASE_S = 30.0
+_JSON_LOGS = False
 _TURN_TASKS = frozenset({"june.turn", "june.proactive"})
 
 
@@ -131,18 +133,14 @@ def _say_what_a_warm_shutdown_waits_for(sig: str = "", how: str = "", **_: Any) 
     if not turns:
         return
     again = "Ctrl-C again" if sig == "SIGINT" else "SIGQUIT"
-    line = (
-        f"june worker: waiting for {turns} running turn{'' if turns == 1 else 's'} to end; {again} stops at once "
-        f"(another worker then takes {'it' if turns == 1 else 'them'} over once the lease lapses, {_LEASE_S:g} s)\n"
+    _say(
+        f"waiting for {turns} running turn{'' if turns == 1 else 's'} to end; {again} stops at once "
+        f"(another worker then takes {'it' if turns == 1 else 'them'} over once the lease lapses, {_LEASE_S:g} s)"
     )
-    try:
-        os.write(2, line.encode())  # (a signal handler: no buffered stream)
-    except OSError:
-        pass
 
 
 def _say(line: str) -> None:
-    print(f"june worker: {line}", file=sys.stderr, flush=True)
+    logformat.say(f"june worker: {line}", json_mode=_JSON_LOGS)
 
 
 # --- operating it: metrics and log format (docs/operations.md) --------------------------------------------

@@ -16,7 +16,6 @@ The rule a reader must not break: **a check never takes longer than a few second
 from __future__ import annotations
 
 import re
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -193,11 +192,16 @@ def _wait(settings: WorkerSettings, say: Callable[[str], None], sleep: Callable[
 def main() -> int:
     """``python -m june_worker.worker.startcheck``: the checks of a worker's start, for june's supervisor."""
 
+    from .logformat import say as write
+
+    json_mode = False
+
     def say(line: str) -> None:
-        print(f"june worker: {line}", file=sys.stderr, flush=True)
+        write(f"june worker: {line}", json_mode=json_mode)
 
     try:
         settings = WorkerSettings.from_env()
+        json_mode = settings.log_format == "json"
         from .host import load_agents
 
         load_agents(settings.agents)
