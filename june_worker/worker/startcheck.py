@@ -88,9 +88,9 @@ def applied_versions(url: str) -> set[int]:
 
 
 def _known() -> int:
-    from ..stores.postgres import _MIGRATIONS
+    from ..stores._pg_schema import MIGRATIONS
 
-    return len(_MIGRATIONS)
+    return len(MIGRATIONS)
 
 
 def say_applied(applied: list[int]) -> str:

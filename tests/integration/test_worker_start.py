@@ -137,12 +137,12 @@ def test_june_migrate_names_a_database_that_does_not_exist_in_one_line(stack: St
 
 
 def test_june_migrate_says_what_it_applied_and_then_that_the_schema_is_up_to_date(database_url: str) -> None:
-    from june_worker.stores.postgres import _MIGRATIONS
+    from june_worker.stores._pg_schema import MIGRATIONS
 
     for url in _database(database_url):
         env = {**os.environ, "JUNE_DATABASE_URL": url}
         first, second = _june("migrate", env=env), _june("migrate", env=env)
-        assert (first.returncode, first.stdout.splitlines()) == (0, [f"applied migrations 1-{len(_MIGRATIONS)}"])
+        assert (first.returncode, first.stdout.splitlines()) == (0, [f"applied migrations 1-{len(MIGRATIONS)}"])
         assert (second.returncode, second.stdout.splitlines()) == (0, ["schema is up to date"])
         assert first.stderr == second.stderr == ""
 
@@ -180,13 +180,13 @@ def test_a_worker_whose_postgres_does_not_answer_says_so_once_and_retries(stack:
 
 
 def test_a_worker_on_an_unmigrated_database_migrates_it_at_start_and_says_so(database_url: str, stack: Stack) -> None:
-    from june_worker.stores.postgres import _MIGRATIONS
+    from june_worker.stores._pg_schema import MIGRATIONS
 
     for url in _database(database_url):
         done = _start_refused(stack, "-P", "solo", env={"JUNE_DATABASE_URL": url, "JUNE_AGENTS": "nosuch.module:ops"})
         assert "applied migrations" not in done.stderr  # (agents first: nothing is touched for a worker that refuses)
         proc = stack.worker("migrating", pool="solo", env={"JUNE_DATABASE_URL": url})
-        assert f"june worker: applied migrations 1-{len(_MIGRATIONS)}" in proc.log.read_text()
+        assert f"june worker: applied migrations 1-{len(MIGRATIONS)}" in proc.log.read_text()
         proc.stop()
 
 
