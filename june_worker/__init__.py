@@ -15,6 +15,7 @@ from .engine import (
 )
 from .engine.context import ContextPolicy
 from .errors import FatalToolError
+from .schedules import schedule
 
 __all__ = [
     "Agent",
@@ -24,6 +25,7 @@ __all__ = [
     "Runtime",
     "Tool",
     "ToolContext",
+    "schedule",
     "store_write",
     "tool",
 ]

@@ -73,11 +73,65 @@ def _turns_per_process(rest: list[str]) -> tuple[int, int, list[str]] | None:
     return turns, processes or 1, args
 
 
+POOLS_SUPPORTED = (
+    "use prefork (one turn per process), solo, or threads (--turns-per-process N: many turns in one process)"
+)
+"""What ``june worker`` says of a pool it refuses (also :func:`june_worker.worker.app._check_before_start`)."""
+
+
+def _greenlet_pool(rest: list[str]) -> str | None:
+    """``gevent`` / ``eventlet`` when ``rest`` asks for that pool: its turns' blocking calls would share one thread."""
+    for i, arg in enumerate(rest):
+        value = None
+        if arg in ("-P", "--pool") and i + 1 < len(rest):
+            value = rest[i + 1]
+        elif arg.startswith("--pool="):
+            value = arg.split("=", 1)[1]
+        elif arg.startswith("-P") and len(arg) > 2:
+            value = arg[2:]
+        if value in ("gevent", "eventlet"):
+            return value
+    return None
+
+
 def beat_args(rest: list[str], log_format: str | None = None) -> list[str]:
     """``celery beat``'s arguments for ``june beat <rest>``: with ``JUNE_LOG_FORMAT=json``, Celery's ``--quiet`` first,
     since beat prints its banner before june could turn it into JSON (june_worker/worker/logformat.py)."""
     fmt = os.environ.get("JUNE_LOG_FORMAT", "") if log_format is None else log_format
     return ["--quiet", "beat", *rest] if fmt.strip().lower() == "json" else ["beat", *rest]
+
+
+def _migrate(parser: argparse.ArgumentParser, partitions: int | None) -> int:
+    """``june migrate``: one line naming the cause when Postgres cannot be used (within seconds), else what it did."""
+    from .worker.startcheck import check_postgres, migrate, postgres_problem, say_applied
+
+    url = os.environ.get("JUNE_DATABASE_URL")
+    if not url:
+        parser.error("set JUNE_DATABASE_URL to the Postgres database to migrate")
+    problem = check_postgres(url)
+    if problem is not None:
+        print(f"june migrate: {problem.text}", file=sys.stderr)
+        return 1
+    import psycopg
+
+    try:
+        applied = migrate(url)
+        print(say_applied(applied))
+        if partitions is not None:
+            from .stores.postgres import PostgresStore
+
+            store = PostgresStore(url, min_size=1, max_size=1)
+            try:
+                changed = store.partition(partitions)
+            except ValueError as exc:
+                parser.error(str(exc))
+            finally:
+                store.close()
+            print(f"per-session tables {'now' if changed else 'already'} in {partitions} hash partitions")
+    except psycopg.Error as exc:
+        print(f"june migrate: {postgres_problem(url, exc).text}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,11 +156,26 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("gateway", help="serve the HTTP gateway (the 'gateway' extra)", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
+    if args.command in ("worker", "beat", "migrate"):
+        # a bad setting is one line and exit 2 here, not Celery's "Unable to load celery application" and a traceback
+        from .errors import ConfigError
+        from .worker.settings import WorkerSettings
+
+        try:
+            WorkerSettings.from_env()
+        except ConfigError as exc:
+            print(f"june {args.command}: {exc}", file=sys.stderr)
+            return 2
     if args.command == "demo":
         from .demo import main as demo_main
 
         return demo_main([args.db])
     if args.command == "worker":
+        greenlets = _greenlet_pool(rest)
+        if greenlets is not None:
+            # said here, once, before Celery imports (and monkey-patches with) it: one line instead of a traceback
+            print(f"june worker: --pool {greenlets} is not supported: {POOLS_SUPPORTED}", file=sys.stderr)
+            return 2
         try:
             many = _turns_per_process(rest)
         except ValueError as exc:
@@ -123,23 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "flower":
         return _celery(args.command, *rest)
     if args.command == "migrate":
-        from .stores.postgres import PostgresStore
-
-        url = os.environ.get("JUNE_DATABASE_URL")
-        if not url:
-            parser.error("set JUNE_DATABASE_URL to the Postgres database to migrate")
-        store = PostgresStore(url)
-        try:
-            if args.partitions is not None:
-                try:
-                    changed = store.partition(args.partitions)
-                except ValueError as exc:
-                    parser.error(str(exc))
-                print(f"per-session tables {'now' if changed else 'already'} in {args.partitions} hash partitions")
-        finally:
-            store.close()
-        print("schema is up to date")
-        return 0
+        return _migrate(parser, args.partitions)
     if args.command == "gateway":
         from .gateway.__main__ import main as gateway_main
 

@@ -3,46 +3,9 @@
 The Redis, broker, queue and key-prefix variables are the worker's own (both sides must
 agree); the ``JUNE_GATEWAY_*`` ones are the gateway's.
 
-=============================  ==============================================  ===========================
-variable                       meaning                                         default
-=============================  ==============================================  ===========================
-JUNE_DATABASE_URL              Postgres: pending input, turn and session reads  postgresql://postgres@127.0.0.1:5432/june
-JUNE_REDIS_URL                 Redis holding the event streams (a Redis         redis://127.0.0.1:6379/0
-                               Cluster: redis+cluster://host:port,...)
-CELERY_BROKER_URL              the broker                                       JUNE_REDIS_URL
-CELERY_RESULT_BACKEND          where control tasks' answers come back           JUNE_REDIS_URL
-JUNE_QUEUE                     queue of ``june.turn``                           june
-JUNE_CONTROL_QUEUE             queue of resume / cancel / reset                 june.control
-JUNE_KEY_PREFIX                prefix of every Redis key                        june
-JUNE_FIREHOSE_PARTITIONS       partitions of the all-sessions stream (the       1 (16 on a Redis Cluster,
-                               console's live feed reads them)                  as on the workers)
-JUNE_BROKER_QUEUE_TYPE         RabbitMQ queue type, as the workers declare it   quorum
-JUNE_PUBLISH_TIMEOUT_S         one try to send a task (connect, write, confirm) 5
-JUNE_PUBLISH_RETRIES           more tries before a 503                          3
-JUNE_AGENTS                    agents the workers serve (``module:attr``)       june_worker.demo:build_agent
-JUNE_GATEWAY_AGENTS            agent names, comma-separated (skips importing    (from JUNE_AGENTS)
-                               JUNE_AGENTS)
-JUNE_GATEWAY_TOKENS            bearer tokens as JSON (see :mod:`.auth`)         none
-JUNE_GATEWAY_TOKENS_FILE       bearer tokens in a JSON or TOML file             none
-JUNE_GATEWAY_INSECURE_DEV      ``1``: requests without a token are let in       0
-                               (local development only; logged loudly)
-JUNE_GATEWAY_DEV_PRINCIPAL     who such a request is                            dev
-JUNE_GATEWAY_HOST / _PORT      where ``june gateway`` listens                   127.0.0.1 / 8080
-JUNE_GATEWAY_HEARTBEAT_S       SSE comment sent after this long without events  15
-JUNE_GATEWAY_MAX_STREAM_S      an SSE response ends after this long (the        3600
-                               client reconnects with Last-Event-ID)
-JUNE_GATEWAY_WAIT_S            longest ``?wait=true`` before a 504              300
-JUNE_GATEWAY_CONTROL_TIMEOUT_S longest wait for resume / cancel / reset         30
-JUNE_GATEWAY_REDIS_CONNECTIONS Redis connections for SSE readers (one per       1000
-                               open stream while it waits)
-JUNE_GATEWAY_ACCESS_LOG        ``0`` turns uvicorn's access log off             1
-JUNE_GATEWAY_MAX_BODY_BYTES    a larger request body is a 413                   2097152 (2 MiB)
-JUNE_GATEWAY_AUTHORIZE_SESSION the app's ``authorize_session`` hook              none
-                               (``module:attribute``; see :mod:`.access`)
-SLACK_SIGNING_SECRET, JUNE_SLACK_*  the Slack routes (see :mod:`.slack_settings`)  off
-JUNE_GATEWAY_METRICS_PUBLIC    ``1``: ``/metrics`` needs no token (a private    0
-                               network only); else an operator's token
-=============================  ==============================================  ===========================
+Every variable is declared once, in :class:`GatewayEnv` (and the Slack ones in
+:class:`~.slack_settings.SlackEnv`); docs/settings.md is generated from them
+(``python -m june_worker.settings_doc``).
 
 The rule a reader must not break: **settings are built here and passed down**; nothing else in
 the gateway reads the environment.
@@ -55,45 +18,166 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator
 
 from june_wire.keys import default_firehose_partitions
 from june_wire.redis_url import is_cluster_url
 
 from ..channels.base import receiving_only
+from ..envsettings import EnvModel, comma_list, var
 from ..errors import ConfigError
 from .access import AuthorizeSession
 from .auth import TokenTable, load_tokens
 from .slack_settings import SlackGatewaySettings, slack_from_env
 
-__all__ = ["AGENT_NAME_RE", "GatewaySettings", "agent_names", "load_hook", "token_loader"]
+__all__ = ["AGENT_NAME_RE", "GatewayEnv", "GatewaySettings", "agent_names", "load_hook", "token_loader"]
 
 AGENT_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _DEFAULT_AGENTS = "june_worker.demo:build_agent"
 
 
-def _number(env: Mapping[str, str], name: str, default: float, *, low: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if value < low:
-        raise ConfigError(f"{name} must be at least {low:g}, not {raw}")
-    return value
+def _lower(value: object) -> object:
+    return value.strip().lower() if isinstance(value, str) else value
 
 
-def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={raw!r}: expected 1 or 0")
+_SECONDS = "a number of seconds"
+
+
+class GatewayEnv(EnvModel):
+    """The gateway's variables (the Slack ones: :class:`~.slack_settings.SlackEnv`). Set but empty is an error."""
+
+    empty = "error"
+
+    database_url: str = var(
+        "JUNE_DATABASE_URL",
+        "postgresql://postgres@127.0.0.1:5432/june",
+        "Postgres: pending input, turn and session reads",
+        expected="a postgresql:// URL",
+    )
+    redis_url: str = var(
+        "JUNE_REDIS_URL",
+        "redis://127.0.0.1:6379/0",
+        "Redis holding the event streams (a Redis Cluster: redis+cluster://host:port,...)",
+        expected="a redis:// or redis+cluster:// URL",
+    )
+    broker_url: str | None = var(
+        "CELERY_BROKER_URL", None, "the broker", expected="a redis:// or amqp:// URL", default_doc="JUNE_REDIS_URL"
+    )
+    result_backend: str | None = var(
+        "CELERY_RESULT_BACKEND",
+        None,
+        "where control tasks' answers come back",
+        expected="a redis:// URL",
+        default_doc="JUNE_REDIS_URL",
+    )
+    queue: str = var("JUNE_QUEUE", "june", "queue of june.turn", expected="a queue name")
+    control_queue: str = var(
+        "JUNE_CONTROL_QUEUE", "june.control", "queue of resume / cancel / reset", expected="a queue name"
+    )
+    key_prefix: str = var("JUNE_KEY_PREFIX", "june", "prefix of every Redis key", expected="a key prefix")
+    firehose_partitions: int | None = var(
+        "JUNE_FIREHOSE_PARTITIONS",
+        None,
+        "partitions of the all-sessions stream (the console's live feed reads them)",
+        expected="a whole number, at least 1",
+        default_doc="1 (16 on a Redis Cluster, as on the workers)",
+        ge=1,
+    )
+    broker_queue_type: Annotated[Literal["quorum", "classic"], BeforeValidator(_lower)] = var(
+        "JUNE_BROKER_QUEUE_TYPE",
+        "quorum",
+        "RabbitMQ queue type, as the workers declare it",
+        expected="quorum or classic",
+    )
+    publish_timeout_s: float = var(
+        "JUNE_PUBLISH_TIMEOUT_S", 5.0, "one try to send a task (connect, write, confirm)", expected=_SECONDS, ge=0.1
+    )
+    publish_retries: int = var(
+        "JUNE_PUBLISH_RETRIES", 3, "more tries before a 503", expected="a whole number, at least 0", ge=0
+    )
+    agents: Annotated[tuple[str, ...], comma_list] = var(
+        "JUNE_AGENTS",
+        ("june_worker.demo:build_agent",),
+        "agents the workers serve (module:attribute)",
+        expected="module:attribute paths, comma-separated",
+        min_length=1,
+    )
+    gateway_agents: Annotated[tuple[str, ...], comma_list] | None = var(
+        "JUNE_GATEWAY_AGENTS",
+        None,
+        "agent names, comma-separated (skips importing JUNE_AGENTS)",
+        expected="agent names, comma-separated",
+        default_doc="from JUNE_AGENTS",
+    )
+    tokens: str | None = var(
+        "JUNE_GATEWAY_TOKENS",
+        None,
+        "bearer tokens as JSON (see june_worker/gateway/auth.py)",
+        expected="a JSON object of tokens",
+        secret=True,
+        default_doc="none",
+    )
+    tokens_file: str | None = var(
+        "JUNE_GATEWAY_TOKENS_FILE",
+        None,
+        "bearer tokens in a JSON or TOML file (read again on SIGHUP)",
+        expected="a file path",
+        default_doc="none",
+    )
+    insecure_dev: bool = var(
+        "JUNE_GATEWAY_INSECURE_DEV",
+        False,
+        "1: requests without a token are let in (local development only; logged loudly)",
+        expected="1 or 0",
+    )
+    dev_principal: str = var("JUNE_GATEWAY_DEV_PRINCIPAL", "dev", "who such a request is", expected="a principal id")
+    host: str = var("JUNE_GATEWAY_HOST", "127.0.0.1", "where june gateway listens", expected="an address")
+    port: int = var("JUNE_GATEWAY_PORT", 8080, "its port", expected="a TCP port (1-65535)", ge=1, le=65535)
+    heartbeat_s: float = var(
+        "JUNE_GATEWAY_HEARTBEAT_S", 15.0, "SSE comment sent after this long without events", expected=_SECONDS, ge=0.05
+    )
+    max_stream_s: float = var(
+        "JUNE_GATEWAY_MAX_STREAM_S",
+        3600.0,
+        "an SSE response ends after this long (the client reconnects with Last-Event-ID)",
+        expected=_SECONDS,
+        ge=0.1,
+    )
+    wait_s: float = var("JUNE_GATEWAY_WAIT_S", 300.0, "longest ?wait=true before a 504", expected=_SECONDS, ge=0.1)
+    control_timeout_s: float = var(
+        "JUNE_GATEWAY_CONTROL_TIMEOUT_S", 30.0, "longest wait for resume / cancel / reset", expected=_SECONDS, ge=0.1
+    )
+    redis_connections: int = var(
+        "JUNE_GATEWAY_REDIS_CONNECTIONS",
+        1000,
+        "Redis connections for SSE readers (one per open stream while it waits)",
+        expected="a whole number, at least 2",
+        ge=2,
+    )
+    access_log: bool = var("JUNE_GATEWAY_ACCESS_LOG", True, "0 turns uvicorn's access log off", expected="1 or 0")
+    max_body_bytes: int = var(
+        "JUNE_GATEWAY_MAX_BODY_BYTES",
+        2 * 1024 * 1024,
+        "a larger request body is a 413",
+        expected="a whole number of bytes, at least 1024",
+        default_doc="2097152 (2 MiB)",
+        ge=1024,
+    )
+    authorize_session: str | None = var(
+        "JUNE_GATEWAY_AUTHORIZE_SESSION",
+        None,
+        "the app's authorize_session hook (module:attribute; see june_worker/gateway/access.py)",
+        expected="module:function",
+        default_doc="none",
+    )
+    metrics_public: bool = var(
+        "JUNE_GATEWAY_METRICS_PUBLIC",
+        False,
+        "1: /metrics needs no token (a private network only); else an operator's token",
+        expected="1 or 0",
+    )
 
 
 def load_hook(path: str, variable: str) -> AuthorizeSession:
@@ -207,52 +291,48 @@ class GatewaySettings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> GatewaySettings:
         """Settings from the environment (``os.environ`` by default); a bad value is a :class:`ConfigError`."""
         env = os.environ if env is None else env
-        for name in sorted(n for n in env if n.startswith("JUNE_GATEWAY_") or n in _SHARED):
-            if not env[name].strip():
-                raise ConfigError(f"{name} is set but empty; unset it for the default or give a value")
-        names = env.get("JUNE_GATEWAY_AGENTS", "").strip()
+        e = GatewayEnv.load(env)
         built: dict[str, Any] | None = None  # the agents themselves, when built here (not named only)
-        if names:
-            agents = tuple(n.strip() for n in names.split(",") if n.strip())
+        if e.gateway_agents:
+            agents = e.gateway_agents
         else:
-            paths = tuple(p.strip() for p in env.get("JUNE_AGENTS", _DEFAULT_AGENTS).split(",") if p.strip())
-            built = built_agents(paths)
+            built = built_agents(e.agents)
             agents = tuple(built)
-        redis_url = env.get("JUNE_REDIS_URL", cls.redis_url)
-        for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
-            if is_cluster_url(env.get(name, redis_url)):
+        for name, url in (("CELERY_BROKER_URL", e.broker_url), ("CELERY_RESULT_BACKEND", e.result_backend)):
+            if is_cluster_url(url or e.redis_url):
                 raise ConfigError(
                     f"{name} is a Redis Cluster: a cluster holds june's events only; set {name} to a single Redis "
                     "(redis://) or, for the broker, RabbitMQ (amqp://)"
                 )
-        hook_path = env.get("JUNE_GATEWAY_AUTHORIZE_SESSION")
         return cls(
             agents=agents,
-            tokens=load_tokens(env.get("JUNE_GATEWAY_TOKENS"), env.get("JUNE_GATEWAY_TOKENS_FILE")),
-            insecure_dev=_flag(env, "JUNE_GATEWAY_INSECURE_DEV", False),
-            dev_principal=env.get("JUNE_GATEWAY_DEV_PRINCIPAL", cls.dev_principal),
-            database_url=env.get("JUNE_DATABASE_URL", cls.database_url),
-            redis_url=redis_url,
-            broker_url=env.get("CELERY_BROKER_URL", redis_url),
-            result_backend=env.get("CELERY_RESULT_BACKEND", redis_url),
-            queue=env.get("JUNE_QUEUE", cls.queue),
-            control_queue=env.get("JUNE_CONTROL_QUEUE", cls.control_queue),
-            key_prefix=env.get("JUNE_KEY_PREFIX", cls.key_prefix),
-            firehose_partitions=int(_number(env, "JUNE_FIREHOSE_PARTITIONS", cls.firehose_partitions, low=1)),
-            broker_queue_type=env.get("JUNE_BROKER_QUEUE_TYPE", cls.broker_queue_type).strip().lower(),
-            publish_timeout_s=_number(env, "JUNE_PUBLISH_TIMEOUT_S", cls.publish_timeout_s, low=0.1),
-            publish_retries=int(_number(env, "JUNE_PUBLISH_RETRIES", cls.publish_retries, low=0)),
-            host=env.get("JUNE_GATEWAY_HOST", cls.host),
-            port=int(_number(env, "JUNE_GATEWAY_PORT", cls.port, low=1)),
-            heartbeat_s=_number(env, "JUNE_GATEWAY_HEARTBEAT_S", cls.heartbeat_s, low=0.05),
-            max_stream_s=_number(env, "JUNE_GATEWAY_MAX_STREAM_S", cls.max_stream_s, low=0.1),
-            wait_s=_number(env, "JUNE_GATEWAY_WAIT_S", cls.wait_s, low=0.1),
-            control_timeout_s=_number(env, "JUNE_GATEWAY_CONTROL_TIMEOUT_S", cls.control_timeout_s, low=0.1),
-            redis_connections=int(_number(env, "JUNE_GATEWAY_REDIS_CONNECTIONS", cls.redis_connections, low=2)),
-            access_log=_flag(env, "JUNE_GATEWAY_ACCESS_LOG", True),
-            metrics_public=_flag(env, "JUNE_GATEWAY_METRICS_PUBLIC", False),
-            max_body_bytes=int(_number(env, "JUNE_GATEWAY_MAX_BODY_BYTES", cls.max_body_bytes, low=1024)),
-            authorize_session=load_hook(hook_path, "JUNE_GATEWAY_AUTHORIZE_SESSION") if hook_path else None,
+            tokens=load_tokens(e.tokens, e.tokens_file),
+            insecure_dev=e.insecure_dev,
+            dev_principal=e.dev_principal,
+            database_url=e.database_url,
+            redis_url=e.redis_url,
+            broker_url=e.broker_url or e.redis_url,
+            result_backend=e.result_backend or e.redis_url,
+            queue=e.queue,
+            control_queue=e.control_queue,
+            key_prefix=e.key_prefix,
+            firehose_partitions=e.firehose_partitions or 0,
+            broker_queue_type=e.broker_queue_type,
+            publish_timeout_s=e.publish_timeout_s,
+            publish_retries=e.publish_retries,
+            host=e.host,
+            port=e.port,
+            heartbeat_s=e.heartbeat_s,
+            max_stream_s=e.max_stream_s,
+            wait_s=e.wait_s,
+            control_timeout_s=e.control_timeout_s,
+            redis_connections=e.redis_connections,
+            access_log=e.access_log,
+            metrics_public=e.metrics_public,
+            max_body_bytes=e.max_body_bytes,
+            authorize_session=load_hook(e.authorize_session, "JUNE_GATEWAY_AUTHORIZE_SESSION")
+            if e.authorize_session
+            else None,
             slack=slack_from_env(env, agents, built),
         )
 
@@ -271,10 +351,3 @@ def token_loader(env: Mapping[str, str] | None = None) -> Callable[[], TokenTabl
     env = os.environ if env is None else env
     tokens_json, tokens_file = env.get("JUNE_GATEWAY_TOKENS"), env.get("JUNE_GATEWAY_TOKENS_FILE")
     return lambda: load_tokens(tokens_json, tokens_file)
-
-
-_SHARED = frozenset(
-    {"JUNE_DATABASE_URL", "JUNE_REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "JUNE_QUEUE",
-     "JUNE_CONTROL_QUEUE", "JUNE_KEY_PREFIX", "JUNE_AGENTS", "JUNE_BROKER_QUEUE_TYPE", "JUNE_PUBLISH_TIMEOUT_S",
-     "JUNE_PUBLISH_RETRIES", "JUNE_FIREHOSE_PARTITIONS"}
-)  # fmt: skip

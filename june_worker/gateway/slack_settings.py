@@ -1,20 +1,6 @@
 """The gateway's Slack settings, read from the environment with the rest (:meth:`GatewaySettings.from_env`).
 
-================================  ================================================  ====================
-variable                          meaning                                           default
-================================  ================================================  ====================
-SLACK_SIGNING_SECRET              the app's signing secret: turns the Slack routes  none (routes off)
-                                  on; never logged
-JUNE_SLACK_AGENT                  the agent Slack talks to                          required with it
-JUNE_SLACK_RESPOND_TO             event types that start a turn                     message,app_mention
-JUNE_SLACK_REPLACE_IN_FLIGHT      a new message in a thread cancels the thread's    0
-                                  running turn (never a parked approval)
-JUNE_SLACK_RESOLVE_IDENTITY       ``module:function(user_id, team_id, *,            none
-                                  user_team_id, channel_id)`` returning a
-                                  principal ``{"id": ..., claims}`` or None
-JUNE_SLACK_RESOLVE_TIMEOUT_S      the resolver's time; past it the turn is          1
-                                  anonymous (it still runs)
-================================  ================================================  ====================
+Every variable is declared once, in :class:`SlackEnv`; docs/settings.md is generated from it.
 """
 
 from __future__ import annotations
@@ -23,12 +9,13 @@ import importlib
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Annotated, Any, TypeAlias
 
 from ..channels.base import Channels
+from ..envsettings import EnvModel, comma_list, var
 from ..errors import ConfigError
 
-__all__ = ["EVENT_TYPES", "RESOLVER_KEYWORDS", "ResolveIdentity", "SlackGatewaySettings", "slack_from_env"]
+__all__ = ["EVENT_TYPES", "RESOLVER_KEYWORDS", "ResolveIdentity", "SlackEnv", "SlackGatewaySettings", "slack_from_env"]
 
 ResolveIdentity: TypeAlias = Callable[..., "Mapping[str, Any] | None | Awaitable[Mapping[str, Any] | None]"]
 """``resolve(user_id, team_id, *, user_team_id, channel_id)``: the app's principal for a Slack user
@@ -40,6 +27,52 @@ install), ``user_team_id`` the sender's own workspace (another one in a Slack Co
 RESOLVER_KEYWORDS = ("user_team_id", "channel_id")
 
 EVENT_TYPES = ("message", "app_mention", "reaction_added")
+
+
+class SlackEnv(EnvModel):
+    """The gateway's Slack variables (an empty value: the default)."""
+
+    signing_secret: str | None = var(
+        "SLACK_SIGNING_SECRET",
+        None,
+        "the app's signing secret: turns the Slack routes on; never logged",
+        expected="Slack's signing secret",
+        secret=True,
+        default_doc="none (routes off)",
+    )
+    agent: str = var(
+        "JUNE_SLACK_AGENT",
+        "",
+        "the agent Slack talks to",
+        expected="one of the gateway's agents",
+        default_doc="required with it",
+    )
+    respond_to: Annotated[tuple[str, ...], comma_list] = var(
+        "JUNE_SLACK_RESPOND_TO",
+        ("message", "app_mention"),
+        "event types that start a turn",
+        expected=f"some of {', '.join(EVENT_TYPES)}, comma-separated",
+    )
+    replace_in_flight: bool = var(
+        "JUNE_SLACK_REPLACE_IN_FLIGHT",
+        False,
+        "a new message in a thread cancels the thread's running turn (never a parked approval)",
+        expected="1 or 0",
+    )
+    resolve_identity: str | None = var(
+        "JUNE_SLACK_RESOLVE_IDENTITY",
+        None,
+        "module:function(user_id, team_id, *, "
+        'user_team_id, channel_id) returning a principal {"id": ..., claims} or None',
+        expected="module:function",
+        default_doc="none",
+    )
+    resolve_timeout_s: float = var(
+        "JUNE_SLACK_RESOLVE_TIMEOUT_S",
+        1.0,
+        "the resolver's time; past it the turn is anonymous (it still runs)",
+        expected="a number of seconds, more than 0",
+    )
 
 
 @dataclass(frozen=True)
@@ -129,29 +162,20 @@ def slack_from_env(
     ``built``: the agents by name, when the gateway built them (``JUNE_AGENTS``): the Slack agent must then have a
     deliver hook that reaches Slack. Named only (``JUNE_GATEWAY_AGENTS``), the gateway has no agent to check.
     """
-    secret = env.get("SLACK_SIGNING_SECRET", "")
-    if not secret:
+    e = SlackEnv.load(env)
+    if not e.signing_secret:
         return None
-    agent = env.get("JUNE_SLACK_AGENT", "").strip()
+    agent = e.agent.strip()
     if agent not in agents:
         raise ConfigError(f"JUNE_SLACK_AGENT={agent!r} must name one of the gateway's agents {list(agents)}")
     if built is not None:
         _check_reachable(agent, built[agent])
-    raw_timeout = env.get("JUNE_SLACK_RESOLVE_TIMEOUT_S", "1")
-    try:
-        timeout_s = float(raw_timeout)
-    except ValueError:
-        raise ConfigError(f"JUNE_SLACK_RESOLVE_TIMEOUT_S={raw_timeout!r} is not a number") from None
-    replace = env.get("JUNE_SLACK_REPLACE_IN_FLIGHT", "0").strip().lower()
-    if replace not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise ConfigError(f"JUNE_SLACK_REPLACE_IN_FLIGHT={replace!r}: expected 1 or 0")
-    hook = env.get("JUNE_SLACK_RESOLVE_IDENTITY", "").strip()
-    respond_to = [t.strip() for t in env.get("JUNE_SLACK_RESPOND_TO", "message,app_mention").split(",")]
+    hook = (e.resolve_identity or "").strip()
     return SlackGatewaySettings(
-        signing_secret=secret,
+        signing_secret=e.signing_secret,
         agent=agent,
-        respond_to=tuple(t for t in respond_to if t),
-        replace_in_flight=replace in ("1", "true", "yes", "on"),
+        respond_to=e.respond_to,
+        replace_in_flight=e.replace_in_flight,
         resolve_identity=_load(hook) if hook else None,
-        resolve_timeout_s=timeout_s,
+        resolve_timeout_s=e.resolve_timeout_s,
     )

@@ -14,7 +14,7 @@ from typing import Any
 
 from celery import Celery
 from celery.concurrency import get_implementation
-from celery.signals import worker_init, worker_ready
+from celery.signals import worker_init, worker_ready, worker_shutting_down
 
 from ..engine.secrets import scrubbed_logger
 from . import logformat  # noqa: F401  (connects the log-format hooks: scrubbed always, JSON on request)
@@ -99,13 +99,48 @@ def _check_before_start(sender: Any = None, **_: Any) -> None:
     from .host import load_agents
     from .settings import WorkerSettings
 
+    global _JSON_LOGS
     try:
-        agents = load_agents(
-            WorkerSettings.from_env().agents
-        )  # imported here, before the pool forks: its processes inherit them
+        settings = WorkerSettings.from_env()
+        _JSON_LOGS = settings.log_format == "json"
+        agents = load_agents(settings.agents)  # imported here, before the pool forks: its processes inherit them
     except ConfigError as exc:
         raise SystemExit(f"june worker: {exc}") from None
+    if os.environ.get("JUNE_START_CHECKED") != "1":  # (june's supervisor checked once for all its processes)
+        from .startcheck import wait_until_ready
+
+        code = wait_until_ready(settings, _say)
+        if code:
+            raise SystemExit(code)
+    global _LEASE_S
+    _LEASE_S = settings.lease_s
     log.info("serving agents %s", ", ".join(sorted(agents)))
+
+
+_LEASE_S = 30.0
+_JSON_LOGS = False
+_TURN_TASKS = frozenset({"june.turn", "june.proactive"})
+
+
+@worker_shutting_down.connect  # type: ignore[untyped-decorator]
+def _say_what_a_warm_shutdown_waits_for(sig: str = "", how: str = "", **_: Any) -> None:
+    """A warm shutdown (the first Ctrl-C, SIGTERM) waits for the running turns: say how many, and what else there is."""
+    if how != "Warm":
+        return
+    from celery.worker import state
+
+    turns = sum(1 for request in list(state.active_requests) if getattr(request, "name", None) in _TURN_TASKS)
+    if not turns:
+        return
+    again = "Ctrl-C again" if sig == "SIGINT" else "SIGQUIT"
+    _say(
+        f"waiting for {turns} running turn{'' if turns == 1 else 's'} to end; {again} stops at once "
+        f"(another worker then takes {'it' if turns == 1 else 'them'} over once the lease lapses, {_LEASE_S:g} s)"
+    )
+
+
+def _say(line: str) -> None:
+    logformat.say(f"june worker: {line}", json_mode=_JSON_LOGS)
 
 
 # --- operating it: metrics and log format (docs/operations.md) --------------------------------------------

@@ -8,8 +8,11 @@ input: a refusal is a result, recorded where the turn id is known, never a retry
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
+
+from june_wire.ids import CROCKFORD
 
 from ..engine.agent import Agent
 from ..engine.children import cancel_children, cancel_parked, child_grant, refuse_reserved
@@ -176,8 +179,16 @@ def _after_drain(host: WorkerHost, ref: SessionRef, turn_id: str, ran: dict[str,
 
 
 def proactive_turn_id(task_id: str) -> str:
-    """A proactive message without a turn id gets one from its Celery task id: a redelivery is the same turn."""
-    return f"t_{task_id.replace('-', '')}"
+    """A proactive message without a turn id gets one from its Celery task id: a redelivery is the same turn.
+
+    June's beat scheduler mints a ULID for every proactive turn it sends (worker/beat.py); this is for one sent
+    without, by hand: the task id's 128 bits (a UUID) written as a ULID is, ``t_`` and 26 Crockford characters
+    (a task id that is no UUID: its hex digits, as before)."""
+    try:
+        value = uuid.UUID(task_id).int
+    except ValueError:
+        return f"t_{task_id.replace('-', '')}"
+    return "t_" + "".join(CROCKFORD[(value >> shift) & 31] for shift in range(125, -1, -5))
 
 
 def proactive(

@@ -6,12 +6,13 @@ The repository's top-level ``celeryconfig.py`` re-exports these; copy that file 
 from __future__ import annotations
 
 import json
-import os
 
+from ..schedules import schedule
 from .broker import celery_options
-from .settings import WorkerSettings
+from .settings import WorkerEnv, WorkerSettings
 
 _s = WorkerSettings.from_env()
+_e = WorkerEnv.load()
 
 broker_url = _s.broker_url
 result_backend = _s.result_backend
@@ -59,7 +60,7 @@ task_routes = {
 
 # Task events, for Flower and `celery events`. They cost every task a few PUBLISHes (about 40 % of
 # an empty task's CPU here); JUNE_TASK_EVENTS=0 turns them off where nothing watches.
-worker_send_task_events = os.environ.get("JUNE_TASK_EVENTS", "1") != "0"
+worker_send_task_events = _s.task_events
 task_send_sent_event = True
 
 beat_schedule: dict[str, dict[str, object]] = {
@@ -71,24 +72,21 @@ beat_schedule: dict[str, dict[str, object]] = {
     },
 }
 
-if os.environ.get("JUNE_EXAMPLE_SCHEDULE") == "1":
-    # An example proactive turn: the ops agent summarizes its day. Tests set the period short.
-    beat_schedule["daily-digest"] = {
-        "task": "june.proactive",
-        "schedule": float(os.environ.get("JUNE_EXAMPLE_SCHEDULE_EVERY_S", 24 * 3600)),
-        "args": [
-            {
-                "agent": os.environ.get("JUNE_EXAMPLE_AGENT", "ops"),
-                "session": os.environ.get("JUNE_EXAMPLE_SESSION", "daily-digest"),
-                "text": "Summarize today's open threads and post the highlights.",
-                "by": "cron:daily",
-                # where the agent's channel delivers it, e.g. {"channel": "slack", "channel_id": "C024BE91L"}
-                **(
-                    {"target": json.loads(os.environ["JUNE_EXAMPLE_TARGET"])}
-                    if "JUNE_EXAMPLE_TARGET" in os.environ
-                    else {}
-                ),
-            }
-        ],
-        "options": {"argsrepr": "{agent=ops session=daily-digest by=cron:daily}"},
-    }
+# june's scheduler: in memory (no celerybeat-schedule files), a fresh turn id per proactive turn (worker/beat.py)
+beat_scheduler = "june_worker.worker.beat:Scheduler"
+
+if _e.example_schedule:
+    # An example proactive turn (README, "Turns on a schedule"): the ops agent summarizes its day. Tests set the
+    # period short.
+    beat_schedule.update(
+        schedule(
+            "daily-digest",
+            agent=_e.example_agent,
+            session=_e.example_session,
+            text="Summarize today's open threads and post the highlights.",
+            every=_e.example_schedule_every_s,
+            by="cron:daily",
+            # where the agent's channel delivers it, e.g. {"channel": "slack", "channel_id": "C024BE91L"}
+            target=json.loads(_e.example_target) if _e.example_target else None,
+        )
+    )

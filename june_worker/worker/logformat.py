@@ -41,7 +41,7 @@ from celery.signals import after_setup_logger, after_setup_task_logger, celeryd_
 from ..engine.secrets import ScrubFilter, scrub_handlers
 from ..observe.logs import JsonFormatter, use_json_logs
 
-__all__: list[str] = []
+__all__ = ["say"]
 
 
 def _json_mode() -> bool:
@@ -128,3 +128,17 @@ def _say_as_json(msg: str, f: Any = sys.__stderr__) -> None:
         _write(f.fileno(), (_FORMATTER.format(record) + "\n").encode())
     except (OSError, AttributeError, ValueError):
         pass  # as Celery's: losing a notice must never abort a shutdown
+
+
+def say(line: str, *, json_mode: bool, level: int = logging.WARNING) -> None:
+    """One line of june's own to stderr (``june worker: ...``): as is, or in json mode as one JSON record. One
+    ``os.write``, no lock, never raising: it also runs in signal handlers."""
+    if json_mode:
+        record = logging.LogRecord("june_worker.worker", level, __file__, 0, "%s", (line,), None)
+        text = _FORMATTER.format(record)
+    else:
+        text = line
+    try:
+        _write(2, (text + "\n").encode())
+    except OSError:
+        pass

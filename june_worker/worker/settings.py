@@ -1,89 +1,9 @@
 """Worker settings, read from the environment once, where a process starts.
 
-==========================  =======================================  ==========================
-variable                    meaning                                  default
-==========================  =======================================  ==========================
-JUNE_DATABASE_URL           Postgres, the source of truth            postgresql://postgres@127.0.0.1:5432/june
-JUNE_REDIS_URL              Redis for event streams (and results);   redis://127.0.0.1:6379/0
-                            redis+cluster://host:port[,host:port]
-                            for a Redis Cluster (events only: set
-                            the broker and the result backend)
-CELERY_BROKER_URL           the broker: redis:// or amqp://          JUNE_REDIS_URL
-CELERY_RESULT_BACKEND       where task summaries go                  JUNE_REDIS_URL
-JUNE_AGENTS                 agents to serve, ``module:attr`` list    june_worker.demo:build_agent
-JUNE_QUEUE                  queue of turn messages                   june
-JUNE_CONTROL_QUEUE          queue of resume / cancel / reset         june.control
-JUNE_LEASE_S                session lease length                     30
-JUNE_ALIVE_S                a worker process counts as dead after    3
-                            this long without a heartbeat; its
-                            leases are then taken over at once
-JUNE_SWEEP_S                sweeper period (beat)                    10
-JUNE_DELIVERY_ATTEMPTS      tries of a target's deliver hook before  5
-                            the worker gives the delivery up
-JUNE_MAX_ATTEMPTS           starts of one turn (a killed process, a  5
-                            transient fault that outlasts a step's
-                            retries) before it ends ``failed`` as
-                            poison and the session moves on
-JUNE_OUTBOX_RETENTION_S     relayed outbox events older than this    86400 (a day)
-                            are deleted, but for those from a
-                            session's oldest unfinished or
-                            delivery-due turn on (a follower catches
-                            up on the stream; /log and relays read
-                            the outbox)
-JUNE_TURN_RETENTION_S       ended turns' rows, and their step        604800 (a week)
-                            records, are deleted this long after
-                            they ended (a message redelivered later
-                            would run again)
-JUNE_ARCHIVE_RETENTION_S    archived generations (resets) are        2592000 (30 days)
-                            deleted this long after the reset
-JUNE_STREAM_TTL_S           a session's Redis stream and marker      604800 (a week)
-                            expire once it was quiet this long, and
-                            its firehose marker field is dropped
-                            (0: never)
-JUNE_PRUNE_BATCH            rows deleted per statement and sweep     1000
-JUNE_KEY_PREFIX             prefix of every Redis key                june
-JUNE_STREAM_MAXLEN          approximate cap of a session stream      10000
-JUNE_STREAM_MAX_AGE_S       drop stream entries older than this      0 (keep)
-JUNE_FIREHOSE_PARTITIONS    partitions of the all-sessions stream    1 (16 on a Redis Cluster)
-JUNE_TASK_EVENTS            Celery task events (Flower); 0 = off     1
-JUNE_BROKER_QUEUE_TYPE      RabbitMQ queue type: quorum or classic   quorum
-JUNE_BROKER_VISIBILITY_S    Redis broker: a delivered message not    3 x JUNE_LEASE_S
-                            acknowledged for this long is handed
-                            out again (Celery's default is 1 h)
-JUNE_PUBLISH_TIMEOUT_S      connect / send / confirm timeout of a    5
-                            publish to the broker
-JUNE_PUBLISH_RETRIES        publish retries before it raises         3
-JUNE_DB_POOL_SIZE           with many turns per process: Postgres    3
-                            connections its turns' statements
-                            share (the heartbeat has one more)
-JUNE_REDIS_CONNECTIONS      with many turns per process: Redis       8
-                            connections their publishes share
-JUNE_LOOP_BLOCKED_S         with many turns per process: something   0.5
-                            holding their event loop this long is
-                            logged, naming the tool
-JUNE_ISOLATION_QUEUE        with many turns per process: where a     <JUNE_QUEUE>.isolated under
-                            turn whose process died under it goes    ``june worker --turns-per-
-                            on, alone (a solo worker consumes it);   process`` (its supervisor
-                            unset: it runs on in a shared process    starts that worker); unset
-JUNE_TRANSCRIPT_CACHE       transcripts a worker process keeps in    256
-                            memory, so that a turn reads only the
-                            messages it does not hold (0: off)
-JUNE_TRANSCRIPT_CACHE_      messages held in all; a longer           50000
-MESSAGES                    transcript is read whole every turn
-JUNE_TRANSCRIPT_CACHE_      about how much they take in all (the     32000000
-BYTES                       characters of their JSON); a larger
-                            transcript is read whole every turn
-JUNE_METRICS_PORT           the worker's main process serves         0 (off)
-                            Prometheus metrics on this port
-                            (``/metrics``; docs/operations.md)
-JUNE_METRICS_HOST           the address it listens on                127.0.0.1
-PROMETHEUS_MULTIPROC_DIR    where the pool's processes keep their    a new temporary directory
-                            metrics (one per worker; emptied at
-                            the worker's start)
-JUNE_LOG_FORMAT             ``text`` or ``json`` (one JSON object    text
-                            per line; turn transitions with their
-                            fields)
-==========================  =======================================  ==========================
+Every variable is declared once, in :class:`WorkerEnv` (its type, default, meaning and what a value must look
+like); the table in docs/settings.md is generated from it (``python -m june_worker.settings_doc``). A bad value
+is one :class:`~june_worker.errors.ConfigError` line naming the variable; ``june worker`` / ``june beat`` /
+``june migrate`` print it and exit 2.
 
 Crash injection for tests is honoured only when ``JUNE_ENABLE_TEST_HOOKS=1``:
 ``JUNE_CRASH_AT=<point>[@<step>]`` kills the worker process (SIGKILL) at that point.
@@ -91,33 +11,288 @@ Crash injection for tests is honoured only when ``JUNE_ENABLE_TEST_HOOKS=1``:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
+from pydantic import BeforeValidator
+
+from ..envsettings import EnvModel, comma_list, var
 from ..errors import ConfigError
 from ..events._redis_url import is_cluster_url, parse_cluster_url
 from ..events.keys import default_firehose_partitions
 
-__all__ = ["WorkerSettings"]
+__all__ = ["WorkerEnv", "WorkerSettings"]
 
 _VISIBILITY_LEASES = 3
 """The Redis broker's visibility timeout, in lease lengths: long enough that a running turn's message is
 rarely handed out twice (the copy is harmless), short enough that an unrecorded message of a dead worker
 comes back within a few leases, not Celery's hour."""
 
+_SECONDS = "a number of seconds, at least 0"
+_COUNT = "a whole number, at least 0"
 
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if value < 0:
-        raise ConfigError(f"{name} must not be negative")
-    return value
+
+def _lower(value: object) -> object:
+    return value.strip().lower() if isinstance(value, str) else value
+
+
+_Lower = BeforeValidator(_lower)
+
+
+class WorkerEnv(EnvModel):
+    """The variables of a worker (and of ``june beat`` and ``june migrate``, which read the same)."""
+
+    database_url: str = var(
+        "JUNE_DATABASE_URL",
+        "postgresql://postgres@127.0.0.1:5432/june",
+        "Postgres, the source of truth",
+        expected="a postgresql:// URL",
+    )
+    redis_url: str = var(
+        "JUNE_REDIS_URL",
+        "redis://127.0.0.1:6379/0",
+        "Redis for event streams (and results); redis+cluster://host:port[,host:port] for a Redis "
+        "Cluster (events only: then set the broker and the result backend)",
+        expected="a redis://, rediss:// or redis+cluster:// URL",
+    )
+    broker_url: str | None = var(
+        "CELERY_BROKER_URL",
+        None,
+        "the broker: redis:// or amqp://",
+        expected="a redis:// or amqp:// URL",
+        default_doc="JUNE_REDIS_URL",
+    )
+    result_backend: str | None = var(
+        "CELERY_RESULT_BACKEND",
+        None,
+        "where task summaries go",
+        expected="a redis:// URL",
+        default_doc="JUNE_REDIS_URL",
+    )
+    agents: Annotated[tuple[str, ...], comma_list] = var(
+        "JUNE_AGENTS",
+        ("june_worker.demo:build_agent",),
+        "agents to serve: an Agent, a list, or a function returning them, as module:attribute, comma-separated",
+        expected="module:attribute paths, comma-separated",
+        default_doc="june_worker.demo:build_agent",
+        keep_empty=True,
+        min_length=1,
+    )
+    queue: str = var("JUNE_QUEUE", "june", "queue of turn messages", expected="a queue name")
+    control_queue: str = var(
+        "JUNE_CONTROL_QUEUE", "june.control", "queue of resume / cancel / reset / sweep", expected="a queue name"
+    )
+    lease_s: float = var(
+        "JUNE_LEASE_S", 30.0, "session lease length", expected="a number of seconds, at least 0.5", ge=0.5
+    )
+    alive_s: float = var(
+        "JUNE_ALIVE_S",
+        3.0,
+        "a worker process counts as dead after this long without a heartbeat; "
+        "its leases are then taken over at once (at least 0.5)",
+        expected=_SECONDS,
+        ge=0,
+    )
+    sweep_s: float = var("JUNE_SWEEP_S", 10.0, "sweeper period (beat)", expected=_SECONDS, ge=0)
+    start_retry_s: float = var(
+        "JUNE_START_RETRY_S",
+        2.0,
+        "a worker whose Postgres or broker does not answer at "
+        "start says so and tries again this often (0: it exits instead)",
+        expected=_SECONDS,
+        ge=0,
+    )
+    delivery_attempts: int = var(
+        "JUNE_DELIVERY_ATTEMPTS",
+        5,
+        "tries of a target's deliver hook before the worker gives the delivery up",
+        expected="a whole number, at least 0 (0 counts as 1)",
+        ge=0,
+    )
+    max_attempts: int = var(
+        "JUNE_MAX_ATTEMPTS",
+        5,
+        "starts of one turn (a killed process, a transient fault that "
+        "outlasts a step's retries) before it ends failed as poison and the session moves on",
+        expected="a whole number, at least 0 (0 counts as 1)",
+        ge=0,
+    )
+    outbox_retention_s: float = var(
+        "JUNE_OUTBOX_RETENTION_S",
+        86400.0,
+        "relayed outbox events older than this are "
+        "deleted, but for those from a session's oldest unfinished or delivery-due turn "
+        "on (a follower catches up on the stream; /log and relays read the outbox)",
+        expected=_SECONDS,
+        default_doc="86400 (a day)",
+        ge=0,
+    )
+    turn_retention_s: float = var(
+        "JUNE_TURN_RETENTION_S",
+        604800.0,
+        "ended turns' rows, and their step records, "
+        "are deleted this long after they ended (a message redelivered later would run "
+        "again)",
+        expected=_SECONDS,
+        default_doc="604800 (a week)",
+        ge=0,
+    )
+    archive_retention_s: float = var(
+        "JUNE_ARCHIVE_RETENTION_S",
+        2592000.0,
+        "archived generations (resets) are deleted this long after the reset",
+        expected=_SECONDS,
+        default_doc="2592000 (30 days)",
+        ge=0,
+    )
+    stream_ttl_s: float = var(
+        "JUNE_STREAM_TTL_S",
+        604800.0,
+        "a session's Redis stream and marker expire once it "
+        "was quiet this long, and its firehose marker field is dropped (0: never)",
+        expected=_SECONDS,
+        default_doc="604800 (a week)",
+        ge=0,
+    )
+    prune_batch: int = var("JUNE_PRUNE_BATCH", 1000, "rows deleted per statement and sweep", expected=_COUNT, ge=0)
+    key_prefix: str = var("JUNE_KEY_PREFIX", "june", "prefix of every Redis key", expected="a key prefix")
+    stream_maxlen: int = var("JUNE_STREAM_MAXLEN", 10_000, "approximate cap of a session stream", expected=_COUNT, ge=0)
+    stream_max_age_s: float = var(
+        "JUNE_STREAM_MAX_AGE_S", 0.0, "drop stream entries older than this (0: keep)", expected=_SECONDS, ge=0
+    )
+    firehose_partitions: int | None = var(
+        "JUNE_FIREHOSE_PARTITIONS",
+        None,
+        "partitions of the all-sessions stream",
+        expected="a whole number, at least 1",
+        default_doc="1 (16 on a Redis Cluster)",
+        ge=1,
+    )
+    task_events: bool = var("JUNE_TASK_EVENTS", True, "Celery task events (Flower); 0 = off", expected="1 or 0")
+    broker_queue_type: Annotated[Literal["quorum", "classic"], _Lower] = var(
+        "JUNE_BROKER_QUEUE_TYPE", "quorum", "RabbitMQ queue type", expected="quorum or classic"
+    )
+    broker_visibility_s: float | None = var(
+        "JUNE_BROKER_VISIBILITY_S",
+        None,
+        "Redis broker: a delivered message not "
+        "acknowledged for this long is handed out again (Celery's default is "
+        "1 h; at least 1)",
+        expected=_SECONDS,
+        default_doc="3 x JUNE_LEASE_S",
+        ge=0,
+    )
+    publish_timeout_s: float = var(
+        "JUNE_PUBLISH_TIMEOUT_S",
+        5.0,
+        "connect / send / confirm timeout of a publish to the broker (at least 0.1)",
+        expected=_SECONDS,
+        ge=0,
+    )
+    publish_retries: int = var("JUNE_PUBLISH_RETRIES", 3, "publish retries before it raises", expected=_COUNT, ge=0)
+    db_pool_size: int = var(
+        "JUNE_DB_POOL_SIZE",
+        3,
+        "with many turns per process: Postgres connections its turns' statements share (the heartbeat has one more)",
+        expected="a whole number, at least 0 (0 counts as 1)",
+        ge=0,
+    )
+    redis_connections: int = var(
+        "JUNE_REDIS_CONNECTIONS",
+        8,
+        "with many turns per process: Redis connections their publishes share (at least 2)",
+        expected=_COUNT,
+        ge=0,
+    )
+    loop_blocked_s: float = var(
+        "JUNE_LOOP_BLOCKED_S",
+        0.5,
+        "with many turns per process: something holding their event loop this long is logged, naming the tool",
+        expected=_SECONDS,
+        ge=0,
+    )
+    isolation_queue: str | None = var(
+        "JUNE_ISOLATION_QUEUE",
+        None,
+        "with many turns per process: where a turn whose "
+        "process died under it goes on, alone (a solo worker consumes it); unset: it "
+        "runs on in a shared process",
+        expected="a queue name",
+        default_doc="<JUNE_QUEUE>.isolated under june worker --turns-per-process "
+        "(its supervisor starts that worker); else unset",
+    )
+    transcript_cache: int = var(
+        "JUNE_TRANSCRIPT_CACHE",
+        256,
+        "transcripts a worker process keeps in memory, so "
+        "that a turn reads only the messages it does not hold (0: off)",
+        expected=_COUNT,
+        ge=0,
+    )
+    transcript_cache_messages: int = var(
+        "JUNE_TRANSCRIPT_CACHE_MESSAGES",
+        50_000,
+        "messages held in all; a longer transcript is read whole every turn",
+        expected=_COUNT,
+        ge=0,
+    )
+    transcript_cache_bytes: int = var(
+        "JUNE_TRANSCRIPT_CACHE_BYTES",
+        32_000_000,
+        "about how much they take in all (the characters of their JSON); a larger transcript is read whole every turn",
+        expected=_COUNT,
+        ge=0,
+    )
+    metrics_port: int = var(
+        "JUNE_METRICS_PORT",
+        0,
+        "the worker's main process serves Prometheus metrics on this port (/metrics; docs/operations.md)",
+        expected="a TCP port (1-65535), or 0 for off",
+        default_doc="0 (off)",
+        ge=0,
+        le=65535,
+    )
+    metrics_host: str = var("JUNE_METRICS_HOST", "127.0.0.1", "the address it listens on", expected="an address")
+    metrics_dir: str | None = var(
+        "PROMETHEUS_MULTIPROC_DIR",
+        None,
+        "where the pool's processes keep their metrics (one per worker; emptied at the worker's start)",
+        expected="a directory",
+        default_doc="a new temporary directory",
+    )
+    log_format: Annotated[Literal["text", "json"], _Lower] = var(
+        "JUNE_LOG_FORMAT",
+        "text",
+        "text, or json: one JSON object per line (turn transitions with their fields)",
+        expected="text or json",
+    )
+    example_schedule: bool = var(
+        "JUNE_EXAMPLE_SCHEDULE",
+        False,
+        "1: beat also runs an example proactive turn (celeryconfig.py; schedules: README)",
+        expected="1 or 0",
+    )
+    example_schedule_every_s: float = var(
+        "JUNE_EXAMPLE_SCHEDULE_EVERY_S", 86400.0, "its period", expected="a number of seconds, more than 0", gt=0
+    )
+    example_agent: str = var("JUNE_EXAMPLE_AGENT", "ops", "its agent", expected="an agent name")
+    example_session: str = var("JUNE_EXAMPLE_SESSION", "daily-digest", "its session", expected="a session name")
+    example_target: str | None = var(
+        "JUNE_EXAMPLE_TARGET",
+        None,
+        'where its answer is delivered, as JSON, e.g. {"channel": "slack", "channel_id": "C024BE91L"}',
+        expected="a JSON object",
+    )
+    enable_test_hooks: bool = var(
+        "JUNE_ENABLE_TEST_HOOKS", False, "tests only: 1 honours JUNE_CRASH_AT", expected="1 or 0"
+    )
+    crash_at: str | None = var(
+        "JUNE_CRASH_AT",
+        None,
+        "tests only: <point>[@<step>] kills the worker process there",
+        expected="<point>[@<step>]",
+    )
 
 
 @dataclass(frozen=True)
@@ -132,6 +307,7 @@ class WorkerSettings:
     lease_s: float = 30.0
     alive_s: float = 3.0
     sweep_s: float = 10.0
+    start_retry_s: float = 2.0
     delivery_attempts: int = 5
     max_attempts: int = 5
     outbox_retention_s: float = 86400.0
@@ -143,6 +319,7 @@ class WorkerSettings:
     stream_maxlen: int = 10_000
     stream_max_age_s: float = 0.0
     firehose_partitions: int = 1
+    task_events: bool = True
     broker_queue_type: str = "quorum"
     broker_visibility_s: float = 90.0
     publish_timeout_s: float = 5.0
@@ -163,16 +340,11 @@ class WorkerSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerSettings:
-        env = os.environ if env is None else env
-        redis_url = env.get("JUNE_REDIS_URL", cls.redis_url)
-        agents = tuple(a.strip() for a in env.get("JUNE_AGENTS", ",".join(cls.agents)).split(",") if a.strip())
-        if not agents:
-            raise ConfigError("JUNE_AGENTS names no agent; give module:attribute paths, comma-separated")
-        lease_s = _float(env, "JUNE_LEASE_S", cls.lease_s)
-        if lease_s < 0.5:
-            raise ConfigError("JUNE_LEASE_S must be at least 0.5 seconds")
-        broker_url = env.get("CELERY_BROKER_URL", redis_url)
-        result_backend = env.get("CELERY_RESULT_BACKEND", redis_url)
+        """Settings from the environment (``os.environ`` by default); a bad value is a one-line :class:`ConfigError`."""
+        e = WorkerEnv.load(env)
+        redis_url = e.redis_url
+        broker_url = e.broker_url or redis_url
+        result_backend = e.result_backend or redis_url
         for name, url in (("CELERY_BROKER_URL", broker_url), ("CELERY_RESULT_BACKEND", result_backend)):
             if is_cluster_url(url):
                 raise ConfigError(
@@ -184,52 +356,46 @@ class WorkerSettings:
                 parse_cluster_url(redis_url)
             except ValueError as exc:
                 raise ConfigError(f"JUNE_REDIS_URL: {exc}") from None
-        partitions_default = default_firehose_partitions(cluster=is_cluster_url(redis_url))
-        queue_type = env.get("JUNE_BROKER_QUEUE_TYPE", cls.broker_queue_type).strip().lower()
-        if queue_type not in ("quorum", "classic"):
-            raise ConfigError(f"JUNE_BROKER_QUEUE_TYPE={queue_type!r}: expected quorum or classic")
-        metrics_port = int(_float(env, "JUNE_METRICS_PORT", cls.metrics_port))
-        if metrics_port > 65535:
-            raise ConfigError(f"JUNE_METRICS_PORT={metrics_port}: expected a TCP port (1-65535), or 0 for off")
-        log_format = env.get("JUNE_LOG_FORMAT", cls.log_format).strip().lower()
-        if log_format not in ("text", "json"):
-            raise ConfigError(f"JUNE_LOG_FORMAT={log_format!r}: expected text or json")
+        partitions = e.firehose_partitions or default_firehose_partitions(cluster=is_cluster_url(redis_url))
+        visibility = e.broker_visibility_s if e.broker_visibility_s is not None else _VISIBILITY_LEASES * e.lease_s
         return cls(
-            database_url=env.get("JUNE_DATABASE_URL", cls.database_url),
+            database_url=e.database_url,
             redis_url=redis_url,
             broker_url=broker_url,
             result_backend=result_backend,
-            agents=agents,
-            queue=env.get("JUNE_QUEUE", cls.queue),
-            control_queue=env.get("JUNE_CONTROL_QUEUE", cls.control_queue),
-            lease_s=lease_s,
-            alive_s=max(_float(env, "JUNE_ALIVE_S", cls.alive_s), 0.5),
-            sweep_s=_float(env, "JUNE_SWEEP_S", cls.sweep_s),
-            delivery_attempts=max(int(_float(env, "JUNE_DELIVERY_ATTEMPTS", cls.delivery_attempts)), 1),
-            max_attempts=max(int(_float(env, "JUNE_MAX_ATTEMPTS", cls.max_attempts)), 1),
-            outbox_retention_s=_float(env, "JUNE_OUTBOX_RETENTION_S", cls.outbox_retention_s),
-            turn_retention_s=_float(env, "JUNE_TURN_RETENTION_S", cls.turn_retention_s),
-            archive_retention_s=_float(env, "JUNE_ARCHIVE_RETENTION_S", cls.archive_retention_s),
-            stream_ttl_s=_float(env, "JUNE_STREAM_TTL_S", cls.stream_ttl_s),
-            prune_batch=max(int(_float(env, "JUNE_PRUNE_BATCH", cls.prune_batch)), 1),
-            key_prefix=env.get("JUNE_KEY_PREFIX", cls.key_prefix),
-            stream_maxlen=int(_float(env, "JUNE_STREAM_MAXLEN", cls.stream_maxlen)),
-            stream_max_age_s=_float(env, "JUNE_STREAM_MAX_AGE_S", cls.stream_max_age_s),
-            firehose_partitions=int(_float(env, "JUNE_FIREHOSE_PARTITIONS", partitions_default)),
-            broker_queue_type=queue_type,
-            broker_visibility_s=max(_float(env, "JUNE_BROKER_VISIBILITY_S", _VISIBILITY_LEASES * lease_s), 1.0),
-            publish_timeout_s=max(_float(env, "JUNE_PUBLISH_TIMEOUT_S", cls.publish_timeout_s), 0.1),
-            publish_retries=int(_float(env, "JUNE_PUBLISH_RETRIES", cls.publish_retries)),
-            db_pool_size=max(int(_float(env, "JUNE_DB_POOL_SIZE", cls.db_pool_size)), 1),
-            redis_connections=max(int(_float(env, "JUNE_REDIS_CONNECTIONS", cls.redis_connections)), 2),
-            loop_blocked_s=max(_float(env, "JUNE_LOOP_BLOCKED_S", cls.loop_blocked_s), 0.01),
-            isolation_queue=env.get("JUNE_ISOLATION_QUEUE") or None,
-            transcript_cache=int(_float(env, "JUNE_TRANSCRIPT_CACHE", cls.transcript_cache)),
-            transcript_cache_messages=int(_float(env, "JUNE_TRANSCRIPT_CACHE_MESSAGES", cls.transcript_cache_messages)),
-            transcript_cache_bytes=int(_float(env, "JUNE_TRANSCRIPT_CACHE_BYTES", cls.transcript_cache_bytes)),
-            metrics_port=metrics_port,
-            metrics_host=env.get("JUNE_METRICS_HOST", cls.metrics_host),
-            metrics_dir=env.get("PROMETHEUS_MULTIPROC_DIR") or None,
-            log_format=log_format,
-            crash_at=env.get("JUNE_CRASH_AT") if env.get("JUNE_ENABLE_TEST_HOOKS") == "1" else None,
+            agents=e.agents,
+            queue=e.queue,
+            control_queue=e.control_queue,
+            lease_s=e.lease_s,
+            alive_s=max(e.alive_s, 0.5),
+            sweep_s=e.sweep_s,
+            start_retry_s=e.start_retry_s,
+            delivery_attempts=max(e.delivery_attempts, 1),
+            max_attempts=max(e.max_attempts, 1),
+            outbox_retention_s=e.outbox_retention_s,
+            turn_retention_s=e.turn_retention_s,
+            archive_retention_s=e.archive_retention_s,
+            stream_ttl_s=e.stream_ttl_s,
+            prune_batch=max(e.prune_batch, 1),
+            key_prefix=e.key_prefix,
+            stream_maxlen=e.stream_maxlen,
+            stream_max_age_s=e.stream_max_age_s,
+            firehose_partitions=partitions,
+            task_events=e.task_events,
+            broker_queue_type=e.broker_queue_type,
+            broker_visibility_s=max(visibility, 1.0),
+            publish_timeout_s=max(e.publish_timeout_s, 0.1),
+            publish_retries=e.publish_retries,
+            db_pool_size=max(e.db_pool_size, 1),
+            redis_connections=max(e.redis_connections, 2),
+            loop_blocked_s=max(e.loop_blocked_s, 0.01),
+            isolation_queue=e.isolation_queue,
+            transcript_cache=e.transcript_cache,
+            transcript_cache_messages=e.transcript_cache_messages,
+            transcript_cache_bytes=e.transcript_cache_bytes,
+            metrics_port=e.metrics_port,
+            metrics_host=e.metrics_host,
+            metrics_dir=e.metrics_dir,
+            log_format=e.log_format,
+            crash_at=e.crash_at if e.enable_test_hooks else None,
         )

@@ -113,6 +113,13 @@ class _Worker:
 
 def supervise(app: str, *, turns: int, processes: int, rest: Sequence[str]) -> int:
     """Run ``processes`` workers of ``turns`` turns each until they are told to stop; the exit code."""
+    # what every process needs (agents, Postgres, the broker), checked once here: a refusal is said once
+    try:
+        checked = subprocess.run([sys.executable, "-m", "june_worker.worker.startcheck"], check=False)
+    except KeyboardInterrupt:  # (the check, in the same process group, got it too and said so)
+        return 130
+    if checked.returncode != 0:
+        return checked.returncode
     # the isolation worker (index 0): one turn at a time, for turns whose process died under them
     workers = [_Worker(i, worker_command(app, turns, i, processes, rest)) for i in range(0, processes + 1)]
     # started a little later: a worker that refuses to start (bad agents) says so once, not once per process
@@ -127,7 +134,8 @@ def supervise(app: str, *, turns: int, processes: int, rest: Sequence[str]) -> i
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(signum, forward)
-    env = {**os.environ, "JUNE_SUPERVISOR_PID": str(os.getpid()), "JUNE_ISOLATION_QUEUE": isolation_queue(os.environ)}
+    env = {**os.environ, "JUNE_SUPERVISOR_PID": str(os.getpid()), "JUNE_ISOLATION_QUEUE": isolation_queue(os.environ),
+           "JUNE_START_CHECKED": "1"}  # fmt: skip
     env.update(_metrics_directory(os.environ))
     code = 0
     while True:

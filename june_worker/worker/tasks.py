@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from celery import Task
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject
 
 from june_wire.storable import storable_text
 
@@ -40,7 +40,7 @@ from .process import dispatch
 from .process import get_host as _get_host
 from .sweeper import sweep
 
-__all__ = ["cancel_task", "proactive_task", "reset_task", "resume_task", "sweep_task", "turn_task"]
+__all__ = ["PARKED", "cancel_task", "proactive_task", "reset_task", "resume_task", "sweep_task", "turn_task"]
 
 log = scrubbed_logger("june_worker.worker")
 
@@ -66,6 +66,27 @@ def get_host() -> WorkerHost:
                   type(exc).__name__, exc)  # fmt: skip
         time.sleep(_BROKEN_HOST_WAIT_S)  # (not a busy loop of one broken worker and the queue)
         raise Reject(f"{type(exc).__name__}: {exc}", requeue=True) from exc
+
+
+PARKED = "PARKED"
+"""The state Flower shows for a ``june.turn`` / ``june.proactive`` task whose turn parked (waits for an answer):
+not SUCCESS. The task sends a ``task-parked`` event (Flower shows a custom event's type as the state) and ends
+with Celery's :class:`~celery.exceptions.Ignore`: its message is acknowledged as after any run (``acks_late``), no
+``task-succeeded`` event follows to paint it green, and (``ignore_result``) no result is stored either way."""
+
+
+def _parked_or(task: Task, out: dict[str, Any]) -> dict[str, Any]:
+    """``out``, the summary of a turn task; for a turn that parked, the PARKED state in Flower instead."""
+    if out.get("status") != "suspended":
+        return out
+    if task.app.conf.worker_send_task_events:
+        try:
+            fields = {k: out[k] for k in ("turn_id", "agent", "session", "input_id") if k in out}
+            task.send_event("task-parked", result=repr(out), **fields)
+        except Exception:  # monitoring only: the turn is parked all the same
+            log.warning("could not send the task-parked event of turn %s", out.get("turn_id"), exc_info=True)
+    log.info("turn %s parked: %s", out.get("turn_id"), out)
+    raise Ignore()
 
 
 def _rejected(task: str, args: tuple[Any, ...], exc: PayloadError, task_id: str | None = None) -> dict[str, Any]:
@@ -114,7 +135,7 @@ def turn_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     host = get_host()
     if host.crash is not None and host.crash.fires("before-intake", msg.turn_id):
         kill_worker()  # tests only: the message is taken, the turn not recorded
-    return control.intake(host, msg, trace=tracing.from_request(self.request))
+    return _parked_or(self, control.intake(host, msg, trace=tracing.from_request(self.request)))
 
 
 @app.task(name="june.proactive", bind=True, ignore_result=True, **_RETRY)
@@ -123,7 +144,8 @@ def proactive_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
         msg = parse_payload(ProactiveMessage, args, kwargs)
     except PayloadError as exc:
         return _rejected("june.proactive", args, exc, str(self.request.id))
-    return control.proactive(get_host(), msg, str(self.request.id), trace=tracing.from_request(self.request))
+    out = control.proactive(get_host(), msg, str(self.request.id), trace=tracing.from_request(self.request))
+    return _parked_or(self, out)
 
 
 @app.task(name="june.resume", bind=True, **_RETRY)
@@ -153,7 +175,9 @@ def reset_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return control.reset(get_host(), msg, dispatch)
 
 
-@app.task(name="june.sweep", bind=True, ignore_result=True, **_RETRY)
+# no task events: it runs every JUNE_SWEEP_S and would push every turn off Flower's first page (june's beat
+# scheduler sends it without a task-sent event either: worker/beat.py)
+@app.task(name="june.sweep", bind=True, ignore_result=True, send_events=False, **_RETRY)
 def sweep_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     try:
         msg = parse_payload(SweepMessage, args or ({},), kwargs)

@@ -111,8 +111,10 @@ def test_a_tools_failed_write_rolls_back_and_becomes_an_error_the_model_reads(st
 
 
 def test_a_rejected_proactive_message_still_ends_its_turns_stream(stack: Stack, session_id: str) -> None:
-    # no `by`: invalid; the turn id comes from the task id, and a follower of it sees the end
+    # no `by`: invalid; the turn id comes from the task id (ULID-shaped), and a follower of it sees the end
+    from june_worker.worker.control import proactive_turn_id
+
     result = stack.client.send_task("june.proactive", args=[{"agent": "ops", "session": session_id, "text": "x"}])
     out = stack.outcome(result)
-    assert out["status"] == "rejected" and out["turn_id"] == "t_" + result.id.replace("-", "")
+    assert out["status"] == "rejected" and out["turn_id"] == proactive_turn_id(result.id)
     assert [(e["type"], e["turn_id"]) for e in stack.structural("ops", session_id)] == [("turn.failed", out["turn_id"])]
