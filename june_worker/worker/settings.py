@@ -17,10 +17,11 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator
 
+from june_wire.keys import default_firehose_partitions
+from june_wire.redis_url import is_cluster_url, parse_cluster_url
+
 from ..envsettings import EnvModel, comma_list, var
 from ..errors import ConfigError
-from ..events._redis_url import is_cluster_url, parse_cluster_url
-from ..events.keys import default_firehose_partitions
 
 __all__ = ["WorkerEnv", "WorkerSettings"]
 
