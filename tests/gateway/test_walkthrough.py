@@ -1,7 +1,8 @@
 """An operator's first hour, scripted: a terminal (tmux) typed into, through the README, from a fresh copy of the
 repository and a venv of its own, each command's output asserted.
 
-What it covers, in the README's order: installing the checkout (``pip install './june-worker[...]'``), the CLI's
+What it covers, in the README's order: installing the checkout (``pip install './june-worker[...]'``), ``june
+migrate`` and a worker's and migrate's one-line refusals (a bad setting, Postgres not answering), the CLI's
 worked example (an order, a refund that needs approval, a refused and an accepted answer), following the session
 and leaving with Ctrl-C, the gateway (``june gateway`` and the ``curl``), and the failure cases the README and the
 CLI promise one line for (a broker that is down, Ctrl-C while a turn waits, a gateway without tokens, a session
@@ -139,9 +140,21 @@ def _installed_here(walk: Walk, ran: Ran) -> None:
     assert ran.lines == [str(walk.terminal.cwd / ".venv" / "bin" / name) for name in ("june", "june-produce")]
 
 
-WORKER_STEPS: list[Step] = []
-"""``june migrate``, ``june worker ...``, ``june beat`` as the README types them: the stack's workers stand in for
-them for now (append steps here, each in a window of its own with ``background``, to type them)."""
+WORKER_STEPS: list[Step] = [
+    # the schema is there (the stack's workers migrated it): migrate says so, and says nothing else
+    Step("june migrate", expect=["schema is up to date"]),
+    # the mistakes of a first hour, each one line that names what to fix, before Celery or a pool starts
+    Step(
+        "JUNE_LEASE_S=abc june worker -Q june", code=2, one_line=True,
+        contains=["june worker: JUNE_LEASE_S='abc': expected a number of seconds, at least 0.5"],
+    ),
+    Step(
+        "JUNE_DATABASE_URL=postgresql://postgres@127.0.0.1:1/june june migrate", code=1, one_line=True,
+        contains=["june migrate: postgres at 127.0.0.1:1 does not answer (connection refused)"],
+    ),
+]  # fmt: skip
+"""``june migrate`` and the worker's one-line refusals as an operator types them; the stack's workers stand in for a
+running ``june worker`` / ``june beat`` (a step in a window of its own with ``background`` would type them)."""
 
 
 def cli_steps() -> list[Step]:
