@@ -1,7 +1,8 @@
 """The ``june`` command: the demo, the worker stack, and schema migration.
 
 ``june worker`` / ``june beat`` / ``june flower`` are the plain Celery commands with the
-app filled in; any further arguments go to Celery unchanged. ``june worker`` without ``-c``
+app filled in; any further arguments go to Celery unchanged (``june worker`` and ``june beat`` log at INFO unless
+given ``-l``: Celery's WARNING says nothing once a worker is ready). ``june worker`` without ``-c``
 runs one pool process per CPU, at most :data:`MAX_DEFAULT_CONCURRENCY` (Celery's own default
 has no cap). ``june worker --turns-per-process N [-c P]`` runs P processes (default 1) of N turns
 each, on Celery's threads pool, under a supervisor that starts a process again if it dies
@@ -15,7 +16,7 @@ import argparse
 import os
 import sys
 
-__all__ = ["MAX_DEFAULT_CONCURRENCY", "beat_args", "main", "worker_args"]
+__all__ = ["MAX_DEFAULT_CONCURRENCY", "beat_args", "main", "with_loglevel", "worker_args"]
 
 CELERY_APP = "june_worker"
 
@@ -92,6 +93,14 @@ def _greenlet_pool(rest: list[str]) -> str | None:
         if value in ("gevent", "eventlet"):
             return value
     return None
+
+
+def with_loglevel(rest: list[str]) -> list[str]:
+    """``rest`` with ``-l INFO`` added unless it gives a level: Celery's default (WARNING) leaves a worker that is
+    ready silent after its banner, and beat silent about what it sends."""
+    given = any(a in ("-l", "--loglevel") or a.startswith("--loglevel=") or (a.startswith("-l") and a[2:].isalpha())
+                for a in rest)  # fmt: skip
+    return rest if given else [*rest, "-l", "INFO"]
 
 
 def beat_args(rest: list[str], log_format: str | None = None) -> list[str]:
@@ -176,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             # said here, once, before Celery imports (and monkey-patches with) it: one line instead of a traceback
             print(f"june worker: --pool {greenlets} is not supported: {POOLS_SUPPORTED}", file=sys.stderr)
             return 2
+        rest = with_loglevel(rest)
         try:
             many = _turns_per_process(rest)
         except ValueError as exc:
@@ -188,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             return supervise(CELERY_APP, turns=turns, processes=processes, rest=celery_args)
         return _celery(*worker_args(rest))
     if args.command == "beat":
-        return _celery(*beat_args(rest))
+        return _celery(*beat_args(with_loglevel(rest)))
     if args.command == "flower":
         return _celery(args.command, *rest)
     if args.command == "migrate":

@@ -80,6 +80,7 @@ class Walk:
     def command(self, text: str) -> str:
         """A README command as typed here: the gateway's free port, the turn ids met so far for ``t_01JD...``."""
         text = text.replace("127.0.0.1:8080", f"127.0.0.1:{self.port}").replace("--port 8080", f"--port {self.port}")
+        text = text.replace("-Q june", f"-Q {self.stack.queue}")
         if self.turns:
             text = text.replace("t_01JD...", self.turns[-1])
         return text
@@ -143,6 +144,10 @@ def _installed_here(walk: Walk, ran: Ran) -> None:
 WORKER_STEPS: list[Step] = [
     # the schema is there (the stack's workers migrated it): migrate says so, and says nothing else
     Step("june migrate", expect=["schema is up to date"]),
+    # a turn worker and beat as the README starts them, each left running in a window of its own
+    *(Step(". .venv/bin/activate", window=window, expect=[]) for window in ("worker", "beat")),
+    Step("june worker -Q june", window="worker", background="ready."),
+    Step("june beat", window="beat", background="beat: Starting"),
     # the mistakes of a first hour, each one line that names what to fix, before Celery or a pool starts
     Step(
         "JUNE_LEASE_S=abc june worker -Q june", code=2, one_line=True,
@@ -269,6 +274,10 @@ def fresh_venv(where: Path) -> Path:
     return venv
 
 
+SERVER_WINDOWS = ("worker", "beat", "gateway")
+"""The terminal's windows besides ``main``: one per server the walk starts and leaves running."""
+
+
 @pytest.fixture
 def walk(demo_stack: Stack, tmp_path: Path) -> Iterator[Walk]:
     fresh_checkout(tmp_path)
@@ -282,11 +291,13 @@ def walk(demo_stack: Stack, tmp_path: Path) -> Iterator[Walk]:
     env.update(offline_pip_env(str(venv / "bin" / "python")))
     env.update(USER="alice", LOGNAME="alice", TERM="xterm-256color", LANG="C.UTF-8", LC_ALL="C.UTF-8")
     terminal = Terminal(tmp_path, env)
-    terminal.window("gateway")
+    for window in SERVER_WINDOWS:
+        terminal.window(window)
     try:
         yield Walk(terminal, demo_stack, free_port())
     finally:
-        terminal.press("C-c", "gateway")  # the gateway, if it was started
+        for window in SERVER_WINDOWS:
+            terminal.press("C-c", window)  # the servers typed there, if they were started
         terminal.close()
 
 
@@ -295,7 +306,8 @@ def test_an_operator_walks_through_the_readme_from_a_fresh_checkout(walk: Walk) 
     steps = install_steps() + WORKER_STEPS + cli_steps() + follow_steps() + gateway_steps() + failure_steps()
     for step in steps:
         walk.do(step)
-    # and the gateway in its window never printed a traceback either
-    screen = "\n".join(walk.terminal.screen("gateway"))
-    assert "Traceback (most recent call last)" not in screen, screen
+    # and the servers in their windows never printed a traceback either
+    for window in SERVER_WINDOWS:
+        screen = "\n".join(walk.terminal.screen(window))
+        assert "Traceback (most recent call last)" not in screen, f"{window}:\n{screen}"
     assert walk.stack.sql("select item, qty from orders") == [("widget", 3)]
