@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncGenerator, Generator, Mapping
 from typing import Any
 
@@ -272,6 +273,7 @@ class JuneProducer:
         delivered_to = check.json_object(target, "target")
         if delivered_to is not None:
             payload["target"] = delivered_to
+        payload["sent_at"] = time.time()  # the worker's june_turn_queue_wait_seconds counts from it
         if durable:
             if replace:
                 raise ValueError(
@@ -293,6 +295,7 @@ class JuneProducer:
                     trigger_by=opened_by["by"] if opened_by is not None else None,
                     target=delivered_to,
                     trace=trace_headers,
+                    sent_at=payload["sent_at"],
                 )
                 recorded = self._record(payload["agent"], payload["session"], tid, stored)
             self._send_turn("june.turn", payload, tid, recorded, headers=trace_headers)

@@ -10,6 +10,7 @@ import base64
 import contextlib
 import json
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,11 +38,15 @@ def closed_port() -> int:
 def test_start_turn_sends_june_turn_with_one_json_object_to_the_turn_queue(
     producer: JuneProducer, names: Names, rclient: redis.Redis, session_id: str
 ) -> None:
+    before = time.time()
     turn_id = producer.start_turn("ops", session_id, "summarize this thread")
+    after = time.time()
 
     message = pop_message(rclient, names.queue)
     assert message.task == "june.turn"
     assert message.kwargs == {}
+    sent_at = message.args[0].pop("sent_at")  # when it was sent, by the producer's clock: the worker's queue wait
+    assert isinstance(sent_at, float) and before <= sent_at <= after
     assert message.args == [
         {
             "turn_id": turn_id,
