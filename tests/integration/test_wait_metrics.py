@@ -26,7 +26,7 @@ INPUT_WAIT = "june_input_wait_seconds"
 
 @pytest.fixture(scope="module")
 def worker(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> tuple[Proc, int]:
-    stack.env["JUNE_AGENTS"] = "tests.integration.observe_agents:ALL"
+    stack.env["JUNE_AGENTS"] = "tests.integration.agents:ALL,tests.integration.observe_agents:ALL"
     port = _free_port()
     env = {"JUNE_METRICS_PORT": str(port), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path_factory.mktemp("wait-metrics"))}
     return stack.worker("wait-metrics", concurrency=1, env=env), port
@@ -112,3 +112,31 @@ def test_the_input_wait_counts_from_the_park_to_the_answer_and_a_resume_is_no_qu
     assert 600 <= waited < 3600
     assert value(samples, f"{QUEUE_WAIT}_count", agent="metered") == queued0
     assert value(samples, f"{INPUT_WAIT}_count", agent="metered", outcome="timed_out") == 0
+
+
+def test_a_park_timeout_counts_as_a_timed_out_input_wait_from_the_park(stack: Stack, worker: tuple[Proc, int]) -> None:
+    port = worker[1]
+    # Given a turn parked on a request with a timeout, parked (and so expired) ten minutes ago by the database's stamps
+    session = f"to-{uuid.uuid4().hex[:10]}"
+    parked = stack.turn("ops", session, "quick")
+    assert stack.wait_terminal("ops", session, parked)["type"] == "input.requested"
+    stack.sql(
+        "update june_sessions set parked_at = parked_at - 600, park_expires_at = park_expires_at - 600"
+        " where agent = 'ops' and session = %s",
+        session,
+    )
+    before = scrape(port)
+    timed_out0 = value(before, f"{INPUT_WAIT}_count", agent="ops", outcome="timed_out") or 0.0
+    # When the next turn of the session comes (its intake applies the timeout: no sweeper runs here)
+    stack.turn("ops", session, "hello")
+    # Then one timed-out wait of at least those ten minutes is counted, and no answered one
+    samples = scraped_when(
+        port, f"{INPUT_WAIT}_count", timed_out0 + 1, "the timed-out input wait", agent="ops", outcome="timed_out"
+    )
+    waited = (value(samples, f"{INPUT_WAIT}_sum", agent="ops", outcome="timed_out") or 0.0) - (
+        value(before, f"{INPUT_WAIT}_sum", agent="ops", outcome="timed_out") or 0.0
+    )
+    assert 600 <= waited < 3600
+    assert value(samples, f"{INPUT_WAIT}_count", agent="ops", outcome="answered") == value(
+        before, f"{INPUT_WAIT}_count", agent="ops", outcome="answered"
+    )
