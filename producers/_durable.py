@@ -70,10 +70,9 @@ def turn_payload(
     trigger_by: str | None = None,
     target: Mapping[str, Any] | None = None,
     trace: Mapping[str, str] | None = None,
-    sent_at: float | None = None,
 ) -> str:
     """The turn's stored payload as the workers write it (their ``TurnPayload``), as JSON."""
-    payload: dict[str, Any] = {
+    payload = {
         "text": text,
         "event": event,
         "trigger_by": trigger_by,
@@ -81,8 +80,6 @@ def turn_payload(
         "target": target,
         "trace": dict(trace) if trace else None,
     }
-    if sent_at is not None:
-        payload["sent_at"] = sent_at
     return json.dumps(payload, separators=(",", ":"), allow_nan=False)
 
 

@@ -31,7 +31,7 @@ from collections.abc import AsyncGenerator, Generator, Mapping
 from typing import Any
 
 from june_wire.events import FollowedEvent
-from june_wire.ids import new_turn_id
+from june_wire.ids import SENT_AT_HEADER, new_turn_id
 from june_wire.keys import EventKeys
 from june_wire.redis_url import RedisClient, connect, redact
 
@@ -273,7 +273,6 @@ class JuneProducer:
         delivered_to = check.json_object(target, "target")
         if delivered_to is not None:
             payload["target"] = delivered_to
-        payload["sent_at"] = time.time()  # the worker's june_turn_queue_wait_seconds counts from it
         if durable:
             if replace:
                 raise ValueError(
@@ -295,10 +294,11 @@ class JuneProducer:
                     trigger_by=opened_by["by"] if opened_by is not None else None,
                     target=delivered_to,
                     trace=trace_headers,
-                    sent_at=payload["sent_at"],
                 )
                 recorded = self._record(payload["agent"], payload["session"], tid, stored)
-            self._send_turn("june.turn", payload, tid, recorded, headers=trace_headers)
+            # when it was sent, by the producer's clock: the worker's june_turn_queue_wait_seconds counts from it
+            stamped = {**(trace_headers or {}), SENT_AT_HEADER: repr(time.time())}
+            self._send_turn("june.turn", payload, tid, recorded, headers=stamped)
         return tid
 
     def proactive(

@@ -15,6 +15,8 @@ import uuid
 
 import pytest
 
+from june_wire.ids import SENT_AT_HEADER
+
 from .conftest import Proc, Stack, wait_for
 from .test_metrics import Samples, _free_port, scrape
 
@@ -62,13 +64,16 @@ def test_the_queue_wait_counts_from_the_producers_sent_at_once_per_turn(stack: S
     before = scrape(port)
     count0 = value(before, f"{QUEUE_WAIT}_count", agent="metered") or 0.0
     sum0 = value(before, f"{QUEUE_WAIT}_sum", agent="metered") or 0.0
-    # Given a turn its producer sent two minutes ago (it waited in the broker that long)
+    # Given a turn its producer sent two minutes ago (it waited in the broker that long), stamped in its header
     session = f"qw-{uuid.uuid4().hex[:10]}"
-    message = {"sent_at": time.time() - 120}
-    turn_id = stack.turn("metered", session, "hello", **message)
+    sent_at = time.time() - 120
+    turn_id = f"t_{uuid.uuid4().hex}"
+    payload = {"turn_id": turn_id, "agent": "metered", "session": session, "text": "hello"}
+    stack.send("june.turn", payload, headers={SENT_AT_HEADER: repr(sent_at)})
     assert stack.wait_terminal("metered", session, turn_id)["type"] == "turn.completed"
-    # When the same turn is sent again (as the sweeper re-sends one), and a second one comes from a producer
-    stack.turn("metered", session, "hello", turn_id=turn_id, **message)
+    # When the same turn is sent again (as the sweeper re-sends one, its stamp in the payload), and a second one comes
+    # from a producer
+    stack.turn("metered", session, "hello", turn_id=turn_id, sent_at=sent_at)
     with stack.producer() as producer:
         second = producer.start_turn("metered", session, "hello")
     assert stack.wait_terminal("metered", session, second)["type"] == "turn.completed"

@@ -18,6 +18,7 @@ import pytest
 import redis
 from pydantic import ValidationError
 
+from june_wire.ids import SENT_AT_HEADER
 from june_worker.worker.payloads import TurnMessage
 from producers import BrokerUnavailable, JuneProducer, ResultTimeout
 
@@ -45,8 +46,8 @@ def test_start_turn_sends_june_turn_with_one_json_object_to_the_turn_queue(
     message = pop_message(rclient, names.queue)
     assert message.task == "june.turn"
     assert message.kwargs == {}
-    sent_at = message.args[0].pop("sent_at")  # when it was sent, by the producer's clock: the worker's queue wait
-    assert isinstance(sent_at, float) and before <= sent_at <= after
+    # when it was sent, by the producer's clock (the worker's queue wait), in a header an older worker ignores
+    assert before <= float(message.headers[SENT_AT_HEADER]) <= after
     assert message.args == [
         {
             "turn_id": turn_id,
