@@ -22,7 +22,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["AGENT_NAME", "CROCKFORD", "SESSION_ID", "TURN_ID", "MonotonicUlid", "NameRule", "new_turn_id", "ulid"]
+__all__ = [
+    "AGENT_NAME",
+    "CROCKFORD",
+    "SENT_AT_HEADER",
+    "SESSION_ID",
+    "TURN_ID",
+    "MonotonicUlid",
+    "NameRule",
+    "new_turn_id",
+    "ulid",
+]
+
+SENT_AT_HEADER = "june_sent_at"
+"""The ``june.turn`` message header a producer stamps with when it sent the turn (epoch seconds, as text): a header,
+not a payload field, so that a worker older than the stamp ignores it instead of refusing the message."""
 
 CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _RANDOM_BITS = 80

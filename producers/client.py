@@ -26,11 +26,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncGenerator, Generator, Mapping
 from typing import Any
 
 from june_wire.events import FollowedEvent
-from june_wire.ids import new_turn_id
+from june_wire.ids import SENT_AT_HEADER, new_turn_id
 from june_wire.keys import EventKeys
 from june_wire.redis_url import RedisClient, connect, redact
 
@@ -295,7 +296,9 @@ class JuneProducer:
                     trace=trace_headers,
                 )
                 recorded = self._record(payload["agent"], payload["session"], tid, stored)
-            self._send_turn("june.turn", payload, tid, recorded, headers=trace_headers)
+            # when it was sent, by the producer's clock: the worker's june_turn_queue_wait_seconds counts from it
+            stamped = {**(trace_headers or {}), SENT_AT_HEADER: repr(time.time())}
+            self._send_turn("june.turn", payload, tid, recorded, headers=stamped)
         return tid
 
     def proactive(

@@ -90,6 +90,10 @@ class TurnPayload(_Record):
     trace: dict[str, str] | None = None
     """The W3C trace context (``traceparent``, ``tracestate``) of whoever sent the turn, from its message's
     headers: whichever process runs the turn makes its span a child of that one (june_worker/observe)."""
+    sent_at: float | None = None
+    """When the producer sent the turn (epoch seconds, by the producer's clock), if it said: the worker's queue wait
+    metric counts from it (else from the record's ``created_at``). Never compared with another clock to decide
+    anything."""
 
 
 class TurnRecord(_Record):

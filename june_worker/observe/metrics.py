@@ -19,15 +19,33 @@ through :meth:`Metrics.agent` before using it as a label.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["STEP_BUCKETS_S", "TURN_BUCKETS_S", "Metrics", "at_zero", "metrics", "multiprocess_dir", "reset_metrics"]
+__all__ = [
+    "INPUT_WAIT_BUCKETS_S",
+    "QUEUE_WAIT_BUCKETS_S",
+    "STEP_BUCKETS_S",
+    "TURN_BUCKETS_S",
+    "Metrics",
+    "at_zero",
+    "metrics",
+    "multiprocess_dir",
+    "reset_metrics",
+]
 
 TURN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+QUEUE_WAIT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+INPUT_WAIT_BUCKETS_S = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0,
+                        3 * 86400.0, 7 * 86400.0)  # fmt: skip
+"""A person answers in seconds to days: an approval's wait reaches the longest park timeout people set."""
+INPUT_ENDINGS = ("answered", "timed_out")
+"""How a wait for an input ended (``june_input_wait_seconds``'s ``outcome``)."""
+_log = logging.getLogger("june_worker.observe")
 OTHER = "_other"
 """The label value of an agent this process does not serve (a message can name any agent)."""
 
@@ -75,6 +93,16 @@ class Metrics:
             ["agent"],
             registry=None,
         )
+        self.queue_wait = Histogram(
+            "june_turn_queue_wait_seconds", "From a turn being enqueued (the producer's sent_at, else the record's "
+            "creation) to a worker opening it, once per turn (not a re-send or a resume); negatives (clock skew) are 0.",
+            ["agent"], buckets=QUEUE_WAIT_BUCKETS_S, registry=None,
+        )  # fmt: skip
+        self.input_wait = Histogram(
+            "june_input_wait_seconds", "How long a parked turn's input request waited, from the park to the answer "
+            "applied (answered) or the timeout applied (timed_out), by the database's clock.",
+            ["agent", "outcome"], buckets=INPUT_WAIT_BUCKETS_S, registry=None,
+        )  # fmt: skip
         self.interrupted = Counter(
             "june_turn_interruptions", "Runs that ended without an ending: a transient fault outlasted the step's "
             "retries, or the lease was lost.", ["agent", "reason"], registry=None,
@@ -111,10 +139,18 @@ class Metrics:
             "june_turns_in_progress", "Turns this worker's processes are running now.", ["agent"],
             multiprocess_mode="livesum", registry=None,
         )  # fmt: skip
+        self._at_zero()
 
     def serve(self, agents: Iterable[str]) -> None:
         """The agents this process serves: their names are label values, any other is ``_other``."""
         self._agents = frozenset(agents)
+        if self.enabled:
+            self._at_zero()
+
+    def _at_zero(self) -> None:
+        """The wait histograms of every agent served, exposed with nothing observed (a panel shows 0, not no data)."""
+        at_zero(self.queue_wait, [(a,) for a in sorted(self._agents)])
+        at_zero(self.input_wait, [(a, outcome) for a in sorted(self._agents) for outcome in INPUT_ENDINGS])
 
     def agent(self, name: str) -> str:
         """``name`` if this process serves that agent, else ``_other``: a bounded label."""
@@ -125,6 +161,22 @@ class Metrics:
     def turn_ended(self, agent: str, status: str) -> None:
         if self.enabled:
             self.turns.labels(self.agent(agent), status).inc()
+
+    def queue_waited(self, agent: str, seconds: float) -> None:
+        """A turn opened ``seconds`` after it was enqueued (by another host's clock, maybe: a negative is 0)."""
+        if self.enabled:
+            self.queue_wait.labels(self.agent(agent)).observe(max(seconds, 0.0))
+
+    def input_waited(self, agent: str, outcome: str, seconds: float, n: int = 1) -> None:
+        """``n`` requests of a park ended ``outcome`` (one of :data:`INPUT_ENDINGS`) ``seconds`` after the park."""
+        if not self.enabled:
+            return
+        try:  # called where an answer was applied: a fault of the metrics files must not fail it
+            child = self.input_wait.labels(self.agent(agent), outcome)
+            for _ in range(n):
+                child.observe(max(seconds, 0.0))
+        except Exception:
+            _log.warning("recording june_input_wait_seconds failed", exc_info=True)
 
     def sweep(self, summary: dict[str, Any]) -> None:
         """Count a sweeper run's summary dict (``redispatched``, ``expired_parks``, ``resets``, ``relayed``, ``rebuilt``,

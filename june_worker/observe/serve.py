@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.secrets import scrubbed_logger
+from .metrics import metrics
 from .state import StateCollector, broker_depths
 
 __all__ = ["prepare_directory", "serve"]
@@ -98,11 +99,13 @@ def serve(
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.multiprocess import MultiProcessCollector
 
+    names = list(agents)
+    metrics(names)  # this process's own files: the histograms that start at 0 (Metrics._at_zero) show before any turn
     registry = CollectorRegistry()
     registry.register(_DeadProcesses(path))  # first: the files it removes are not read below
     MultiProcessCollector(registry, path)  # type: ignore[no-untyped-call]
-    names = list(queues)
-    registry.register(StateCollector(database_url, agents=agents, depths=lambda: broker_depths(broker_url, names)))
+    queue_names = list(queues)
+    registry.register(StateCollector(database_url, agents=names, depths=lambda: broker_depths(broker_url, queue_names)))
     server, _thread = start_http_server(port, addr=host, registry=registry)
     log.info("metrics on http://%s:%d/metrics (pool files in %s)", host, server.server_port, path)
     return server

@@ -133,6 +133,8 @@ class TurnWatch:
         self.turn_id = rec.turn_id
         self.attempt = rec.attempts + 1
         self.payload_trace = rec.payload.trace
+        self.enqueued_at = rec.payload.sent_at or rec.created_at or None
+        """When the turn was enqueued: the producer's ``sent_at``, else its record's creation (the database's clock)."""
         self.status: str | None = None
         self.step_id: str | None = None
         self._span: trace.Span = trace.INVALID_SPAN
@@ -323,6 +325,8 @@ class TurnWatch:
             if self._m.enabled:
                 self._m.attempts.labels(self.label).inc()
             opening = bool(commit.messages)
+            if opening and self.enqueued_at is not None:  # a turn opens once: a replay or a resume is no new wait
+                self._m.queue_waited(self.agent.name, time.time() - self.enqueued_at)
             self._log("turn.running", "turn:open" if opening else "turn:replay", commit.events)
         elif status in _ENDINGS:
             assert status is not None

@@ -151,6 +151,11 @@ select e.recorded, {turn_columns("(e.turn).")}
 """Record a queued turn (migration 5's function, as migration 11 left it; durable producers call it too)."""
 
 _SESSION_EXISTS = "select exists (select 1 from june_sessions where agent = %(agent)s and session = %(session)s)"
+_PARK_AGE = """
+select extract(epoch from now()) - parked_at from june_sessions
+ where agent = %(agent)s and session = %(session)s and suspended is not null
+"""
+
 _GET_TURN = (
     f"select {TURN_COLUMNS} from june_turns where agent = %(agent)s and session = %(session)s and turn_id = %(turn_id)s"
 )
@@ -366,6 +371,12 @@ class PostgresStore:
         if not row or not row[0]:
             return None
         return SuspendedCheckpoint.model_validate_json(row[0]).with_expiry(row[1])
+
+    def park_age(self, ref: SessionRef) -> float | None:
+        """How long ago, by the database's clock, the session's park was set (``parked_at``); None: not parked."""
+        key = {"agent": ref.agent, "session": ref.session}
+        row = self._read(lambda c: c.execute(_PARK_AGE, key).fetchone())
+        return float(row[0]) if row and row[0] is not None else None
 
     def session_exists(self, ref: SessionRef) -> bool:
         """Whether anything was ever recorded for the session (a turn, a lease, a reset)."""

@@ -33,6 +33,7 @@ from ..engine.session import parked_reason
 from ..engine.store import UNFINISHED_TURN_STATUSES, SessionRef, TurnPayload, TurnRecord
 from ..errors import InvalidAnswerError, ResumeAuthorizationError, ResumeConflictError
 from ..observe.logs import transition
+from ..observe.metrics import metrics
 from . import rendering
 from .host import WorkerHost
 from .payloads import CancelMessage, ProactiveMessage, ResetMessage, ResumeMessage, TurnMessage
@@ -85,6 +86,7 @@ def turn_message(rec: TurnRecord) -> dict[str, Any]:
         "trigger": {"kind": "proactive", "by": p.trigger_by} if p.trigger_by else None,
         "replace": False,
         **({"target": p.target} if p.target else {}),
+        **({"sent_at": p.sent_at} if p.sent_at else {}),  # a re-send is no new enqueue: the wait counts from the first
     }
 
 
@@ -120,6 +122,7 @@ def intake(
             replace=msg.replace,
             target=msg.target,
             trace=trace,
+            sent_at=msg.sent_at,
         )
         replace = msg.replace
     else:
@@ -217,6 +220,7 @@ def resume(
     agent = host.agent(ref.agent)
     if agent is None:
         return {**out, "status": "rejected", "reason": f"unknown agent {ref.agent!r}"}
+    waited: float | None = None  # how long the park had waited when the answer applied (june_input_wait_seconds)
     try:
         refuse_reserved(msg.input_id, child_turn)
         stored = host.store.get_turn(ref, msg.turn_id)
@@ -240,6 +244,7 @@ def resume(
                     grant_answer(agent, parked, session=ref.session, by=msg.by, principal=msg.principal)
                 )
             commit = resume_commit(parked, msg.value, by=msg.by, granted=granted, cancel=cancel)
+            waited = host.park_age(ref)
             try:
                 events = host.store.commit(ref, commit)
                 break
@@ -258,6 +263,8 @@ def resume(
     except Exception as exc:  # the authorize_answer hook (or the store) failed: nothing applied, retry later
         log.exception("resume of %s %s failed before the answer was applied", ref, msg.turn_id)
         return {**out, "status": "error", "reason": scrub(f"{type(exc).__name__}: {exc}")}
+    if waited is not None:
+        metrics().input_waited(ref.agent, "answered", waited)
     host.sink.publish(ref, events)
     left = [i.request.id for i in commit.suspended.inputs()] if commit.suspended is not None else []
     if left:  # other requests of the park are still open: the turn waits for them

@@ -419,12 +419,26 @@ class WorkerHost:
         commit = timeout_commit(parked)
         if commit is None:
             return False
+        waited = self.park_age(ref)
         try:
             events = self.store.commit(ref, commit)
         except ResumeConflictError:
             return False  # not expired yet, or answered meanwhile
+        if waited is not None:
+            metrics().input_waited(ref.agent, "timed_out", waited, n=len(parked.due()))
         self.sink.publish(ref, events)
         return True
+
+    def park_age(self, ref: SessionRef) -> float | None:
+        """How long the session's park has waited (the database's clock), read before an answer or a timeout is
+        applied to it (the commit that ends the park clears its stamp); None if it cannot say. For a metric only:
+        a fault here never stops the answer."""
+        try:
+            return self.store.park_age(ref)
+        except Exception:
+            log.warning("could not read how long %s has been parked (june_input_wait_seconds misses it)", ref,
+                        exc_info=True)  # fmt: skip
+            return None
 
     # --- resets -----------------------------------------------------------------------------------------
 

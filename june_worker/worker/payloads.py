@@ -51,6 +51,8 @@ class TurnMessage(_SessionMessage):
     replace: bool = False
     target: dict[str, JsonValue] | None = None
     """Where the agent's ``deliver`` hook renders the finished turn."""
+    sent_at: Annotated[float, Field(gt=0, allow_inf_nan=False, strict=True)] | None = None
+    """When the producer sent the message (epoch seconds, its own clock): the queue wait metric counts from it."""
 
     def trigger_by(self) -> str | None:
         if self.trigger is None:

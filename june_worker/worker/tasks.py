@@ -10,12 +10,15 @@ transient class) is retried, with backoff.
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from celery import Task
 from celery.exceptions import Ignore, Reject
 
+from june_wire.ids import SENT_AT_HEADER
 from june_wire.storable import storable_text
 
 from ..engine.loop import reject_turn
@@ -132,10 +135,26 @@ def turn_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
         msg.trigger_by()
     except PayloadError as exc:
         return _rejected("june.turn", args, exc)
+    if msg.sent_at is None and (stamp := sent_at_of(self.request)) is not None:
+        msg = msg.model_copy(update={"sent_at": stamp})
     host = get_host()
     if host.crash is not None and host.crash.fires("before-intake", msg.turn_id):
         kill_worker()  # tests only: the message is taken, the turn not recorded
     return _parked_or(self, control.intake(host, msg, trace=tracing.from_request(self.request)))
+
+
+def sent_at_of(request: Any) -> float | None:
+    """When the producer sent this ``june.turn`` (its ``june_sent_at`` header); None without one or for one that is
+    not a positive finite number of seconds (a stamp only measures: a bad one is dropped, the turn still runs)."""
+    headers = getattr(request, "headers", None)
+    text = getattr(request, SENT_AT_HEADER, None)
+    if text is None and isinstance(headers, Mapping):
+        text = headers.get(SENT_AT_HEADER)
+    try:
+        value = float(text) if isinstance(text, str) and len(text) <= 64 else None
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) and value > 0 else None
 
 
 @app.task(name="june.proactive", bind=True, ignore_result=True, **_RETRY)

@@ -107,7 +107,12 @@ def test_what_is_recorded_is_what_a_worker_records_for_the_same_message(
     proactive = ProactiveMessage.model_validate(pop_message(rclient, names.queue).args[0])
     # the worker's intake (june_worker/worker/control.py) stores these payloads for these messages
     expected = [
-        (turn_id, TurnPayload(text=turn.text, event=turn.event, trigger_by=turn.trigger_by(), target=turn.target)),
+        (
+            turn_id,
+            TurnPayload(
+                text=turn.text, event=turn.event, trigger_by=turn.trigger_by(), target=turn.target, sent_at=turn.sent_at
+            ),
+        ),
         (proactive_id, TurnPayload(text=proactive.text, trigger_by=proactive.by, target=proactive.target)),
     ]
     assert [(t, p) for t, _, p in _stored(db, session_id)] == expected

@@ -10,6 +10,7 @@ import base64
 import contextlib
 import json
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 import redis
 from pydantic import ValidationError
 
+from june_wire.ids import SENT_AT_HEADER
 from june_worker.worker.payloads import TurnMessage
 from producers import BrokerUnavailable, JuneProducer, ResultTimeout
 
@@ -37,11 +39,15 @@ def closed_port() -> int:
 def test_start_turn_sends_june_turn_with_one_json_object_to_the_turn_queue(
     producer: JuneProducer, names: Names, rclient: redis.Redis, session_id: str
 ) -> None:
+    before = time.time()
     turn_id = producer.start_turn("ops", session_id, "summarize this thread")
+    after = time.time()
 
     message = pop_message(rclient, names.queue)
     assert message.task == "june.turn"
     assert message.kwargs == {}
+    # when it was sent, by the producer's clock (the worker's queue wait), in a header an older worker ignores
+    assert before <= float(message.headers[SENT_AT_HEADER]) <= after
     assert message.args == [
         {
             "turn_id": turn_id,
