@@ -138,9 +138,6 @@ def test_flowers_tasks_page_shows_turns_by_id_a_parked_one_a_scheduled_one_and_n
     stack.stop()  # the module's earlier workers, beats and Flowers: only this test's tasks on the page
     worker = stack.worker("flowered-page", pool="solo")
     base = _flower(stack, f"--tasks_columns={COLUMNS}")
-    secret_text = "order 7 widget for account 4111-1111-1111-1111"
-    done_turn = stack.producer().start_turn("ops", session_id, secret_text)
-    parked_turn = stack.producer().start_turn("ops", f"{session_id}-parks", "refund it")  # asks for approval
     digest = f"{session_id}-digest"
     beat = stack.beat(env={"JUNE_EXAMPLE_SCHEDULE": "1", "JUNE_EXAMPLE_SCHEDULE_EVERY_S": "1",
                            "JUNE_EXAMPLE_SESSION": digest})  # fmt: skip
@@ -148,15 +145,17 @@ def test_flowers_tasks_page_shows_turns_by_id_a_parked_one_a_scheduled_one_and_n
     def tasks() -> list[dict[str, Any]]:
         return list((_get(f"{base}/api/tasks?limit=500") or {}).values())
 
-    def all_there() -> bool:
-        states = {(t.get("name"), t.get("state"), str(t.get("args"))) for t in tasks()}
-        return (
-            any(n == "june.turn" and s == "SUCCESS" and done_turn in a for n, s, a in states)
-            and any(n == "june.turn" and s == "PARKED" and parked_turn in a for n, s, a in states)
-            and any(n == "june.proactive" and s == "SUCCESS" and digest in a for n, s, a in states)
-        )
+    def listed(name: str, state: str, arg: str) -> bool:
+        return any(t.get("name") == name and t.get("state") == state and arg in str(t.get("args")) for t in tasks())
 
-    wait_for(all_there, timeout_s=60, every_s=0.2, what="flower to have the turn, the parked turn and a scheduled one")
+    # Flower answers its healthcheck before it listens to the task events (and misses what is sent meanwhile): the
+    # turns are sent once it has listed a scheduled one
+    wait_for(lambda: listed("june.proactive", "SUCCESS", digest), timeout_s=60, every_s=0.2, what="a scheduled turn")
+    secret_text = "order 7 widget for account 4111-1111-1111-1111"
+    done_turn = stack.producer().start_turn("ops", session_id, secret_text)
+    parked_turn = stack.producer().start_turn("ops", f"{session_id}-parks", "refund it")  # asks for approval
+    wait_for(lambda: listed("june.turn", "SUCCESS", done_turn) and listed("june.turn", "PARKED", parked_turn),
+             timeout_s=60, every_s=0.2, what="flower to have the turn and the parked turn")  # fmt: skip
     # two more sweeps after Flower showed events (so it was listening), each logged when received and when done
     swept = worker.log.read_text().count("june.sweep[")
     wait_for(lambda: worker.log.read_text().count("june.sweep[") >= swept + 4, timeout_s=30, what="two more sweeps")
