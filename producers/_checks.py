@@ -85,5 +85,7 @@ def positive_timeout(value: float) -> float:
 
 
 def summary(**fields: str | None) -> str:
-    """The ``argsrepr`` of a message: ids only, ``{agent=ops session=s1 turn_id=t_...}``."""
-    return "{" + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None) + "}"
+    """The ``argsrepr`` of a message: ids only, the turn's first, ``{turn_id=t_... agent=ops session=s1}`` (Flower
+    cuts a long arguments cell at its end: the id a person searches for must be what shows)."""
+    first = {"turn_id": fields.pop("turn_id")} if "turn_id" in fields else {}
+    return "{" + " ".join(f"{k}={v}" for k, v in {**first, **fields}.items() if v is not None) + "}"

@@ -24,7 +24,7 @@ _QUIET_TASKS = frozenset({"june.sweep"})
 
 def proactive_argsrepr(payload: dict[str, Any]) -> str:
     """What Flower shows of a ``june.proactive`` message: its address and who started it, never its text."""
-    fields = ("agent", "session", "turn_id", "by")
+    fields = ("turn_id", "agent", "session", "by")  # the id first: Flower cuts a long arguments cell at its end
     return "{" + " ".join(f"{k}={payload[k]}" for k in fields if isinstance(payload.get(k), str)) + "}"
 
 

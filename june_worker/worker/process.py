@@ -36,7 +36,7 @@ def dispatch(rec: TurnRecord, *, queue: str | None = None) -> None:
         "june.turn",
         args=[turn_message(rec)],
         queue=queue or app.conf.task_default_queue,
-        argsrepr=f"{{agent={rec.agent} session={rec.session} turn_id={rec.turn_id}}}",
+        argsrepr=f"{{turn_id={rec.turn_id} agent={rec.agent} session={rec.session}}}",  # (the id first: Flower cuts)
         kwargsrepr="",
         **publish_options(get_host().settings),
     )

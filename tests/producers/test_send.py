@@ -106,7 +106,7 @@ def test_argsrepr_names_ids_only_never_the_text_or_the_event(
     )
 
     message = pop_message(rclient, names.queue)
-    assert message.headers["argsrepr"] == f"{{agent=ops session={session_id} turn_id={turn_id}}}"
+    assert message.headers["argsrepr"] == f"{{turn_id={turn_id} agent=ops session={session_id}}}"
     assert message.headers["kwargsrepr"] == ""
     assert SECRET not in json.dumps(message.headers)
     assert SECRET not in json.dumps(message.properties)
@@ -130,7 +130,7 @@ def test_proactive_sends_june_proactive_with_an_explicit_turn_id_to_the_turn_que
             "target": {"channel": "C1"},
         }
     ]
-    assert message.headers["argsrepr"] == f"{{agent=ops session={session_id} turn_id={turn_id}}}"
+    assert message.headers["argsrepr"] == f"{{turn_id={turn_id} agent=ops session={session_id}}}"
 
 
 def test_resume_goes_to_the_control_queue_without_its_value_in_argsrepr(
@@ -153,7 +153,7 @@ def test_resume_goes_to_the_control_queue_without_its_value_in_argsrepr(
         }
     ]
     assert message.properties["delivery_info"]["routing_key"] == names.control_queue
-    assert message.headers["argsrepr"] == f"{{agent=ops session={session_id} turn_id=t_1 input_id=approve}}"
+    assert message.headers["argsrepr"] == f"{{turn_id=t_1 agent=ops session={session_id} input_id=approve}}"
     assert SECRET not in json.dumps(message.headers)
     assert rclient.llen(names.queue) == 0
 
@@ -283,7 +283,7 @@ def test_a_broker_that_is_down_or_silent_raises_broker_unavailable_instead_of_ha
             returns_within(lambda: producer.start_turn("ops", "s1", "hi"), 10 * (retries + 1) * timeout_s, "start_turn")
 
     message = str(raised.value)
-    assert message.startswith("could not send june.turn {agent=ops session=s1 turn_id=t_")
+    assert message.startswith("could not send june.turn {turn_id=t_")
     assert f"{scheme}://***@127.0.0.1:{port}" in message and SECRET not in message
 
 
@@ -311,5 +311,5 @@ def test_the_task_sent_event_for_flower_carries_the_summary_not_the_payload(
         pubsub.close()
 
     assert sent["name"] == "june.turn"
-    assert sent["args"] == f"{{agent=ops session={session_id} turn_id={turn_id}}}"
+    assert sent["args"] == f"{{turn_id={turn_id} agent=ops session={session_id}}}"
     assert SECRET not in json.dumps(sent)

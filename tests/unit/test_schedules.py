@@ -52,7 +52,7 @@ def test_a_proactive_turn_id_is_ulid_shaped_and_the_same_for_the_same_task() -> 
     task_id = str(uuid.uuid4())
     assert ULID_ID.fullmatch(proactive_turn_id(task_id)) and proactive_turn_id(task_id) == proactive_turn_id(task_id)
     payload = {"agent": "ops", "session": "s", "turn_id": "t_01ARZ3NDEKTSV4RRFFQ69G5FAV", "by": "b", "text": "secret"}
-    assert proactive_argsrepr(payload) == "{agent=ops session=s turn_id=t_01ARZ3NDEKTSV4RRFFQ69G5FAV by=b}"
+    assert proactive_argsrepr(payload) == "{turn_id=t_01ARZ3NDEKTSV4RRFFQ69G5FAV agent=ops session=s by=b}"
 
 
 def test_the_sweep_task_sends_no_task_events_and_beat_keeps_no_schedule_file() -> None:
