@@ -25,7 +25,7 @@ from opentelemetry import propagate, trace
 
 from .. import __version__
 
-__all__ = ["TRACE_HEADERS", "consumed", "context_of", "current_carrier", "from_request", "tracer"]
+__all__ = ["TRACE_HEADERS", "consumed", "context_of", "current_carrier", "from_request", "message_header", "tracer"]
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 """The message headers that carry a trace (W3C Trace Context)."""
@@ -43,14 +43,21 @@ def current_carrier() -> dict[str, str] | None:
     return kept or None
 
 
+def message_header(request: Any, name: str) -> Any:
+    """Header ``name`` of a Celery task's message (``task.request``): Celery sets a sender's custom headers as the
+    request's attributes, or leaves them in its ``headers``; None if the sender put none."""
+    value = getattr(request, name, None)
+    headers = getattr(request, "headers", None)
+    if value is None and isinstance(headers, Mapping):
+        value = headers.get(name)
+    return value
+
+
 def from_request(request: Any) -> dict[str, str] | None:
     """The trace headers of a Celery task's message (``task.request``), if the sender put any there."""
     found: dict[str, str] = {}
-    headers = getattr(request, "headers", None)
     for name in TRACE_HEADERS:
-        value = getattr(request, name, None)
-        if value is None and isinstance(headers, Mapping):
-            value = headers.get(name)
+        value = message_header(request, name)
         if isinstance(value, str) and 0 < len(value) <= 512:
             found[name] = value
     return found or None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from celery import Task
@@ -146,10 +145,7 @@ def turn_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
 def sent_at_of(request: Any) -> float | None:
     """When the producer sent this ``june.turn`` (its ``june_sent_at`` header); None without one or for one that is
     not a positive finite number of seconds (a stamp only measures: a bad one is dropped, the turn still runs)."""
-    headers = getattr(request, "headers", None)
-    text = getattr(request, SENT_AT_HEADER, None)
-    if text is None and isinstance(headers, Mapping):
-        text = headers.get(SENT_AT_HEADER)
+    text = tracing.message_header(request, SENT_AT_HEADER)
     try:
         value = float(text) if isinstance(text, str) and len(text) <= 64 else None
     except ValueError:
