@@ -14,13 +14,13 @@ only ``ops``. The broker's visibility timeout is long, so only the sweeper can b
 from __future__ import annotations
 
 import contextlib
+import socket
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from producers import JuneProducer
-from tests._services import closed_port
 
 from .conftest import Proc, Stack, wait_for
 
@@ -28,6 +28,14 @@ pytestmark = [pytest.mark.integration]
 
 ONLY = {"JUNE_BROKER_VISIBILITY_S": "3600"}  # a message a dead worker held is not handed out again during a test
 RECOVERY_S = 60.0  # a lease (2 s) and a sweep period (0.5 s), on a loaded machine
+
+
+def closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port: int = s.getsockname()[1]
+    s.close()
+    return port
 
 
 @pytest.fixture(scope="module", autouse=True)

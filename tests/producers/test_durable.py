@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import socket
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -25,12 +26,17 @@ from june_worker.stores.postgres import PostgresStore
 from june_worker.worker.payloads import ProactiveMessage, TurnMessage
 from producers import BrokerUnavailable, DatabaseUnavailable, JuneProducer, ProducerConfigError
 from producers._durable import check_event
-from tests._services import closed_port
 
 from .conftest import Names
 from .kit import pop_message
 
 pytestmark = pytest.mark.integration
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
