@@ -31,8 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from .settings import WorkerSettings
-
 __all__ = ["ISOLATION_AFTER_S", "REFUSED_WITHIN_S", "isolation_queue", "supervise", "worker_command"]
 
 REFUSED_WITHIN_S = 10.0
@@ -67,23 +65,20 @@ def isolation_queue(env: dict[str, str] | os._Environ[str], queues: str | None =
     another queue's, that queue's isolation worker, which may not serve their agents, could take their turns."""
     if env.get("JUNE_ISOLATION_QUEUE"):
         return env["JUNE_ISOLATION_QUEUE"]
-    control = env.get("JUNE_CONTROL_QUEUE") or WorkerSettings.control_queue
+    control = env.get("JUNE_CONTROL_QUEUE") or "june.control"
     consumed = [q.strip() for q in (queues or "").split(",") if q.strip() and q.strip() != control]
-    return f"{consumed[0] if consumed else env.get('JUNE_QUEUE') or WorkerSettings.queue}.isolated"
+    return f"{consumed[0] if consumed else env.get('JUNE_QUEUE') or 'june'}.isolated"
 
 
-def worker_command(
-    app: str, turns: int, index: int, processes: int, rest: Sequence[str], *, isolated: str
-) -> list[str]:
-    """``celery worker``'s command line for worker ``index`` of ``processes`` (index 0: the isolation worker, on
-    the queue ``isolated`` instead of the ``-Q`` queues)."""
+def worker_command(app: str, turns: int, index: int, processes: int, rest: Sequence[str]) -> list[str]:
+    """``celery worker``'s command line for worker ``index`` of ``processes`` (index 0: the isolation worker)."""
     args = list(rest)
     name = _take_option(args, "-n", "--hostname") or "celery@%h"
     node, at, host = name.partition("@")
     if index == 0:
-        _take_option(args, "-Q", "--queues")
+        queue = isolation_queue(os.environ, _take_option(args, "-Q", "--queues"))
         name = f"{node}-isolated{at}{host}"
-        return [sys.executable, "-m", "celery", "-A", app, "worker", "-P", "solo", "-Q", isolated, "-n", name, *args]
+        return [sys.executable, "-m", "celery", "-A", app, "worker", "-P", "solo", "-Q", queue, "-n", name, *args]
     if processes > 1:
         name = f"{node}-{index}{at}{host}"
     return [sys.executable, "-m", "celery", "-A", app, "worker", "-P", "threads", "-c", str(turns), "-n", name, *args]
@@ -133,10 +128,7 @@ def supervise(app: str, *, turns: int, processes: int, rest: Sequence[str]) -> i
     if checked.returncode != 0:
         return checked.returncode
     # the isolation worker (index 0): one turn at a time, for turns whose process died under them
-    isolated = isolation_queue(os.environ, _take_option(list(rest), "-Q", "--queues"))
-    workers = [
-        _Worker(i, worker_command(app, turns, i, processes, rest, isolated=isolated)) for i in range(0, processes + 1)
-    ]
+    workers = [_Worker(i, worker_command(app, turns, i, processes, rest)) for i in range(0, processes + 1)]
     # started a little later: a worker that refuses to start (bad agents) says so once, not once per process
     workers[0].due = time.monotonic() + ISOLATION_AFTER_S
     stopping: list[int] = []
@@ -149,6 +141,7 @@ def supervise(app: str, *, turns: int, processes: int, rest: Sequence[str]) -> i
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(signum, forward)
+    isolated = isolation_queue(os.environ, _take_option(list(rest), "-Q", "--queues"))
     env = {**os.environ, "JUNE_SUPERVISOR_PID": str(os.getpid()), "JUNE_ISOLATION_QUEUE": isolated,
            "JUNE_START_CHECKED": "1"}  # fmt: skip
     env.update(_metrics_directory(os.environ))
