@@ -110,18 +110,10 @@ def test_what_is_recorded_is_what_a_worker_records_for_the_same_message(
         (
             turn_id,
             TurnPayload(
-                text=turn.text,
-                event=turn.event,
-                trigger_by=turn.trigger_by(),
-                target=turn.target,
-                sent_at=turn.sent_at,
-                queue=names.queue,  # the worker's: the queue the message came from; the producer's: where it sent it
+                text=turn.text, event=turn.event, trigger_by=turn.trigger_by(), target=turn.target, sent_at=turn.sent_at
             ),
         ),
-        (
-            proactive_id,
-            TurnPayload(text=proactive.text, trigger_by=proactive.by, target=proactive.target, queue=names.queue),
-        ),
+        (proactive_id, TurnPayload(text=proactive.text, trigger_by=proactive.by, target=proactive.target)),
     ]
     assert [(t, p) for t, _, p in _stored(db, session_id)] == expected
 
