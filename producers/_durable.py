@@ -8,7 +8,7 @@ worker first), so the producer holds no copy of the statement. Recording is idem
 id, like a worker's intake: a turn recorded here and then delivered twice runs once.
 
 What is recorded must be readable by the workers: the stored payload is the worker's
-``TurnPayload`` (``text``, ``event``, ``trigger_by``, ``replace``, ``target``),
+``TurnPayload`` (``text``, ``event``, ``trigger_by``, ``replace``, ``target``, ``trace``, ``queue``),
 :func:`check_event` refuses an inbound event whose known fields have the wrong type, and
 :func:`check_storable` a string no store can hold (a NUL, a lone surrogate) anywhere in the
 message, by the workers' own rule (:mod:`june_wire.storable`). A worker would reject such a
@@ -70,8 +70,12 @@ def turn_payload(
     trigger_by: str | None = None,
     target: Mapping[str, Any] | None = None,
     trace: Mapping[str, str] | None = None,
+    queue: str | None = None,
 ) -> str:
-    """The turn's stored payload as the workers write it (their ``TurnPayload``), as JSON."""
+    """The turn's stored payload as the workers write it (their ``TurnPayload``), as JSON.
+
+    ``queue``: the queue its message is sent on; the workers send the turn there again when they re-send it (the
+    sweeper, after a lost message), to the workers that serve its agent. A worker older than it ignores it."""
     payload = {
         "text": text,
         "event": event,
@@ -79,6 +83,7 @@ def turn_payload(
         "replace": False,
         "target": target,
         "trace": dict(trace) if trace else None,
+        "queue": queue,
     }
     return json.dumps(payload, separators=(",", ":"), allow_nan=False)
 

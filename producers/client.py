@@ -294,6 +294,7 @@ class JuneProducer:
                     trigger_by=opened_by["by"] if opened_by is not None else None,
                     target=delivered_to,
                     trace=trace_headers,
+                    queue=self.queue,
                 )
                 recorded = self._record(payload["agent"], payload["session"], tid, stored)
             # when it was sent, by the producer's clock: the worker's june_turn_queue_wait_seconds counts from it
@@ -335,7 +336,11 @@ class JuneProducer:
             recorded = None
             if durable:
                 stored = turn_payload(
-                    payload["text"], trigger_by=payload["by"], target=payload["target"], trace=trace_headers
+                    payload["text"],
+                    trigger_by=payload["by"],
+                    target=payload["target"],
+                    trace=trace_headers,
+                    queue=self.queue,
                 )
                 recorded = self._record(payload["agent"], payload["session"], tid, stored)
             self._send_turn("june.proactive", payload, tid, recorded, headers=trace_headers)

@@ -24,6 +24,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from tests._services import closed_port
+
 __all__ = [
     "FIXTURES",
     "HANG_UP",
@@ -101,13 +103,6 @@ def api_error(status: int, name_or_body: str | dict[str, Any]) -> Recorded:
 
 HANG_UP = Recorded(0, b"")
 """Close the connection without sending a response."""
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class AnthropicAPI:

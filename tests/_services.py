@@ -106,6 +106,13 @@ _INSTALL_REDIS = (
 )
 
 
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released): a service that is down."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class ServiceUnavailable(RuntimeError):
     """No server for a service the tests need; the message is one line saying what to do."""
 

@@ -353,7 +353,10 @@ class Delegator:
             link = ParentLink(
                 agent=self._ref.agent, session=self._ref.session, turn_id=ctx.turn_id, call_id=ctx.call.id, depth=depth
             )
-            payload = TurnPayload(text=text, parent=link, trace=self._record.payload.trace)
+            # the parent's queue: its workers serve this host's agents, the child's among them
+            payload = TurnPayload(
+                text=text, parent=link, trace=self._record.payload.trace, queue=self._record.payload.queue
+            )
             recorded, created = await self._blocking(lambda: self._store.enqueue_turn(child, turn_id, payload))
             if created and self._crash is not None:
                 self._crash("after-child-start", ctx.step)

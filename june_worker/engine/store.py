@@ -94,6 +94,11 @@ class TurnPayload(_Record):
     """When the producer sent the turn (epoch seconds, by the producer's clock), if it said: the worker's queue wait
     metric counts from it (else from the record's ``created_at``). Never compared with another clock to decide
     anything."""
+    queue: str | None = None
+    """The broker queue the turn was sent on: the one its producer chose (a durable producer records it), else the
+    one its first message came from. Whoever sends the turn again (the sweeper, a resume, a woken parent) sends it
+    there, to the workers that serve its agent; None (a record older than this field): the sender's default
+    queue."""
 
 
 class TurnRecord(_Record):

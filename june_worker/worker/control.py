@@ -107,10 +107,13 @@ def intake(
     *,
     turn_id: str | None = None,
     trace: dict[str, str] | None = None,
+    queue: str | None = None,
 ) -> dict[str, Any]:
     """Record the turn (idempotent by turn id), then run the session if nobody else is.
 
-    ``trace``: the sender's trace context from the message's headers, kept with the turn (``TurnPayload.trace``).
+    ``trace``: the sender's trace context from the message's headers, kept with the turn (``TurnPayload.trace``);
+    ``queue``: the queue the message came from, kept with the turn (``TurnPayload.queue``) unless it was recorded
+    before (a durable producer's record keeps the queue it chose).
     """
     ref = SessionRef(msg.agent, msg.session)
     if isinstance(msg, TurnMessage):
@@ -123,11 +126,12 @@ def intake(
             target=msg.target,
             trace=trace,
             sent_at=msg.sent_at,
+            queue=queue,
         )
         replace = msg.replace
     else:
         assert turn_id is not None
-        payload = TurnPayload(text=msg.text, trigger_by=msg.by, target=msg.target, trace=trace)
+        payload = TurnPayload(text=msg.text, trigger_by=msg.by, target=msg.target, trace=trace, queue=queue)
         replace = False
     agent = host.agent(ref.agent)
     if agent is not None and not replace and (payload.target is None or agent.deliver is not None):
@@ -195,9 +199,14 @@ def proactive_turn_id(task_id: str) -> str:
 
 
 def proactive(
-    host: WorkerHost, msg: ProactiveMessage, task_id: str, *, trace: dict[str, str] | None = None
+    host: WorkerHost,
+    msg: ProactiveMessage,
+    task_id: str,
+    *,
+    trace: dict[str, str] | None = None,
+    queue: str | None = None,
 ) -> dict[str, Any]:
-    return intake(host, msg, turn_id=msg.turn_id or proactive_turn_id(task_id), trace=trace)
+    return intake(host, msg, turn_id=msg.turn_id or proactive_turn_id(task_id), trace=trace, queue=queue)
 
 
 def resume(

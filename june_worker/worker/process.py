@@ -31,11 +31,15 @@ _HOST_LOCK = threading.Lock()
 
 
 def dispatch(rec: TurnRecord, *, queue: str | None = None) -> None:
-    """Send ``june.turn`` for a recorded turn, with a monitoring summary instead of its text."""
+    """Send ``june.turn`` for a recorded turn, with a monitoring summary instead of its text.
+
+    To ``queue`` if given (the isolation worker's), else to the queue the turn was sent on (``TurnPayload.queue``):
+    the workers there serve its agent, which this process's own queue (``JUNE_QUEUE``) may not. A record without
+    one (older than it) goes to this process's queue."""
     app.send_task(
         "june.turn",
         args=[turn_message(rec)],
-        queue=queue or app.conf.task_default_queue,
+        queue=queue or rec.payload.queue or app.conf.task_default_queue,
         argsrepr=f"{{turn_id={rec.turn_id} agent={rec.agent} session={rec.session}}}",  # (the id first: Flower cuts)
         kwargsrepr="",
         **publish_options(get_host().settings),

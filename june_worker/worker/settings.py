@@ -220,8 +220,8 @@ class WorkerEnv(EnvModel):
         "process died under it goes on, alone (a solo worker consumes it); unset: it "
         "runs on in a shared process",
         expected="a queue name",
-        default_doc="<JUNE_QUEUE>.isolated under june worker --turns-per-process "
-        "(its supervisor starts that worker); else unset",
+        default_doc="<queue>.isolated under june worker --turns-per-process, for its first -Q queue (else "
+        "JUNE_QUEUE; its supervisor starts that worker); else unset",
     )
     transcript_cache: int = var(
         "JUNE_TRANSCRIPT_CACHE",

@@ -3,9 +3,9 @@
 A prefork worker's main process starts a pool process again when one dies (a tool that segfaults, the OOM
 killer). A worker that runs many turns in one process (Celery's threads pool, :mod:`.inflight`) is its own
 main process: this supervisor is what starts it again. It starts P Celery workers (``-P threads -c N``, each
-named ``<name>-<i>`` when P > 1) and one **isolation worker** (``-P solo`` on ``<JUNE_QUEUE>.isolated``, named
-``<name>-isolated``): a turn whose process died under it goes on there, alone, so that a turn that kills its
-process kills only itself from then on, and the turns it took down with it are not charged for it again
+named ``<name>-<i>`` when P > 1) and one **isolation worker** (``-P solo`` on ``<queue>.isolated`` for their
+``-Q`` queue, :func:`isolation_queue`; named ``<name>-isolated``): a turn whose process died under it goes on
+there, alone, so that a turn that kills its process kills only itself from then on, and the turns it took down with it are not charged for it again
 (:meth:`~june_worker.worker.host.WorkerHost._isolate`). It passes SIGTERM / SIGINT / SIGQUIT on to them
 (Celery's warm and cold shutdowns), and starts again, after a backoff, one that dies while nobody asked it to
 stop. One that exits by itself at once (a worker that refuses to start: bad agents, a bad setting) ends the
@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+
+from .settings import WorkerSettings
 
 __all__ = ["ISOLATION_AFTER_S", "REFUSED_WITHIN_S", "isolation_queue", "supervise", "worker_command"]
 
@@ -57,21 +59,31 @@ def _take_option(args: list[str], short: str, long: str) -> str | None:
     return None
 
 
-def isolation_queue(env: dict[str, str] | os._Environ[str]) -> str:
-    """Where turns whose process died under them go on alone: ``JUNE_ISOLATION_QUEUE``, else ``<JUNE_QUEUE>.isolated``."""
-    return env.get("JUNE_ISOLATION_QUEUE") or f"{env.get('JUNE_QUEUE') or 'june'}.isolated"
+def isolation_queue(env: dict[str, str] | os._Environ[str], queues: str | None = None) -> str:
+    """Where turns whose process died under them go on alone: ``JUNE_ISOLATION_QUEUE``, else ``<queue>.isolated`` for
+    the first turn queue the workers consume (``-Q``, the control queue aside), else for ``JUNE_QUEUE``.
+
+    Workers of one queue (``-Q billing``, serving the billing agents) get an isolation queue of their own: on
+    another queue's, that queue's isolation worker, which may not serve their agents, could take their turns."""
+    if env.get("JUNE_ISOLATION_QUEUE"):
+        return env["JUNE_ISOLATION_QUEUE"]
+    control = env.get("JUNE_CONTROL_QUEUE") or WorkerSettings.control_queue
+    consumed = [q.strip() for q in (queues or "").split(",") if q.strip() and q.strip() != control]
+    return f"{consumed[0] if consumed else env.get('JUNE_QUEUE') or WorkerSettings.queue}.isolated"
 
 
-def worker_command(app: str, turns: int, index: int, processes: int, rest: Sequence[str]) -> list[str]:
-    """``celery worker``'s command line for worker ``index`` of ``processes`` (index 0: the isolation worker)."""
+def worker_command(
+    app: str, turns: int, index: int, processes: int, rest: Sequence[str], *, isolated: str
+) -> list[str]:
+    """``celery worker``'s command line for worker ``index`` of ``processes`` (index 0: the isolation worker, on
+    the queue ``isolated`` instead of the ``-Q`` queues)."""
     args = list(rest)
     name = _take_option(args, "-n", "--hostname") or "celery@%h"
     node, at, host = name.partition("@")
     if index == 0:
         _take_option(args, "-Q", "--queues")
-        queue = isolation_queue(os.environ)
         name = f"{node}-isolated{at}{host}"
-        return [sys.executable, "-m", "celery", "-A", app, "worker", "-P", "solo", "-Q", queue, "-n", name, *args]
+        return [sys.executable, "-m", "celery", "-A", app, "worker", "-P", "solo", "-Q", isolated, "-n", name, *args]
     if processes > 1:
         name = f"{node}-{index}{at}{host}"
     return [sys.executable, "-m", "celery", "-A", app, "worker", "-P", "threads", "-c", str(turns), "-n", name, *args]
@@ -121,7 +133,10 @@ def supervise(app: str, *, turns: int, processes: int, rest: Sequence[str]) -> i
     if checked.returncode != 0:
         return checked.returncode
     # the isolation worker (index 0): one turn at a time, for turns whose process died under them
-    workers = [_Worker(i, worker_command(app, turns, i, processes, rest)) for i in range(0, processes + 1)]
+    isolated = isolation_queue(os.environ, _take_option(list(rest), "-Q", "--queues"))
+    workers = [
+        _Worker(i, worker_command(app, turns, i, processes, rest, isolated=isolated)) for i in range(0, processes + 1)
+    ]
     # started a little later: a worker that refuses to start (bad agents) says so once, not once per process
     workers[0].due = time.monotonic() + ISOLATION_AFTER_S
     stopping: list[int] = []
@@ -134,7 +149,7 @@ def supervise(app: str, *, turns: int, processes: int, rest: Sequence[str]) -> i
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(signum, forward)
-    env = {**os.environ, "JUNE_SUPERVISOR_PID": str(os.getpid()), "JUNE_ISOLATION_QUEUE": isolation_queue(os.environ),
+    env = {**os.environ, "JUNE_SUPERVISOR_PID": str(os.getpid()), "JUNE_ISOLATION_QUEUE": isolated,
            "JUNE_START_CHECKED": "1"}  # fmt: skip
     env.update(_metrics_directory(os.environ))
     code = 0

@@ -139,7 +139,33 @@ def turn_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
     host = get_host()
     if host.crash is not None and host.crash.fires("before-intake", msg.turn_id):
         kill_worker()  # tests only: the message is taken, the turn not recorded
-    return _parked_or(self, control.intake(host, msg, trace=tracing.from_request(self.request)))
+    out = control.intake(host, msg, trace=tracing.from_request(self.request), queue=turn_queue(host, self.request))
+    return _parked_or(self, out)
+
+
+def delivered_on(request: Any) -> str | None:
+    """The queue this task's message came from, as its delivery info says; None if it does not say.
+
+    Celery sends a message for a named queue to the default (nameless) exchange with the queue's name as its
+    routing key (june's workers and producers always do; so does Celery's own retry); a message sent to a named
+    exchange came from the queue of this worker's that is bound to that exchange under its routing key."""
+    info = getattr(request, "delivery_info", None) or {}
+    exchange, routing_key = info.get("exchange"), info.get("routing_key")
+    if not isinstance(routing_key, str) or not routing_key or storable_text(routing_key) != routing_key:
+        return None
+    if not exchange:
+        return routing_key
+    for queue in app.amqp.queues.consume_from.values():
+        if queue.routing_key == routing_key and queue.exchange is not None and queue.exchange.name == exchange:
+            return str(queue.name)
+    return None
+
+
+def turn_queue(host: WorkerHost, request: Any) -> str | None:
+    """The queue to keep with a turn this message records (``TurnPayload.queue``): the one it came from, unless that
+    is the isolation worker's (a turn only goes there once recorded, with its own queue kept)."""
+    queue = delivered_on(request)
+    return None if queue is None or queue == host.settings.isolation_queue else queue
 
 
 def sent_at_of(request: Any) -> float | None:
@@ -159,8 +185,9 @@ def proactive_task(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
         msg = parse_payload(ProactiveMessage, args, kwargs)
     except PayloadError as exc:
         return _rejected("june.proactive", args, exc, str(self.request.id))
-    out = control.proactive(get_host(), msg, str(self.request.id), trace=tracing.from_request(self.request))
-    return _parked_or(self, out)
+    host = get_host()
+    trace, queue = tracing.from_request(self.request), turn_queue(host, self.request)
+    return _parked_or(self, control.proactive(host, msg, str(self.request.id), trace=trace, queue=queue))
 
 
 @app.task(name="june.resume", bind=True, **_RETRY)

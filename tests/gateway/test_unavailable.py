@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 from collections.abc import Iterator
 
@@ -10,15 +9,10 @@ import httpx
 import pytest
 
 from june_worker.gateway import create_app
+from tests._services import closed_port
 
 from .conftest import settings_for
 from .kit import Gateway, ServedApp
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # nothing listens once it is closed
 
 
 @pytest.fixture

@@ -396,6 +396,18 @@ def ALL() -> list[Agent]:  # noqa: N802 - the JUNE_AGENTS path names it
     ]
 
 
+def OPS_ONLY() -> list[Agent]:  # noqa: N802 - a worker of one queue only (tests/integration/test_worker_queues.py)
+    return [a for a in ALL() if a.name == "ops"]
+
+
+def ECHO_ONLY() -> list[Agent]:  # noqa: N802 - the workers of another queue
+    return [a for a in ALL() if a.name == "echo"]
+
+
+def BOSS_AND_SCOUT() -> list[Agent]:  # noqa: N802 - a parent agent and its subagent, on a queue of their own
+    return [a for a in ALL() if a.name in ("boss", "scout")]
+
+
 def _deliver(*, target: dict[str, Any], result: Any, events: list[Any], session: str) -> None:
     if target.get("channel") == "broken":  # a target whose rendering always fails
         _redis().rpush(f"it:delivery-failed:{session}", "attempt")

@@ -8,7 +8,6 @@ Every test writes under its own key prefix and deletes it afterwards: the Redis 
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 import sys
 import threading
@@ -53,6 +52,7 @@ from june_worker.events.reader import decode_entry
 from june_worker.events.redis_stream import encode_event
 from june_worker.models import Reply, ScriptedModel
 from june_worker.stores import MemoryStore
+from tests._services import closed_port
 
 pytestmark = pytest.mark.integration
 
@@ -134,14 +134,6 @@ def blocked(client: Any, name: str) -> Callable[[], bool]:
     return lambda: any(
         c.get("name") == name and "b" in c.get("flags", "") for node in node_clients(client) for c in node.client_list()
     )
-
-
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port: int = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def lookup_agent() -> Agent:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import socket
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -26,17 +25,12 @@ from june_worker.stores.postgres import PostgresStore
 from june_worker.worker.payloads import ProactiveMessage, TurnMessage
 from producers import BrokerUnavailable, DatabaseUnavailable, JuneProducer, ProducerConfigError
 from producers._durable import check_event
+from tests._services import closed_port
 
 from .conftest import Names
 from .kit import pop_message
 
 pytestmark = pytest.mark.integration
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -110,10 +104,18 @@ def test_what_is_recorded_is_what_a_worker_records_for_the_same_message(
         (
             turn_id,
             TurnPayload(
-                text=turn.text, event=turn.event, trigger_by=turn.trigger_by(), target=turn.target, sent_at=turn.sent_at
+                text=turn.text,
+                event=turn.event,
+                trigger_by=turn.trigger_by(),
+                target=turn.target,
+                sent_at=turn.sent_at,
+                queue=names.queue,  # the worker's: the queue the message came from; the producer's: where it sent it
             ),
         ),
-        (proactive_id, TurnPayload(text=proactive.text, trigger_by=proactive.by, target=proactive.target)),
+        (
+            proactive_id,
+            TurnPayload(text=proactive.text, trigger_by=proactive.by, target=proactive.target, queue=names.queue),
+        ),
     ]
     assert [(t, p) for t, _, p in _stored(db, session_id)] == expected
 

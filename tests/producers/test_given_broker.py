@@ -9,13 +9,13 @@ databases of the test server stand for the two deployments.
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Iterator
 
 import pytest
 import redis
 
 from producers import JuneProducer
+from tests._services import closed_port
 
 from .conftest import Names
 from .kit import pop_message, queue_keys
@@ -23,12 +23,6 @@ from .kit import pop_message, queue_keys
 pytestmark = pytest.mark.integration
 
 PASSWORD = "s3cret-pw"
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def on_db(url: str, db: int) -> str:

@@ -6,25 +6,19 @@ counter moved, never its absolute value.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
 from prometheus_client import REGISTRY
 
 from producers import BrokerUnavailable, JuneProducer
+from tests._services import closed_port
 
 from .test_durable import db
 
 __all__ = ["db"]  # the fixture, imported for pytest
 
 pytestmark = pytest.mark.integration
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # nothing listens once it is closed
 
 
 def value(name: str, **labels: str) -> float | None:

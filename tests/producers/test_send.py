@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from june_wire.ids import SENT_AT_HEADER
 from june_worker.worker.payloads import TurnMessage
 from producers import BrokerUnavailable, JuneProducer, ResultTimeout
+from tests._services import closed_port
 
 from .conftest import Names
 from .kit import pop_message, returns_within, wait_until
@@ -28,12 +29,6 @@ from .kit import pop_message, returns_within, wait_until
 pytestmark = pytest.mark.integration
 
 SECRET = "hunter2-secret"
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_start_turn_sends_june_turn_with_one_json_object_to_the_turn_queue(
