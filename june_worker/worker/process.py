@@ -31,19 +31,36 @@ _HOST_LOCK = threading.Lock()
 
 
 def dispatch(rec: TurnRecord, *, queue: str | None = None) -> None:
-    """Send ``june.turn`` for a recorded turn, with a monitoring summary instead of its text.
-
-    To ``queue`` if given (the isolation worker's), else to the queue the turn was sent on (``TurnPayload.queue``):
-    the workers there serve its agent, which this process's own queue (``JUNE_QUEUE``) may not. A record without
-    one (older than it) goes to this process's queue."""
+    """Send ``june.turn`` for a recorded turn, with a monitoring summary instead of its text: to ``queue`` if given
+    (the isolation worker's), else where :func:`resend_queue` says."""
     app.send_task(
         "june.turn",
         args=[turn_message(rec)],
-        queue=queue or rec.payload.queue or app.conf.task_default_queue,
+        queue=queue or resend_queue(rec),
         argsrepr=f"{{turn_id={rec.turn_id} agent={rec.agent} session={rec.session}}}",  # (the id first: Flower cuts)
         kwargsrepr="",
         **publish_options(get_host().settings),
     )
+
+
+def resend_queue(rec: TurnRecord) -> str:
+    """The queue a turn sent again goes to (by the sweeper, a resume, a woken parent, its parent for a child turn).
+
+    The queue it was sent on (``TurnPayload.queue``), whose workers serve its agent, unless this process serves the
+    agent too and does not consume that queue: then the first turn queue this process consumes, else (a worker of
+    the control queue only) ``JUNE_QUEUE``. A queue's workers may all be gone (a worker's queue of its own, a queue a
+    deployment dropped) while this process, and the workers of its own queue, can run the turn. The isolation
+    worker sends to the kept queue (it was started for that queue's workers). A record without a queue (older than
+    the field): this process's default queue."""
+    kept, default = rec.payload.queue, str(app.conf.task_default_queue)
+    if kept is None:
+        return default
+    settings = get_host().settings
+    consumed = [str(name) for name in app.amqp.queues.consume_from]
+    own = [q for q in consumed if q not in (settings.control_queue, settings.isolation_queue)]
+    if kept in own or get_host().agent(rec.agent) is None or (not own and settings.isolation_queue in consumed):
+        return kept
+    return own[0] if own else default
 
 
 def make_host(
