@@ -44,13 +44,13 @@ select agent, status, count(*) from june_turns where status in ('queued', 'runni
 """
 
 # The relay's lag: sessions nobody holds (the lease rule of worker/queue.py) whose committed events are past the
-# mark the sweeper moves once their stream holds them (the june_sessions_unrelayed partial index), and the age of
+# mark the sweeper moves once their stream holds them (along the june_sessions_relay_due partial index), and the age of
 # the oldest such event. A session a worker holds is relayed by that worker, and is left out.
 _UNRELAYED = """
 select count(*), coalesce(max(extract(epoch from now()) - e.created_at), 0)
   from june_sessions s
   left join june_events e on e.agent = s.agent and e.session = s.session and e.seq = s.relayed_seq + 1
- where s.event_seq > s.relayed_seq
+ where s.relay_due and s.event_seq > s.relayed_seq
    and (s.lease_owner is null
         or s.lease_expires < extract(epoch from clock_timestamp())
         or not exists (select 1 from june_workers w

@@ -1,9 +1,11 @@
 """The Postgres commit statement: one checkpoint as ONE data-modifying statement (a CTE).
 
 ``upd`` updates the session row only if the fencing token (and the expected park) match,
-bumps ``event_seq`` and returns it; every other part selects ``from upd``, so it writes
+bumps ``event_seq`` (and sets ``relay_due`` when the commit has events) and returns it; every other part selects ``from upd``, so it writes
 nothing unless ``upd`` returned the row. What ``upd`` returns is the whole answer on the
-happy path; when it returns nothing the caller asks why, off the happy path.
+happy path; when it returns nothing the caller asks why, off the happy path. A plain step
+(no status, park, turn status or release) leaves the row's indexed columns as they were, so its
+update is a HOT one (migration 16 of ``_pg_schema``).
 
 The statement is specialised to the commit's *shape* (which parts it has, how many rows of
 each) and cached: a shape the engine repeats every step (one message, one step, one or two
@@ -196,7 +198,11 @@ def _source(prefix: str, n: int, columns: list[tuple[str, str]], doc: str, *, or
 
 @functools.lru_cache(maxsize=256)
 def _sql(shape: _Shape) -> str:
-    sets = ["event_seq = s.event_seq + %(n_events)s::bigint", "updated_at = extract(epoch from now())"]
+    sets = ["event_seq = s.event_seq + %(n_events)s::bigint"]
+    if shape.events:
+        sets.append("relay_due = true")  # already set in a turn's later steps: the update stays HOT
+    if shape.status or shape.suspended != "keep" or shape.turn or shape.release:
+        sets.append("updated_at = extract(epoch from now())")  # an indexed column: not moved by a plain step
     if shape.status:
         sets.append("status = %(status)s::text")
     if shape.suspended == "set":

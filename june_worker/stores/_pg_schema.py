@@ -515,4 +515,16 @@ MIGRATIONS: list[str] = [
                           and t.status <> 'rejected')
     $$;
     """,
+    # 16: a step's update of its session row stays a HOT update (no new index entries, a smaller WAL record):
+    # it moved two indexed values, updated_at (june_sessions_activity) and event_seq (in the predicate of
+    # june_sessions_unrelayed). The relay's partial index is on a flag instead, relay_due, that a commit with
+    # events sets and a relay mark clears once the stream holds every event; a turn's steps find it set and
+    # leave it so. updated_at moves with what the console lists by: a turn opening, parking, answering,
+    # ending, a reset; not with each step between.
+    """
+    alter table june_sessions add column relay_due boolean not null default false;
+    update june_sessions set relay_due = event_seq > relayed_seq where event_seq > relayed_seq;
+    create index june_sessions_relay_due on june_sessions (agent, session) where relay_due;
+    drop index june_sessions_unrelayed;
+    """,
 ]

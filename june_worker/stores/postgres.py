@@ -203,7 +203,7 @@ returning s.fence, s.event_seq, s.generation
 # counters moved.
 _REJECT = f"""
 with sess as (
-    update june_sessions set event_seq = %(seq)s,
+    update june_sessions set event_seq = %(seq)s, relay_due = true,
            next_position = next_position + case when %(new)s then 1 else 0 end
      where agent = %(agent)s and session = %(session)s
     returning next_position - 1 as position, generation
@@ -240,7 +240,7 @@ with am as (
     delete from june_steps where agent = %(agent)s and session = %(session)s
 )
 update june_sessions set generation = generation + 1, status = 'new', suspended = null, parked_at = null,
-       reset_pending = false
+       reset_pending = false, updated_at = extract(epoch from now())
 where agent = %(agent)s and session = %(session)s
 """
 

@@ -639,14 +639,14 @@ class SessionQueue:
     # --- the relay -----------------------------------------------------------------------------------
 
     def unrelayed(self, *, limit: int, after: SessionRef | None = None) -> list[tuple[SessionRef, int]]:
-        """Sessions nobody holds whose outbox may be ahead of their stream (``event_seq > relayed_seq``, an
+        """Sessions nobody holds whose outbox may be ahead of their stream (``relay_due``, a partial
         index), however long ago they were active; with their committed event count. In key order, from
         past ``after``: a caller that pages on from the last one it got reaches every such session."""
         with pooled(self.pool) as conn:
             rows = conn.execute(
                 f"""
                 select s.agent, s.session, s.event_seq from june_sessions s
-                 where s.event_seq > s.relayed_seq and {_LEASE_IS_FREE.format(s="s")}
+                 where s.relay_due and {_LEASE_IS_FREE.format(s="s")}
                    and (s.agent, s.session) > (%(agent)s, %(session)s)
                  order by s.agent, s.session
                  limit %(limit)s
@@ -698,22 +698,31 @@ _OUTBOX_SESSIONS = """
 """
 
 # Marks only move forward: two writers (the holder's heartbeat, a sweeper) may mark one session in either order.
+# relay_due (the relay's partial index) is cleared once the mark reaches event_seq; a session marked again past
+# its mark still clears it (a flag left set by a mark that was skipped or raced a commit).
 _MARK_RELAYED = """
-    update june_sessions s set relayed_seq = greatest(s.relayed_seq, m.seq)
+    update june_sessions s set relayed_seq = greatest(s.relayed_seq, m.seq),
+           relay_due = s.event_seq > greatest(s.relayed_seq, m.seq)
       from (select * from unnest(%(agents)s::text[], %(sessions)s::text[], %(seqs)s::bigint[])
             as m(agent, session, seq)) m
-     where s.agent = m.agent and s.session = m.session and s.relayed_seq < m.seq
+     where s.agent = m.agent and s.session = m.session and (s.relayed_seq < m.seq or s.relay_due)
 """
 
 
 # The heartbeat's marks skip a session row another transaction holds (a reset archiving a long transcript, a
 # step's commit): waiting there would hold up this process's liveness, and past JUNE_ALIVE_S other workers
 # would take its leases. A mark skipped is no loss: the sweeper reads that stream's markers instead.
+# relay_due stays set on a session this process still holds: its next step's commit would set it again, and
+# flipping it there and back makes two updates that are not HOT; the holder releasing the lease leaves it to
+# the sweeper's mark, or the mark of a heartbeat after the release.
 _MARK_RELAYED_UNLOCKED = """
-    update june_sessions s set relayed_seq = greatest(s.relayed_seq, m.seq)
+    update june_sessions s set relayed_seq = greatest(s.relayed_seq, m.seq),
+           relay_due = case when s.lease_owner = %(o)s then s.relay_due
+                            else s.event_seq > greatest(s.relayed_seq, m.seq) end
       from (select * from unnest(%(agents)s::text[], %(sessions)s::text[], %(seqs)s::bigint[])
             as m(agent, session, seq)) m
-     where s.agent = m.agent and s.session = m.session and s.relayed_seq < m.seq
+     where s.agent = m.agent and s.session = m.session
+       and (s.relayed_seq < m.seq or (s.relay_due and s.lease_owner is distinct from %(o)s))
        and (s.agent, s.session) in (
             select j.agent, j.session from june_sessions j
              where (j.agent, j.session) in (select * from unnest(%(agents)s::text[], %(sessions)s::text[]))

@@ -227,9 +227,10 @@ def _rebuild(host: WorkerHost, *, limit: int) -> int:
 def _relay(host: WorkerHost, *, limit: int) -> int:
     """Bring every stream nobody is publishing to up to its outbox, however long ago its session was active.
 
-    The candidates are the sessions whose ``relayed_seq`` mark is behind their ``event_seq`` (an
-    index; a holder marks what its own publishes put in the streams with its heartbeat, so these are
-    mostly sessions that really are behind); a stream found complete, or made so, moves the mark. They
+    The candidates are the sessions whose ``relayed_seq`` mark may be behind their ``event_seq``
+    (``relay_due``, a partial index; a holder marks what its own publishes put in the streams with
+    its heartbeat, so these are mostly sessions that really are behind); a stream found complete, or
+    made so, moves the mark and clears the flag. They
     are read a page of ``limit`` at a time, in key order, until a page comes back short: every such
     session is reached in one sweep, however many there are. While Redis is unreachable the marks stay
     behind, and a later sweep finishes the work.

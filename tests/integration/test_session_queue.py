@@ -11,16 +11,16 @@ import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
 
-from june_worker.engine.events import Completed, TurnCompleted, TurnEvent, TurnStarted
-from june_worker.engine.store import Commit, SessionRef, SuspendedCheckpoint, TurnPayload
-from june_worker.engine.types import InputRequest, ProactiveTrigger, UserMessage
+from june_worker.engine.events import Completed, MessageCompleted, TurnCompleted, TurnEvent, TurnStarted
+from june_worker.engine.store import Commit, SessionRef, StepRecord, SuspendedCheckpoint, TurnPayload
+from june_worker.engine.types import AssistantMessage, InputRequest, ProactiveTrigger, UserMessage
 from june_worker.errors import LeaseLostError
 from june_worker.stores._pg_commit import commit_statement
 from june_worker.stores.postgres import PostgresStore
 from june_worker.worker.queue import _INTAKE, Intake, SessionQueue
 from june_worker.worker.transcripts import held_params
 
-from .conftest import wait_for
+from .conftest import _database, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -526,3 +526,100 @@ def test_a_heartbeat_never_waits_on_a_session_row_another_transaction_holds(
                                   (held.session, free.session)).fetchall())  # fmt: skip
         alive = conn.execute("select count(*) from june_workers where owner = 'w1'").fetchone()
     assert marks == {held.session: 0, free.session: 3} and alive == (1,)
+
+
+# --- what a step costs the session row (migration 16) ----------------------------------------------------
+
+
+def _step(turn_id: str, n: int) -> Commit:
+    """A model step's checkpoint: its reply, its memo, its event; no status, park or lease change."""
+    return Commit(
+        messages=[(n, AssistantMessage(turn_id=turn_id, text=f"step {n}"))],
+        steps=[StepRecord(step_id=f"model:{n}", turn_id=turn_id, data={"text": f"step {n}"})],
+        events=[MessageCompleted(turn_id=turn_id, step=f"model:{n}", text=f"step {n}")],
+    )
+
+
+def _session_row_updates(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    """(updates, HOT updates) of june_sessions so far, this backend's own counts flushed first."""
+    conn.execute("select pg_stat_force_next_flush()")  # flushed as the backend goes idle after this statement
+    row = conn.execute(
+        "select n_tup_upd, n_tup_hot_upd from pg_stat_user_tables where relname = 'june_sessions'"
+    ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def test_a_plain_steps_update_of_its_session_row_is_hot(database_url: str) -> None:
+    # Given a database of this test's own (no other backend's counts) and a store on ONE connection, so the
+    # counts this test reads are its own commits'
+    for url in _database(database_url):
+        store = PostgresStore(url, max_size=1)
+        try:
+            q = SessionQueue(store.pool, lease_s=30)
+            ref = _ref()
+            q.beat("w1", 60)
+            lease = q.intake(ref, "t1", TurnPayload(text="hi"), "w1").lease
+            assert lease is not None
+            store.commit(ref, _opening("t1"), fence=lease.fence)
+            with store.pool.connection() as conn:
+                before = _session_row_updates(conn)
+            # When the turn commits twenty plain steps
+            for n in range(1, 21):
+                store.commit(ref, _step("t1", n), fence=lease.fence)
+            with store.pool.connection() as conn:
+                after = _session_row_updates(conn)
+            # Then each one updated the session row in place: no new entry in any of its indexes
+            assert (after[0] - before[0], after[1] - before[1]) == (20, 20)
+            _, released = store.commit_releasing(ref, _ending("t1"), fence=lease.fence)
+            assert released
+        finally:
+            store.close()
+
+
+def _relay_due(url: str, ref: SessionRef) -> tuple[bool, int, int]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "select relay_due, event_seq, relayed_seq from june_sessions where agent = %s and session = %s",
+            (ref.agent, ref.session),
+        ).fetchone()
+    assert row is not None
+    return bool(row[0]), int(row[1]), int(row[2])
+
+
+def test_the_relay_flag_is_set_by_events_kept_while_held_and_cleared_once_the_stream_has_them(
+    queue: tuple[PostgresStore, SessionQueue], fresh_db: str
+) -> None:
+    store, q = queue
+    ref = _ref()
+    q.beat("w1", 60)
+    lease = q.intake(ref, "t1", TurnPayload(text="hi"), "w1").lease
+    assert lease is not None
+    # Given a turn whose commits put events in the outbox
+    store.commit(ref, _opening("t1"), fence=lease.fence)
+    store.commit(ref, _step("t1", 1), fence=lease.fence)
+    assert _relay_due(fresh_db, ref) == (True, 2, 0)
+    # When its holder's heartbeat marks what it published, while it still holds the session
+    q.beat("w1", 60, relayed={ref: 2})
+    # Then the mark moves and the flag stays (the next step would set it again: both updates stay HOT)
+    assert _relay_due(fresh_db, ref) == (True, 2, 2)
+    assert ref not in [r for r, _ in q.unrelayed(limit=100)]  # held by a live worker: its own to relay
+    # When the turn ends (the lease released) and the holder dies before marking the last event
+    _, released = store.commit_releasing(ref, _ending("t1"), fence=lease.fence)
+    assert released
+    # Then the sweeper's candidates hold it, with its committed count
+    assert (ref, 3) in q.unrelayed(limit=100)
+    # When a mark for what is already marked comes (a stream found complete up to an older mark)
+    q.mark_relayed([(ref, 2)])
+    assert _relay_due(fresh_db, ref) == (True, 3, 2)  # the outbox is still ahead: still due
+    q.mark_relayed([(ref, 3)])
+    # Then a mark that reaches the outbox clears it, and the sweeper no longer looks at the session
+    assert _relay_due(fresh_db, ref) == (False, 3, 3)
+    assert ref not in [r for r, _ in q.unrelayed(limit=100)]
+    # A heartbeat's mark of a session nobody holds clears it as well
+    lease = q.intake(ref, "t2", TurnPayload(text="again"), "w1").lease
+    assert lease is not None
+    store.commit_releasing(ref, _ending("t2"), fence=lease.fence)
+    assert _relay_due(fresh_db, ref) == (True, 4, 3)
+    q.beat("w1", 60, relayed={ref: 4})
+    assert _relay_due(fresh_db, ref) == (False, 4, 4)
