@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["REPLACEMENT", "safe_str", "storable_json", "storable_text", "unstorable_reason"]
+__all__ = ["REPLACEMENT", "safe_str", "storable_json", "storable_json_text", "storable_text", "unstorable_reason"]
 
 REPLACEMENT = "\ufffd"
 _BAD = re.compile("[\x00\ud800-\udfff]")
@@ -41,6 +41,16 @@ def storable_json(value: Any) -> Any:
     if _clean(value):
         return value
     return _rebuild(value)
+
+
+def storable_json_text(text: str) -> bool:
+    """True when the value whose JSON ``text`` this is (made without escaping non-ASCII, as ``json.dumps(...,
+    ensure_ascii=False)`` and pydantic do) has no NUL and no lone surrogate: JSON writes a NUL as ``\\u0000``
+    and a lone surrogate as it is. (A string that holds a backslash and ``u0000`` reads as a NUL here: the
+    caller then walks the value, which finds there is none.)"""
+    if "\\u0000" in text:
+        return False
+    return text.isascii() or _BAD.search(text) is None
 
 
 def _clean(value: Any) -> bool:

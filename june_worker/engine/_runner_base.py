@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from june_wire.storable import storable_json
+from june_wire.storable import storable_json, storable_json_text
 
 from ..errors import (
     CancelRequestedError,
@@ -30,7 +30,7 @@ from .crash import CrashHook
 from .failures import DEFAULT_MAX_ATTEMPTS, RACE_STALL_S, STEP_RETRIES
 from .hooks import NO_HOOKS, TurnHooks
 from .inputs import InputBroker
-from .secrets import scrub, scrub_json, scrubbed_logger
+from .secrets import scrub, scrub_json, scrubbed_logger, secret_free_json_text
 from .sink import EventSink
 from .store import (
     Commit,
@@ -94,8 +94,10 @@ def _to_json(value: Any) -> JsonValue:
     it cannot repeat one); pydantic models are dumped, anything else must already be JSON."""
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
-    else:
-        json.dumps(value, allow_nan=False)
+    # one text for the three checks: JSON at all (raises), storable, and without a secret (the common case)
+    text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    if storable_json_text(text) and secret_free_json_text(text):
+        return value
     return scrub_json(storable_json(value))
 
 
@@ -103,6 +105,13 @@ def _storable_reply(reply: ModelReply) -> ModelReply:
     """The model's reply with every string storable (text, tool calls, reasoning) and no secret in its text or its
     calls' input; usually the reply itself. Its reasoning and a call's provider_state are left as they came: a
     provider signs them, and takes them back only unchanged (the published reasoning deltas are scrubbed)."""
+    try:  # the common case, judged from one text: nothing in the whole reply to replace
+        text = reply.model_dump_json(by_alias=True)
+    except ValueError:  # (a lone surrogate: pydantic's JSON refuses it)
+        pass
+    else:
+        if storable_json_text(text) and secret_free_json_text(text):
+            return reply
     data = reply.model_dump(by_alias=True)
     clean = storable_json(data)
     text = scrub(clean["text"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, TypeAdapter, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from june_wire.events import DELTA_TYPES, TERMINAL_TYPES  # the wire's names: readers without the engine use them
 
@@ -32,6 +32,7 @@ from .types import (
     ToolCall,
     Trigger,
     Usage,
+    omitted_if_none,
 )
 
 __all__ = [
@@ -103,12 +104,8 @@ class MessageCompleted(_Event):
     text: str
 
 
-def _drop_none(data: dict[str, Any], *fields: str) -> dict[str, Any]:
-    """``data`` without those of ``fields`` that are None: an event without them reads as it always did."""
-    for name in fields:
-        if data.get(name, 0) is None:
-            del data[name]
-    return data
+def _is_empty(value: list[Any]) -> bool:
+    return not value
 
 
 class ActionRequested(_Event):
@@ -120,12 +117,8 @@ class ActionRequested(_Event):
     type: Literal["action.requested"] = "action.requested"
     step: str
     call: ToolCall
-    batch: list[str] | None = None
-    batch_limit: int | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_missing_batch(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "batch", "batch_limit")  # a call run alone reads as it always did
+    batch: list[str] | None = omitted_if_none()  # a call run alone reads as it always did
+    batch_limit: int | None = omitted_if_none()
 
 
 class ActionCompleted(_Event):
@@ -137,13 +130,9 @@ class ActionCompleted(_Event):
     call: ToolCall
     result: JsonValue = None
     error: str | None = None
-    child_agent: str | None = None
-    child_session: str | None = None
-    child_turn_id: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_missing_child(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "child_agent", "child_session", "child_turn_id")
+    child_agent: str | None = omitted_if_none()
+    child_session: str | None = omitted_if_none()
+    child_turn_id: str | None = omitted_if_none()
 
 
 class InputRequested(_Event):
@@ -153,13 +142,9 @@ class InputRequested(_Event):
     type: Literal["input.requested"] = "input.requested"
     step: str | None = None
     request: InputRequest
-    child_agent: str | None = None
-    child_session: str | None = None
-    child_turn_id: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_missing_child(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "child_agent", "child_session", "child_turn_id")
+    child_agent: str | None = omitted_if_none()
+    child_session: str | None = omitted_if_none()
+    child_turn_id: str | None = omitted_if_none()
 
 
 class InputAnswered(_Event):
@@ -266,14 +251,7 @@ class Suspended(_Result):
 
     status: Literal["suspended"] = "suspended"
     request: InputRequest
-    more: list[InputRequest] = Field(default_factory=list)
-
-    @model_serializer(mode="wrap")
-    def _without_missing_more(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        if not self.more:  # a park on one request reads as it always did
-            data.pop("more", None)
-        return data
+    more: list[InputRequest] = Field(default_factory=list, exclude_if=_is_empty)  # one request reads as it always did
 
 
 class Failed(_Result):

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
-from .types import Finish, JsonValue, Message, ModelReply, Usage
+from .types import Finish, JsonValue, Message, ModelReply, Usage, omitted_if_none
 
 __all__ = ["Done", "Model", "ModelDelta", "ModelRequest", "ReasoningChunk", "TextChunk", "ToolSpec"]
 
@@ -76,21 +76,10 @@ class Done(BaseModel):
     model_config = ConfigDict(frozen=True)
     type: Literal["done"] = "done"
     reply: ModelReply
-    finish: Finish | None = None
+    finish: Finish | None = omitted_if_none()
     usage: Usage | None = None
-    window_tokens: int | None = None
-    complete_calls: list[str] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_missing_finish(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        if self.finish is None:
-            data.pop("finish", None)
-        if self.window_tokens is None:
-            data.pop("window_tokens", None)
-        if self.complete_calls is None:
-            data.pop("complete_calls", None)
-        return data
+    window_tokens: int | None = omitted_if_none()
+    complete_calls: list[str] | None = omitted_if_none()
 
 
 ModelDelta = Annotated[TextChunk | ReasoningChunk | Done, Field(discriminator="type")]

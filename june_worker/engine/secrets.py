@@ -34,6 +34,7 @@ __all__ = [
     "register_secret",
     "scrub",
     "scrub_json",
+    "secret_free_json_text",
     "scrub_handlers",
     "scrubbed_logger",
 ]
@@ -79,13 +80,19 @@ _JSON_ESCAPED = re.compile(r'["\\\x00-\x1f]')
 
 
 def _clean_as_json(value: Any) -> bool:
-    """True when no string of ``value`` can hold a secret, judged from its JSON text: every registered value and
-    every key-shaped string appears there as it is, unless it has a character JSON escapes (then: False)."""
-    if any(_JSON_ESCAPED.search(secret) for secret in _secrets):
-        return False
+    """True when no string of ``value`` can hold a secret, judged from its JSON text."""
     try:
         text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     except (TypeError, ValueError):
+        return False
+    return secret_free_json_text(text)
+
+
+def secret_free_json_text(text: str) -> bool:
+    """True when no string of the value whose JSON ``text`` this is (made without escaping non-ASCII) can hold a
+    secret: every registered value and every key-shaped string appears in the text as it is, unless it has a
+    character JSON escapes (then: False, and the caller scrubs string by string)."""
+    if any(_JSON_ESCAPED.search(secret) for secret in _secrets):
         return False
     return not any(secret in text for secret in _secrets) and _KEY_SHAPED.search(text) is None
 

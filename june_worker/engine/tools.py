@@ -256,6 +256,8 @@ class Tool:
         self.requires_principal = requires_principal
         self.is_async = is_async_callable(run)
         self._call_style = call_style
+        # the parameter names a kwargs call passes, read once: pydantic's model_fields builds its answer per access
+        self._params = tuple(input_model.model_fields) if input_model is not None else ()
 
     def __repr__(self) -> str:
         kind = "async" if self.is_async else "sync"
@@ -282,7 +284,7 @@ class Tool:
     def invoke(self, ctx: ToolContext, validated: Any) -> Any:
         """Call the tool; for an async tool this returns the coroutine to await."""
         if self._call_style == "kwargs":
-            kwargs = {k: getattr(validated, k) for k in type(validated).model_fields}
+            kwargs = {k: getattr(validated, k) for k in self._params}
             return self.run(ctx, **kwargs)
         return self.run(validated, ctx)
 

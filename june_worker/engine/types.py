@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeAlias
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, TypeAdapter, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 __all__ = [
     "ABNORMAL_FINISHES",
@@ -44,10 +44,22 @@ __all__ = [
     "Usage",
     "UserAnswerer",
     "UserMessage",
+    "omitted_if_none",
 ]
 
 JsonValue: TypeAlias = Any
 """Any JSON value (object, array, string, number, bool, null)."""
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+def omitted_if_none() -> Any:
+    """A field that defaults to None and is left out of a dump while None: a field added to a stored or published
+    model this way leaves the rows and events without it as they always were. (Checked per field as pydantic
+    serialises, which costs less than a model serializer that dumps the model and pops keys afterwards.)"""
+    return Field(default=None, exclude_if=_is_none)
 
 
 class _Model(BaseModel):
@@ -132,14 +144,7 @@ class ToolCall(_Model):
     id: str
     name: str
     input: dict[str, JsonValue] = Field(default_factory=dict)
-    provider_state: JsonValue = None
-
-    @model_serializer(mode="wrap")
-    def _without_missing_state(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        if self.provider_state is None:
-            data.pop("provider_state", None)
-        return data
+    provider_state: JsonValue = omitted_if_none()
 
 
 class ReasoningBlock(_Model):
@@ -229,17 +234,8 @@ class AssistantMessage(_Model):
     text: str = ""
     tool_calls: list[ToolCall] = Field(default_factory=list)
     reasoning: list[ReasoningBlock] = Field(default_factory=list)
-    usage: Usage | None = None
-    window_tokens: int | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_missing_usage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        if self.usage is None:
-            data.pop("usage", None)
-        if self.window_tokens is None:
-            data.pop("window_tokens", None)
-        return data
+    usage: Usage | None = omitted_if_none()
+    window_tokens: int | None = omitted_if_none()
 
 
 class ToolMessage(_Model):
