@@ -89,13 +89,16 @@ class _ToolRaised(BaseException):
         self.exc = exc
 
 
+_JSON_TEXT = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+
+
 def _to_json(value: Any) -> JsonValue:
     """A tool result as plain, storable JSON with no secret in it (:mod:`.secrets`: what the model reads next, so
     it cannot repeat one); pydantic models are dumped, anything else must already be JSON."""
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
     # one text for the three checks: JSON at all (raises), storable, and without a secret (the common case)
-    text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    text = _JSON_TEXT.encode(value)
     if storable_json_text(text) and secret_free_json_text(text):
         return value
     return scrub_json(storable_json(value))
