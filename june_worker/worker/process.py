@@ -55,10 +55,25 @@ def resend_queue(rec: TurnRecord) -> str:
     kept, default = rec.payload.queue, str(app.conf.task_default_queue)
     if kept is None:
         return default
-    settings = get_host().settings
-    consumed = [str(name) for name in app.amqp.queues.consume_from]
-    own = [q for q in consumed if q not in (settings.control_queue, settings.isolation_queue)]
-    if kept in own or get_host().agent(rec.agent) is None or (not own and settings.isolation_queue in consumed):
+    host = get_host()
+    return resend_target(
+        kept,
+        default=default,
+        consumed=[str(name) for name in app.amqp.queues.consume_from],
+        control=host.settings.control_queue,
+        isolation=host.settings.isolation_queue,
+        serves_agent=host.agent(rec.agent) is not None,
+    )
+
+
+def resend_target(
+    kept: str, *, default: str, consumed: list[str], control: str, isolation: str | None, serves_agent: bool
+) -> str:
+    """:func:`resend_queue`'s rule, on what it reads from the process: the turn's kept queue, the queues this
+    process consumes (``consumed``, the control and isolation queues among them or not), whether it serves the
+    turn's agent."""
+    own = [q for q in consumed if q not in (control, isolation)]
+    if kept in own or not serves_agent or (not own and isolation in consumed):
         return kept
     return own[0] if own else default
 
