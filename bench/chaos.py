@@ -286,7 +286,7 @@ def main() -> None:
             chaos = Chaos(stack, rng, tuple(args.kill_every), mode=args.mode)
             chaos.start_worker()
             chaos.start_worker()
-            stack.beat()
+            beat = stack.beat()
             killer = threading.Thread(target=chaos.run, name="killer", daemon=True)
             began = time.monotonic()
             killer.start()
@@ -299,14 +299,31 @@ def main() -> None:
             chaos.stop.set()
             killer.join()
             chaos_s = time.monotonic() - began
-            report(stack, chaos, accepted, args, seed, chaos_s, down_s)
+            report(stack, chaos, accepted, args, seed, chaos_s, down_s, beat)
     finally:
         redis.close()
 
 
+def explain_relay(stack: BenchStack, sessions: list[str], beat: Proc) -> None:
+    """What a relay that did not catch up left behind, for the next reader: each session's stream against its
+    outbox and its relay state, and the sweeper's process (beat) with the end of its log."""
+    for s in sessions:
+        seqs = sorted(set(structural_seqs(stack, s)))
+        row = stack.sql(
+            "select event_seq, relayed_seq, relay_due, lease_owner from june_sessions where agent = 'chaos' and session = %s",
+            s,
+        )
+        print(
+            f"# {s}: stream holds {len(seqs)} seqs (last {seqs[-1] if seqs else 0}); session row {row}", file=sys.stderr
+        )
+    print(f"# beat {'alive' if beat.alive() else 'exited'}; its log ends:", file=sys.stderr)
+    for line in beat.text().splitlines()[-12:]:
+        print(f"#   {line[:200]}", file=sys.stderr)
+
+
 def report(
     stack: BenchStack, chaos: Chaos, accepted: list[tuple[str, str]], args: argparse.Namespace, seed: int,
-    chaos_s: float, down_s: float,
+    chaos_s: float, down_s: float, beat: Proc,
 ) -> None:  # fmt: skip
     status = dict(stack.sql("select turn_id, status from june_turns"))
     finished = {
@@ -331,6 +348,7 @@ def report(
         wait_for(streams_complete, timeout_s=min(60.0, args.settle_s), every_s=0.5, what="the relay to catch up")
     except TimeoutError as exc:
         print(f"# {exc}", file=sys.stderr)
+        explain_relay(stack, sessions, beat)
     duplicate_events = missing_events = out_of_order = 0
     for s in sessions:
         events = structural_events(stack, s)
