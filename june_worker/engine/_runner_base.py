@@ -10,14 +10,13 @@ its events after it and mirrors it in memory) and the signals the steps raise to
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
-from june_wire.storable import storable_json, storable_json_text
+from june_wire.storable import json_text, storable_json, storable_json_text
 
 from ..errors import (
     CancelRequestedError,
@@ -89,16 +88,13 @@ class _ToolRaised(BaseException):
         self.exc = exc
 
 
-_JSON_TEXT = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-
-
 def _to_json(value: Any) -> JsonValue:
     """A tool result as plain, storable JSON with no secret in it (:mod:`.secrets`: what the model reads next, so
     it cannot repeat one); pydantic models are dumped, anything else must already be JSON."""
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
     # one text for the three checks: JSON at all (raises), storable, and without a secret (the common case)
-    text = _JSON_TEXT.encode(value)
+    text = json_text(value)
     if storable_json_text(text) and secret_free_json_text(text):
         return value
     return scrub_json(storable_json(value))

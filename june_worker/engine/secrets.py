@@ -20,11 +20,12 @@ short common string everywhere would garble every report, and no real credential
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
 from typing import Any
+
+from june_wire.storable import json_text
 
 __all__ = [
     "MIN_SECRET_CHARS",
@@ -82,8 +83,8 @@ _JSON_ESCAPED = re.compile(r'["\\\x00-\x1f]')
 def _clean_as_json(value: Any) -> bool:
     """True when no string of ``value`` can hold a secret, judged from its JSON text."""
     try:
-        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    except (TypeError, ValueError):
+        text = json_text(value)
+    except (TypeError, ValueError):  # (NaN among them: judged string by string instead)
         return False
     return secret_free_json_text(text)
 

@@ -202,7 +202,8 @@ def _page(rows: list[Any], limit: int, key: Any) -> tuple[list[Any], str | None]
 def sessions_page(
     conn: Any, agents: list[str], status: str | None, limit: int, cursor: str | None
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Sessions, most recent activity first (``updated_at``: the last turn opening, park, answer, end or reset); of one status if given."""
+    """Sessions, most recent activity first (``updated_at``: the last turn opening, park, answer, end or
+    reset); of one status if given."""
     params: dict[str, Any] = {"agents": agents, "limit": limit + 1}
     if status is not None:
         params["stored"], params["rejected"] = ("new" if status == "rejected" else status), status == "rejected"

@@ -1,11 +1,11 @@
 """The Postgres commit statement: one checkpoint as ONE data-modifying statement (a CTE).
 
 ``upd`` updates the session row only if the fencing token (and the expected park) match,
-bumps ``event_seq`` (and sets ``relay_due`` when the commit has events) and returns it; every other part selects ``from upd``, so it writes
-nothing unless ``upd`` returned the row. What ``upd`` returns is the whole answer on the
-happy path; when it returns nothing the caller asks why, off the happy path. A plain step
-(no status, park, turn status or release) leaves the row's indexed columns as they were, so its
-update is a HOT one (migration 16 of ``_pg_schema``).
+bumps ``event_seq`` (and sets ``relay_due`` when the commit has events) and returns it; every
+other part selects ``from upd``, so it writes nothing unless ``upd`` returned the row. What
+``upd`` returns is the whole answer on the happy path; when it returns nothing the caller asks
+why, off the happy path. A plain step (no status, park, turn status or release) leaves the
+row's indexed columns as they were, so its update is a HOT one (migration 16 of ``_pg_schema``).
 
 The statement is specialised to the commit's *shape* (which parts it has, how many rows of
 each) and cached: a shape the engine repeats every step (one message, one step, one or two

@@ -523,7 +523,7 @@ MIGRATIONS: list[str] = [
     # ending, a reset; not with each step between.
     """
     alter table june_sessions add column relay_due boolean not null default false;
-    update june_sessions set relay_due = event_seq > relayed_seq where event_seq > relayed_seq;
+    update june_sessions set relay_due = true where event_seq > relayed_seq;
     create index june_sessions_relay_due on june_sessions (agent, session) where relay_due;
     drop index june_sessions_unrelayed;
     """,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from typing import Any
+
+from june_wire.storable import json_text
 
 from ..engine.events import TurnEvent
 from ..engine.types import Message, MessageAdapter
@@ -26,13 +26,8 @@ PSYCOPG_CACHED_QUERY_MAX = 4096
 about 0.3 ms of CPU for the intake statement. Statements run per turn stay under it."""
 
 
-_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
-def dumps(value: Any) -> str:
-    """Compact JSON, non-ASCII as it is, no NaN (one encoder made once: json.dumps makes one per call with
-    these options)."""
-    return _COMPACT.encode(value)
+dumps = json_text
+"""Compact JSON, non-ASCII as it is, no NaN: :func:`june_wire.storable.json_text`."""
 
 
 def message_body(message: Message) -> str:
