@@ -7,25 +7,29 @@ in a session of its own, to
 * ONE worker process in the new mode (``june worker --turns-per-process N``, Celery's threads pool), and
 * a prefork worker with ``-c 8`` (one turn per pool process),
 
-first with W = 0 (what the turns cost when nothing waits: their wall time and the workers' CPU per turn), then
-with W (``--wait``, default 2 s). For each, it prints the turns in flight at the peak (rows ``running`` at once),
-the wall time, the worker process tree's PSS per in-flight turn (its peak minus its idle PSS, over the peak in
-flight), the Postgres connections the worker held at most, and ``overlap`` = wall(W) / (3 W + wall(W = 0)): 1
-when the turns' waits overlap perfectly, the number of waves when they do not. Its last line::
+each on a queue of its own, first with W = 0 (what the turns cost when nothing waits: their wall time and the
+workers' CPU per turn) in ``--cpu-rounds`` rounds, the modes alternating (the order swapped every round, so that
+the machine's drift hits both alike), then with W (``--wait``, default 2 s). For each, it prints the turns in
+flight at the peak (rows ``running`` at once), the wall time, the worker process tree's PSS per in-flight turn
+(its peak minus its idle PSS, over the peak in flight), the Postgres connections the worker held at most, and
+``overlap`` = wall(W) / (3 W + wall(W = 0)): 1 when the turns' waits overlap perfectly, the number of waves when
+they do not. Its last line::
 
     inflight: <turns> turns in flight, <MB> MB per in-flight turn, <n> Postgres connections, overlap <r>
 
 is the new mode's. The CPU line compares the modes on turns per CPU-second of the worker processes (turns/s per
-core), W = 0, in the same run. Needs JUNE_DATABASE_URL / JUNE_REDIS_URL (defaults: the machine's own).
+core), W = 0: the ratio of each round, and their median. Needs JUNE_DATABASE_URL / JUNE_REDIS_URL (defaults:
+the machine's own).
 
     python bench/inflight.py                     # 1,000 turns, W = 2 s, prefork 64 turns
-    python bench/inflight.py --turns 20 --prefork-turns 8 --wait 0.2   # a smoke run
+    python bench/inflight.py --turns 20 --prefork-turns 8 --wait 0.2 --cpu-rounds 2   # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import threading
 import time
@@ -35,6 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._harness import BenchStack, Proc, cpu_s, machine, sigterm_as_exit, wait_for  # noqa: E402
+
+MODES = ("threads", "prefork")
 
 
 def tree(pid: int) -> list[int]:
@@ -91,16 +97,17 @@ class Run:
         )
 
 
-def _connections(stack: BenchStack) -> int:
+def _connections(stack: BenchStack, mode: str) -> int:
+    """The Postgres connections the mode's worker holds (its processes name them: PGAPPNAME, see :func:`start`)."""
     rows = stack.sql(
-        "select count(*) from pg_stat_activity where datname = current_database() and pid <> pg_backend_pid() "
-        "and backend_type = 'client backend'"
+        "select count(*) from pg_stat_activity where datname = current_database() and application_name = %s",
+        app_name(mode),
     )
     return int(rows[0][0])
 
 
-def measure(stack: BenchStack, worker: Proc, mode: str, turns: int, wait_s: float) -> Run:
-    """Send ``turns`` turns at once and watch the worker until every one ended."""
+def measure(stack: BenchStack, worker: Proc, mode: str, turns: int, wait_s: float, queue: str) -> Run:
+    """Send ``turns`` turns at once to ``queue`` and watch the worker until every one ended."""
     run = Run(mode, wait_s, turns)
     pids = tree(worker.pid)
     run.idle_pss_mb = pss_mb(pids)
@@ -112,7 +119,7 @@ def measure(stack: BenchStack, worker: Proc, mode: str, turns: int, wait_s: floa
         while not stop.is_set():
             running = int(stack.sql("select count(*) from june_turns where status = 'running'")[0][0])
             pss = pss_mb(tree(worker.pid))
-            conns = _connections(stack)
+            conns = _connections(stack, worker.name)
             run.samples.append((time.monotonic(), running, pss, conns))
             run.peak_inflight = max(run.peak_inflight, running)
             run.peak_pss_mb = max(run.peak_pss_mb, pss)
@@ -123,7 +130,7 @@ def measure(stack: BenchStack, worker: Proc, mode: str, turns: int, wait_s: floa
     t0 = time.monotonic()
     sampler.start()
     for i in range(turns):
-        stack.turn("wait", stack.session(f"{label}-{i}"), f"wait {wait_s}")
+        stack.turn("wait", stack.session(f"{label}-{i}"), f"wait {wait_s}", queue=queue)
     try:
         wait_for(
             lambda: (
@@ -147,17 +154,26 @@ def measure(stack: BenchStack, worker: Proc, mode: str, turns: int, wait_s: floa
 
 
 def start(stack: BenchStack, mode: str, turns: int, prefork_c: int) -> Proc:
-    env = {"JUNE_LEASE_S": "30", "JUNE_ALIVE_S": "3", "JUNE_TASK_EVENTS": "1"}
+    """The mode's worker, on a queue of its own (both run side by side, idle while the other measures)."""
+    env = {"JUNE_LEASE_S": "30", "JUNE_ALIVE_S": "3", "JUNE_TASK_EVENTS": "1", "PGAPPNAME": app_name(mode)}
     if mode == "threads":
-        proc = stack.worker("inflight", pool="threads", concurrency=turns, queues=stack.queue, env=env)
+        proc = stack.worker("threads", pool="threads", concurrency=turns, queues=queue_of(stack, mode), env=env)
     else:
-        proc = stack.worker("prefork", concurrency=prefork_c, queues=stack.queue, env=env)
+        proc = stack.worker("prefork", concurrency=prefork_c, queues=queue_of(stack, mode), env=env)
     stack.wait_ready(proc, timeout_s=120)
     return proc
 
 
-def warm(stack: BenchStack, proc: Proc, n: int) -> None:
-    measure(stack, proc, "warm", n, 0.0)
+def app_name(mode: str) -> str:
+    return f"june-bench-{mode}"
+
+
+def queue_of(stack: BenchStack, mode: str) -> str:
+    return f"{stack.queue}.{mode}"
+
+
+def warm(stack: BenchStack, proc: Proc, mode: str, n: int) -> None:
+    measure(stack, proc, "warm", n, 0.0, queue_of(stack, mode))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,33 +182,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefork-turns", type=int, default=64, help="turns sent at once to the prefork worker")
     parser.add_argument("--cpu-turns", type=int, default=None, help="turns of the W = 0 runs (default --turns)")
     parser.add_argument("--prefork-c", type=int, default=8, help="the prefork worker's pool size")
+    parser.add_argument("--cpu-rounds", type=int, default=5, help="W = 0 rounds, the two modes alternating")
     parser.add_argument("--wait", type=float, default=2.0, help="W: seconds each model call and the tool wait")
     args = parser.parse_args(argv)
     cpu_turns = args.cpu_turns or args.turns
     print(f"# inflight: {machine()}; W={args.wait}s (a turn waits {3 * args.wait:g}s), threads {args.turns} turns, "
           f"prefork -c {args.prefork_c} {args.prefork_turns} turns, {cpu_turns} turns at W=0")  # fmt: skip
     runs: dict[tuple[str, float], Run] = {}
+    cpu_rounds: list[dict[str, Run]] = []
     with sigterm_as_exit(), BenchStack("inflight") as stack:
-        for mode in ("threads", "prefork"):
-            proc = start(stack, mode, max(args.turns, cpu_turns), args.prefork_c)
-            idle = pss_mb(tree(proc.pid))
+        procs, idle = {}, {}
+        for mode in MODES:
+            procs[mode] = start(stack, mode, max(args.turns, cpu_turns), args.prefork_c)
+            idle[mode] = pss_mb(tree(procs[mode].pid))  # what the worker takes before any turn
+        for mode in MODES:
             # the steady state: every pool thread (or process) made and every connection open, as in a worker that runs
-            warm(stack, proc, max(args.turns, cpu_turns) if mode == "threads" else min(20, cpu_turns))
-            for wait_s, n in ((0.0, cpu_turns), (args.wait, args.turns if mode == "threads" else args.prefork_turns)):
-                run = measure(stack, proc, mode, n, wait_s)
-                run.idle_pss_mb = idle  # what the worker takes before any turn: the rest is what turns in flight cost
-                runs[(mode, wait_s)] = run
-                print(run.line(), flush=True)
+            warm(stack, procs[mode], mode, max(args.turns, cpu_turns) if mode == "threads" else min(20, cpu_turns))
+        # W = 0, the modes alternating round by round (the order swapped every round): load that drifts on the machine
+        # hits both alike, and the CPU ratio is each round's, its median the figure
+        for i in range(args.cpu_rounds):
+            got: dict[str, Run] = {}
+            for mode in MODES if i % 2 == 0 else MODES[::-1]:
+                got[mode] = run = measure(stack, procs[mode], mode, cpu_turns, 0.0, queue_of(stack, mode))
+                run.idle_pss_mb = idle[mode]
+                print(f"{run.line()}  [round {i + 1}]", flush=True)
+            cpu_rounds.append(got)
+        for mode in MODES:
+            runs[(mode, 0.0)] = cpu_rounds[-1][mode]
+            n = args.turns if mode == "threads" else args.prefork_turns
+            run = measure(stack, procs[mode], mode, n, args.wait, queue_of(stack, mode))
+            run.idle_pss_mb = idle[mode]  # the rest is what turns in flight cost
+            runs[(mode, args.wait)] = run
+            print(run.line(), flush=True)
+        for proc in procs.values():
             stack.stop(proc)
     new, new0 = runs[("threads", args.wait)], runs[("threads", 0.0)]
     old, old0 = runs[("prefork", args.wait)], runs[("prefork", 0.0)]
     waiting = 3 * args.wait
-    overlap_new = new.wall_s / (waiting + new0.wall_s * new.turns / new0.turns)
-    overlap_old = old.wall_s / (waiting + old0.wall_s * old.turns / old0.turns)
-    rate_new, rate_old = new0.turns / new0.cpu_s, old0.turns / old0.cpu_s
+    wall0 = {m: statistics.median(r[m].wall_s for r in cpu_rounds) for m in MODES}  # a W = 0 batch, all rounds
+    overlap_new = new.wall_s / (waiting + wall0["threads"] * new.turns / new0.turns)
+    overlap_old = old.wall_s / (waiting + wall0["prefork"] * old.turns / old0.turns)
+    ratios = sorted(
+        (r["threads"].turns / r["threads"].cpu_s) / (r["prefork"].turns / r["prefork"].cpu_s) for r in cpu_rounds
+    )
+    rate_new = statistics.median(r["threads"].turns / r["threads"].cpu_s for r in cpu_rounds)
+    rate_old = statistics.median(r["prefork"].turns / r["prefork"].cpu_s for r in cpu_rounds)
     print(f"overlap: threads {overlap_new:.2f}, prefork -c {args.prefork_c} {overlap_old:.2f}")
-    print(f"cpu: W=0 turns per worker CPU-second: threads {rate_new:.1f}, prefork {rate_old:.1f}, "
-          f"ratio {rate_new / rate_old:.2f}")  # fmt: skip
+    print(f"cpu: W=0 turns per worker CPU-second (median of {len(cpu_rounds)} rounds): threads {rate_new:.1f}, "
+          f"prefork {rate_old:.1f}; ratio per round {', '.join(f'{r:.2f}' for r in ratios)}, "
+          f"median {statistics.median(ratios):.2f}")  # fmt: skip
     print(
         f"inflight: {new.peak_inflight} turns in flight, {new.mb_per_turn:.2f} MB per in-flight turn, "
         f"{new.connections} Postgres connections, overlap {overlap_new:.2f}"

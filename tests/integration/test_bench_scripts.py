@@ -31,6 +31,11 @@ SCRIPTS = {
     # the regression guard: this checkout against a git worktree of HEAD (what --against REV does for any REV)
     "step_overhead.py --against": (["--steps", "2", "--rounds", "1", "--against", "HEAD"], "ratio this / "),
     "storage.py": (["--threads", "2", "--turns", "3"], "after relay and pruning"),
+    # both modes side by side, two W = 0 rounds (the alternation), then one short wait
+    "inflight.py": (
+        ["--turns", "10", "--prefork-turns", "4", "--prefork-c", "2", "--wait", "0.1", "--cpu-rounds", "2"],
+        "inflight: ",
+    ),
     "parallel_tools.py": (["--calls", "2", "--wait-ms", "5", "--rounds", "1"], "ratio serial / parallel"),
     "subagents.py": (["--children", "2", "--wait-ms", "5", "--rounds", "1"], "ratio serial / parallel"),
     # One layout of one worker, one task or turn per batch and no warm-up batches; one ordinary turn of latency; one
