@@ -176,6 +176,17 @@ class Chaos:
                 except Exception as exc:  # (a worker slow to start on a busy machine): the next round goes on
                     print(f"# killer: {type(exc).__name__}: {exc}", file=sys.stderr)
 
+    def supervise(self, done: threading.Event) -> None:
+        """After the kills, until ``done``: only replace workers that exit, as a supervisor goes on doing. A worker
+        may exit on the broker's restart late (Celery's consumer, as above): with none left, no sweep would run and
+        the relay the report waits for would never come."""
+        while not done.wait(0.5):
+            with self.lock:
+                try:
+                    self._replace_exited()
+                except Exception as exc:
+                    print(f"# supervisor: {type(exc).__name__}: {exc}", file=sys.stderr)
+
     def _replace_exited(self) -> None:
         """Start a new worker for each one whose main process exited without being killed here, as a deployment's
         supervisor does (docker-compose.yml: ``restart: unless-stopped``): Celery's own exit on a lost broker
@@ -299,7 +310,14 @@ def main() -> None:
             chaos.stop.set()
             killer.join()
             chaos_s = time.monotonic() - began
-            report(stack, chaos, accepted, args, seed, chaos_s, down_s, beat)
+            settled = threading.Event()
+            supervisor = threading.Thread(target=chaos.supervise, args=(settled,), name="supervisor", daemon=True)
+            supervisor.start()
+            try:
+                report(stack, chaos, accepted, args, seed, chaos_s, down_s, beat)
+            finally:
+                settled.set()
+                supervisor.join()
     finally:
         redis.close()
 
@@ -316,9 +334,21 @@ def explain_relay(stack: BenchStack, sessions: list[str], beat: Proc) -> None:
         print(
             f"# {s}: stream holds {len(seqs)} seqs (last {seqs[-1] if seqs else 0}); session row {row}", file=sys.stderr
         )
+        marker = stack.redis.get(f"{stack.prefix}:relayed:{{chaos:{s}}}")
+        print(f"#   its stream's marker in Redis: {marker}", file=sys.stderr)
     print(f"# beat {'alive' if beat.alive() else 'exited'}; its log ends:", file=sys.stderr)
-    for line in beat.text().splitlines()[-12:]:
+    for line in beat.text().splitlines()[-6:]:
         print(f"#   {line[:200]}", file=sys.stderr)
+    for q in (stack.queue, stack.control_queue):
+        print(f"# broker queue {q}: {stack.redis.llen(q)} messages waiting", file=sys.stderr)
+    for proc in stack.procs:
+        if proc is beat:
+            continue
+        told = [line for line in proc.text().splitlines() if "WARNING" in line or "ERROR" in line or "CRITICAL" in line]
+        print(f"# {proc.name} ({'alive' if proc.alive() else 'exited'}): {len(told)} warnings or errors, the last:",
+              file=sys.stderr)  # fmt: skip
+        for line in told[-6:]:
+            print(f"#   {line[:300]}", file=sys.stderr)
 
 
 def report(
