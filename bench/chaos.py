@@ -61,6 +61,7 @@ from bench._harness import (  # noqa: E402
     sigterm_as_exit,
     wait_for,
 )
+from june_wire.keys import EventKeys, SessionRef  # noqa: E402
 
 TERMINAL = ("completed", "failed", "cancelled", "rejected")
 
@@ -169,23 +170,23 @@ class Chaos:
 
     def run(self) -> None:
         while not self.stop.wait(self.rng.uniform(*self.every)):
-            with self.lock:
-                try:
-                    self._replace_exited()
-                    self._kill_one()
-                except Exception as exc:  # (a worker slow to start on a busy machine): the next round goes on
-                    print(f"# killer: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._round("killer", kill=True)
 
     def supervise(self, done: threading.Event) -> None:
         """After the kills, until ``done``: only replace workers that exit, as a supervisor goes on doing. A worker
         may exit on the broker's restart late (Celery's consumer, as above): with none left, no sweep would run and
         the relay the report waits for would never come."""
         while not done.wait(0.5):
-            with self.lock:
-                try:
-                    self._replace_exited()
-                except Exception as exc:
-                    print(f"# supervisor: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._round("supervisor", kill=False)
+
+    def _round(self, who: str, *, kill: bool) -> None:
+        with self.lock:
+            try:
+                self._replace_exited()
+                if kill:
+                    self._kill_one()
+            except Exception as exc:  # (a worker slow to start on a busy machine): the next round goes on
+                print(f"# {who}: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     def _replace_exited(self) -> None:
         """Start a new worker for each one whose main process exited without being killed here, as a deployment's
@@ -334,7 +335,7 @@ def explain_relay(stack: BenchStack, sessions: list[str], beat: Proc) -> None:
         print(
             f"# {s}: stream holds {len(seqs)} seqs (last {seqs[-1] if seqs else 0}); session row {row}", file=sys.stderr
         )
-        marker = stack.redis.get(f"{stack.prefix}:relayed:{{chaos:{s}}}")
+        marker = stack.redis.get(EventKeys(stack.prefix).session_marker(SessionRef("chaos", s)))
         print(f"#   its stream's marker in Redis: {marker}", file=sys.stderr)
     print(f"# beat {'alive' if beat.alive() else 'exited'}; its log ends:", file=sys.stderr)
     for line in beat.text().splitlines()[-6:]:

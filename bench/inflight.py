@@ -84,6 +84,11 @@ class Run:
     samples: list[tuple[float, int, float, int]] = field(default_factory=list)
 
     @property
+    def rate(self) -> float:
+        """Turns per CPU-second of the worker's processes."""
+        return self.turns / max(self.cpu_s, 1e-9)
+
+    @property
     def mb_per_turn(self) -> float:
         return (self.peak_pss_mb - self.idle_pss_mb) / max(self.peak_inflight, 1)
 
@@ -93,7 +98,7 @@ class Run:
             f"wall {self.wall_s:7.2f}s, PSS {self.idle_pss_mb:6.1f} -> {self.peak_pss_mb:7.1f} MB "
             f"({self.mb_per_turn:6.2f} MB per in-flight turn; the whole tree over the turns in flight: "
             f"{self.peak_pss_mb / max(self.peak_inflight, 1):6.2f} MB), {self.connections} Postgres connections, "
-            f"worker CPU {self.cpu_s:6.2f}s ({self.turns / max(self.cpu_s, 1e-9):7.1f} turns per CPU-second)"
+            f"worker CPU {self.cpu_s:6.2f}s ({self.rate:7.1f} turns per CPU-second)"
         )
 
 
@@ -208,7 +213,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{run.line()}  [round {i + 1}]", flush=True)
             cpu_rounds.append(got)
         for mode in MODES:
-            runs[(mode, 0.0)] = cpu_rounds[-1][mode]
             n = args.turns if mode == "threads" else args.prefork_turns
             run = measure(stack, procs[mode], mode, n, args.wait, queue_of(stack, mode))
             run.idle_pss_mb = idle[mode]  # the rest is what turns in flight cost
@@ -216,17 +220,14 @@ def main(argv: list[str] | None = None) -> int:
             print(run.line(), flush=True)
         for proc in procs.values():
             stack.stop(proc)
-    new, new0 = runs[("threads", args.wait)], runs[("threads", 0.0)]
-    old, old0 = runs[("prefork", args.wait)], runs[("prefork", 0.0)]
+    new, old = runs[("threads", args.wait)], runs[("prefork", args.wait)]
     waiting = 3 * args.wait
     wall0 = {m: statistics.median(r[m].wall_s for r in cpu_rounds) for m in MODES}  # a W = 0 batch, all rounds
-    overlap_new = new.wall_s / (waiting + wall0["threads"] * new.turns / new0.turns)
-    overlap_old = old.wall_s / (waiting + wall0["prefork"] * old.turns / old0.turns)
-    ratios = sorted(
-        (r["threads"].turns / r["threads"].cpu_s) / (r["prefork"].turns / r["prefork"].cpu_s) for r in cpu_rounds
-    )
-    rate_new = statistics.median(r["threads"].turns / r["threads"].cpu_s for r in cpu_rounds)
-    rate_old = statistics.median(r["prefork"].turns / r["prefork"].cpu_s for r in cpu_rounds)
+    overlap_new = new.wall_s / (waiting + wall0["threads"] * new.turns / cpu_turns)
+    overlap_old = old.wall_s / (waiting + wall0["prefork"] * old.turns / cpu_turns)
+    ratios = sorted(r["threads"].rate / r["prefork"].rate for r in cpu_rounds)
+    rate_new = statistics.median(r["threads"].rate for r in cpu_rounds)
+    rate_old = statistics.median(r["prefork"].rate for r in cpu_rounds)
     print(f"overlap: threads {overlap_new:.2f}, prefork -c {args.prefork_c} {overlap_old:.2f}")
     print(f"cpu: W=0 turns per worker CPU-second (median of {len(cpu_rounds)} rounds): threads {rate_new:.1f}, "
           f"prefork {rate_old:.1f}; ratio per round {', '.join(f'{r:.2f}' for r in ratios)}, "
