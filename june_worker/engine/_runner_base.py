@@ -166,6 +166,7 @@ class RunnerBase:
         hooks: TurnHooks = NO_HOOKS,
         children: ChildLauncher | None = None,
         counted: bool = False,
+        opened: Commit | None = None,
         race_stall_s: float = RACE_STALL_S,
         blocking: Blocking = inline,
     ) -> None:
@@ -219,6 +220,7 @@ class RunnerBase:
         )
         self._counted = False
         self._counted_by_host = counted
+        self._opened = opened
         self.race_stall_s = race_stall_s
         self.raced = False
         """This run lost a race for the turn (another runner committed a step first): its result is the winner's."""
@@ -359,6 +361,10 @@ class RunnerBase:
         except CancelRequestedError as exc:
             raise _Cancel(exc.reason) from None
         assert built is not None
+        self._took_in(built)
+
+    def _took_in(self, built: Commit) -> None:
+        """A commit the store accepted: shown to the hooks, and mirrored in the runner's transcript and steps."""
         self.hooks.committed(built)
         for index, message in built.messages:
             self.messages.append(message)

@@ -5,7 +5,8 @@ Points: ``before-model-commit``, ``after-model-commit``, ``before-tool-commit``,
 compaction step, ``compact:<n>``) and ``before-publish`` (committed, events not yet published; its
 step is ``turn:open`` for the opening commit and ``turn:end`` for a park, cancel or failure) and
 ``before-start`` (a start of the turn not yet written by the runner: its opening, or a replay's count; step
-``turn:open``; after the check that gives up a poisoned turn, so that it can still end). Nothing
+``turn:open``; after the check that gives up a poisoned turn, so that it can still end; for a turn a worker
+opened with its intake, once the intake committed, before its ``turn.started`` is published). Nothing
 here runs unless a host is handed a hook explicitly; production code paths pass ``None``.
 """
 

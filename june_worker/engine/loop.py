@@ -56,6 +56,7 @@ from .store import (
     StepRecord,
     SurfacePolicy,
     SuspendedCheckpoint,
+    TurnPayload,
 )
 from .types import (
     AssistantMessage,
@@ -74,6 +75,34 @@ from .types import (
 )
 
 __all__ = ["NO_CANCEL", "CancelProbe", "CrashHook", "TurnRunner", "error_info", "reject_turn"]
+
+
+def opening_commit(turn_id: str, payload: TurnPayload, seat: Principal | None) -> Commit:
+    """The commit that opens a turn: its opening message (at index 0 here; the caller places it at the
+    transcript's end), its ``turn.started`` event, the session and the turn running. ``seat``: the principal
+    the session's initiator step goes to, in the same transaction, when the session has none yet.
+
+    The runner makes it (:meth:`TurnRunner._open`); a worker sends the same to the database with its intake,
+    so that a new turn is recorded, leased and opened in one statement (``june_intake_open``)."""
+    opening: Message
+    if payload.trigger_by is not None:
+        opening = TriggerMessage(turn_id=turn_id, text=payload.text, by=payload.trigger_by)
+    else:
+        opening = UserMessage(turn_id=turn_id, text=payload.text)
+    trigger: Trigger = (
+        InboundTrigger(event=payload.event.without_raw())
+        if payload.event is not None
+        else ProactiveTrigger(by=payload.trigger_by or "system")
+    )
+    steps = [StepRecord(step_id=INITIATOR_STEP, turn_id=turn_id, data=seat.model_dump())] if seat is not None else []
+    return Commit(
+        messages=[(0, opening)],
+        steps=steps,
+        events=[TurnStarted(turn_id=turn_id, trigger=trigger, parent=payload.parent)],
+        status="running",
+        turn_id=turn_id,
+        turn_status="running",
+    )
 
 
 class TurnRunner(ModelSteps, ToolSteps):
@@ -189,7 +218,10 @@ class TurnRunner(ModelSteps, ToolSteps):
         self.initiator = Principal.model_validate(initiator_step.data) if initiator_step else None
         opening = self._opening_index()
         try:
-            if opening is None:
+            opened, self._opened = self._opened, None  # (once: a retry reads the opening back from the store)
+            if opening is None and opened is not None:
+                await self._opened_by_host(opened)
+            elif opening is None:
                 self._check_cancel()  # a turn cancelled before it opened never runs
                 rejected = self._rejection(snap.suspended)
                 if rejected is not None:
@@ -279,34 +311,26 @@ class TurnRunner(ModelSteps, ToolSteps):
             )
         return None
 
-    def _trigger(self) -> Trigger:
-        payload = self.record.payload
-        if payload.event is not None:
-            return InboundTrigger(event=payload.event.without_raw())
-        return ProactiveTrigger(by=payload.trigger_by or "system")
-
     async def _open(self) -> None:
-        payload = self.record.payload
-        opening: Message
-        if payload.trigger_by is not None:
-            opening = TriggerMessage(turn_id=self.turn_id, text=payload.text, by=payload.trigger_by)
-        else:
-            opening = UserMessage(turn_id=self.turn_id, text=payload.text)
-        steps: list[StepRecord] = []
-        if self.principal is not None and self.initiator is None:
-            # The seat goes to the first resolved principal, in the same transaction as the opening.
-            steps.append(StepRecord(step_id=INITIATOR_STEP, turn_id=self.turn_id, data=self.principal.model_dump()))
-            self.initiator = self.principal
-        commit = Commit(
-            messages=[(len(self.messages), opening)],
-            steps=steps,
-            events=[TurnStarted(turn_id=self.turn_id, trigger=self._trigger(), parent=payload.parent)],
-            status="running",
-            turn_id=self.turn_id,
-            turn_status="running",
-            count_attempt=not self._counted_by_host,
-        )
+        seat = self.principal is not None and self.initiator is None  # the seat goes to the first resolved principal
+        commit = opening_commit(self.turn_id, self.record.payload, self.principal if seat else None)
+        commit.messages = [(len(self.messages), commit.messages[0][1])]
+        commit.count_attempt = not self._counted_by_host
         await self._commit(commit, "turn:open", cancellable=True)  # a turn cancelled before it opened never opens
+        if seat:
+            self.initiator = self.principal
+        self._counted = True
+
+    async def _opened_by_host(self, opened: Commit) -> None:
+        """The turn's opening, which the host committed with its intake (the same commit :meth:`_open` makes):
+        publish its event and take it in, as :meth:`_commit` does after the store returns."""
+        self._hit("before-start", "turn:open")
+        self._hit("before-publish", "turn:open")
+        # (called here, not through _blocking: a worker's sink in either mode returns at once or may block the loop)
+        self.sink.publish(self.ref, opened.events)
+        self._took_in(opened)
+        if any(s.step_id == INITIATOR_STEP for s in opened.steps):
+            self.initiator = self.principal
         self._counted = True
 
     def _restore_turn_state(self) -> None:

@@ -35,11 +35,12 @@ from ..engine.crash import CrashAt
 from ..engine.events import TurnResult
 from ..engine.failures import Failure, backoff_s, classify
 from ..engine.hooks import TurnHooks
-from ..engine.loop import TurnRunner, reject_turn
+from ..engine.loop import TurnRunner, opening_commit, reject_turn
 from ..engine.resume import reset_park_commit, timeout_commit
 from ..engine.secrets import scrubbed_logger
 from ..engine.sink import EventSink
 from ..engine.store import (
+    Commit,
     ResetResult,
     SessionRef,
     SessionSnapshot,
@@ -305,8 +306,11 @@ class WorkerHost:
         if running is None:
             got = self._record(ref, turn_id, payload)
             return got, self.drain(ref) if got.recorded else {}
+        # The turn opens in the intake's own statement when it is the one to run (an unknown agent's is rejected)
+        principal = payload.event.principal if payload.event is not None else None
+        opening = opening_commit(turn_id, payload, principal) if self.agent(ref.agent) is not None else None
         try:
-            got = self.queue.intake(ref, turn_id, payload, self.owner, held=self.transcripts.get(ref))
+            got = self.queue.intake(ref, turn_id, payload, self.owner, held=self.transcripts.get(ref), opening=opening)
         except BaseException:
             self._unclaim(running)
             raise
@@ -378,6 +382,7 @@ class WorkerHost:
             if lease.event_seq > 0:
                 self.sink.catch_up(self.store, ref, lease.event_seq)
             rec, reset_pending, snapshot, counted = lease.turn, lease.reset_pending, lease.snapshot, lease.counted
+            opened = lease.opened
             if rec is not None and rec.status == "running" and not retry:
                 self.observer.took_over(ref, rec)  # observe: a turn another process left running
                 if self.isolate is not None and rec.attempts >= ISOLATE_AFTER:
@@ -402,11 +407,11 @@ class WorkerHost:
                         return
                     continue
                 ran[rec.turn_id], released = self._run_turn(
-                    ref, rec, fence, snapshot=snapshot, release=True, counted=counted, running=running
+                    ref, rec, fence, snapshot=snapshot, release=True, counted=counted, running=running, opened=opened
                 )
                 if released:
                     return  # the turn's last commit gave the lease up: nothing else was queued
-                rec, snapshot = None, None  # the next turn reads the session as that one left it
+                rec, snapshot, opened = None, None, None  # the next turn reads the session as that one left it
         except LeaseLostError:
             log.warning("lease on %s was taken over; this worker stops working on it", ref)
 
@@ -508,11 +513,13 @@ class WorkerHost:
         snapshot: SessionSnapshot | None = None,
         release: bool = False,
         counted: bool = False,
+        opened: Commit | None = None,
     ) -> tuple[TurnResult, bool]:
         """:meth:`run_turn`, on ``snapshot`` if the session was read with the lease; with ``release``, the turn's
         last commit also gives the lease up if nothing else is queued (not for a turn with a delivery target: it
         is delivered under the lease). Returns whether it did. ``counted``: the statement that picked ``rec``
-        counted this start of it (:class:`~june_worker.engine.loop.TurnRunner`'s ``counted``)."""
+        counted this start of it (:class:`~june_worker.engine.loop.TurnRunner`'s ``counted``); ``opened``: the
+        intake opened it on ``snapshot`` (:attr:`Lease.opened`)."""
         agent = self.agent(ref.agent)
         if agent is None:
             rejected = reject_turn(self.store, self.sink, ref, rec.turn_id, f"unknown agent {ref.agent!r}", fence=fence)
@@ -552,6 +559,7 @@ class WorkerHost:
                     hooks=hooks,
                     children=self,
                     counted=counted,
+                    opened=opened,
                     blocking=turn_thread.blocking if turn_thread is not None else inline,
                 )
                 if turn_thread is not None:

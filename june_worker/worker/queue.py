@@ -16,17 +16,25 @@ moved), so the holder loops back and runs it. Nothing is left behind between "qu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from psycopg_pool import ConnectionPool
 
 from ..engine.failures import DEFAULT_MAX_ATTEMPTS
-from ..engine.store import SessionRef, SessionSnapshot, SuspendedCheckpoint, TurnPayload, TurnRecord
+from ..engine.store import (
+    INITIATOR_STEP,
+    Commit,
+    SessionRef,
+    SessionSnapshot,
+    SuspendedCheckpoint,
+    TurnPayload,
+    TurnRecord,
+)
 from ..errors import UnusableTurnError
 from ..stores._pg_commit import NOTHING_NEW
 from ..stores._pg_conn import pooled
-from ..stores._sql import one_line
+from ..stores._sql import dumps, message_body, one_line
 from ..stores.postgres import TURN_WIDTH, session_snapshot, stored_turn, turn_columns, turn_from_row
 from .transcripts import Held, held_params
 
@@ -71,6 +79,16 @@ select r.recorded, r.took, r.retry, r.fence, r.generation, r.status, r.suspended
        r.counted
   from june_intake(%(agent)s, %(session)s, %(turn_id)s, %(payload)s::json, %(o)s, %(l)s, %(g)s, %(have)s, %(last)s,
                    %(max)s) r
+""")
+
+# The same, and the turn opened with it when it is recorded now and is the one to run (june_intake_open, migration 17):
+# its opening message, initiator step and turn.started event go in the same transaction.
+_INTAKE_OPEN = one_line(f"""
+select r.recorded, r.took, r.retry, r.fence, r.generation, r.status, r.suspended, r.event_seq, r.reset_pending,
+       r.valid, r.compacted_at, r.messages, r.steps, {turn_columns("(r.existing).")}, {turn_columns("(r.first_turn).")},
+       r.counted, r.opened_seq
+  from june_intake_open(%(agent)s, %(session)s, %(turn_id)s, %(payload)s::json, %(o)s, %(l)s, %(g)s, %(have)s,
+                        %(last)s, %(max)s, %(o_role)s, %(o_body)s::json, %(o_event)s, %(o_seat)s::json) r
 """)
 
 # The session for its next turn, under a lease already held: what the intake reads with the lease.
@@ -155,6 +173,20 @@ select exists (select 1 from released), s.fence, s.reset_pending, exists (select
 """
 
 
+def _as_opened(opening: Commit | None, snapshot: SessionSnapshot, seq: int) -> Commit:
+    """``opening`` as ``june_intake_open`` wrote it on ``snapshot`` (the session before it): its message at the
+    transcript's end, its event numbered ``seq``, its initiator step only if the session had none."""
+    assert opening is not None
+    (_, message), (event,) = opening.messages[0], opening.events
+    seated = INITIATOR_STEP in snapshot.steps
+    return replace(
+        opening,
+        messages=[(len(snapshot.messages), message)],
+        events=[event.model_copy(update={"seq": seq})],
+        steps=[] if seated else opening.steps,
+    )
+
+
 @dataclass(frozen=True)
 class Lease:
     """A lease just taken: its fence, the session's committed event count, and its oldest unfinished turn."""
@@ -170,6 +202,10 @@ class Lease:
     counted: bool = False
     """Whether the statement that took the lease counted a start of ``turn`` (its ``attempts`` is the count
     before it); not when the turn had its ``max_attempts`` already, or waits for a pending reset."""
+    opened: Commit | None = None
+    """The opening of ``turn``, committed with the intake (:meth:`SessionQueue.intake`'s ``opening``, placed at
+    the transcript's end, its event numbered, its initiator step only if the session had none); ``snapshot`` is
+    the session as it was before it."""
 
 
 @dataclass(frozen=True)
@@ -250,7 +286,14 @@ class SessionQueue:
         )
 
     def intake(
-        self, ref: SessionRef, turn_id: str, payload: TurnPayload, owner: str, *, held: Held | None = None
+        self,
+        ref: SessionRef,
+        turn_id: str,
+        payload: TurnPayload,
+        owner: str,
+        *,
+        held: Held | None = None,
+        opening: Commit | None = None,
     ) -> Intake:
         """Record a turn and take the session's lease with its snapshot, in one statement (one round trip, one commit).
 
@@ -262,6 +305,11 @@ class SessionQueue:
         statement (``june_intake``, migrations 8 and 10): only the messages after ``held`` (what this
         worker holds of the transcript) when the statement finds ``held`` still valid, else all. The
         statement counts a start of the turn the lease is taken for (:attr:`Lease.counted`).
+
+        ``opening`` (:func:`~june_worker.engine.loop.opening_commit`): when the turn is recorded now, the lease is
+        taken for it and it is the session's first unfinished turn, not behind a park or a pending reset, the same
+        statement opens it (``june_intake_open``, migration 17): one round trip and one commit fewer per turn.
+        :attr:`Lease.opened` then says what was written; otherwise the runner opens the turn itself.
         """
         params = {
             "agent": ref.agent,
@@ -273,15 +321,25 @@ class SessionQueue:
             "max": self.max_attempts,
             **held_params(held),
         }
+        if opening is not None:
+            (_, message), (event,) = opening.messages[0], opening.events
+            seat = opening.steps[0].data if opening.steps else None
+            params.update(
+                o_role=message.role,
+                o_body=message_body(message),
+                o_event=event.model_dump_json(by_alias=True, exclude={"seq"})[1:],
+                o_seat=dumps(seat) if seat is not None else None,
+            )
         recorded = False
         for _ in range(_INTAKE_ATTEMPTS):
             with pooled(self.pool) as conn:
-                row = conn.execute(_INTAKE, params).fetchone()
+                row = conn.execute(_INTAKE if opening is None else _INTAKE_OPEN, params).fetchone()
             assert row is not None
             inserted, took, retry, fence, generation, status, suspended, event_seq, reset_pending = row[:9]
             valid, compacted_at, messages, steps = row[9:13]
             existing, first = row[13 : 13 + TURN_WIDTH], row[13 + TURN_WIDTH : 13 + 2 * TURN_WIDTH]
             counted = row[13 + 2 * TURN_WIDTH]
+            opened_seq = row[14 + 2 * TURN_WIDTH] if opening is not None else None
             recorded = recorded or bool(inserted)
             if not retry:
                 break
@@ -293,18 +351,20 @@ class SessionQueue:
                 first_turn, unusable, took = None, exc, False
         if took:
             kept = held.messages if held is not None and valid else ()
+            snapshot = session_snapshot(
+                ref, generation, status, suspended, event_seq, reset_pending, messages, steps,
+                compacted_at=compacted_at, held=kept,
+            )  # fmt: skip
             lease = Lease(
                 fence=int(fence),
                 event_seq=int(event_seq),
                 turn=first_turn,
                 reset_pending=bool(reset_pending),
-                snapshot=session_snapshot(
-                    ref, generation, status, suspended, event_seq, reset_pending, messages, steps,
-                    compacted_at=compacted_at, held=kept,
-                ),
+                snapshot=snapshot,
                 read_from=len(kept),
                 counted=bool(counted),
-            )  # fmt: skip
+                opened=_as_opened(opening, snapshot, int(opened_seq)) if opened_seq is not None else None,
+            )
         elif retry and unusable is None:
             try:
                 lease = self.take(ref, owner)  # the row kept changing under us: the lease without a snapshot

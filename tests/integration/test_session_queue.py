@@ -148,6 +148,104 @@ def test_intake_records_a_new_turn_and_takes_the_free_lease(queue: tuple[Postgre
     assert store.get_turn(ref, "t2") is not None and store.get_turn(ref, "t2").position == 2  # type: ignore[union-attr]
 
 
+def _rows(store: PostgresStore, ref: SessionRef) -> dict[str, list[tuple[Any, ...]]]:
+    """What a session holds, as rows to compare (its own database's ids are the session's)."""
+    key = {"a": ref.agent, "s": ref.session}
+    queries = {
+        "session": "select status, event_seq, relay_due, suspended::text from june_sessions"
+        " where agent = %(a)s and session = %(s)s",
+        "turns": "select turn_id, status, attempts, result::text from june_turns"
+        " where agent = %(a)s and session = %(s)s order by position",
+        "messages": "select idx, turn_id, role, body::text from june_messages"
+        " where agent = %(a)s and session = %(s)s order by idx",
+        "steps": "select step_id, turn_id, data::text from june_steps where agent = %(a)s and session = %(s)s"
+        " order by step_id",
+        "events": "select seq, turn_id, type, body::text from june_events where agent = %(a)s and session = %(s)s"
+        " order by seq",
+    }
+    with store.pool.connection() as conn:
+        return {name: [tuple(r) for r in conn.execute(sql, key).fetchall()] for name, sql in queries.items()}
+
+
+def test_an_intake_with_the_opening_writes_what_the_runners_opening_commit_writes(
+    queue: tuple[PostgresStore, SessionQueue],
+) -> None:
+    from june_worker.engine.loop import opening_commit
+    from june_worker.engine.types import InboundEvent, Principal
+
+    store, q = queue
+    q.beat("w1", 60)
+    seat = Principal(id="u-7", team="ops")
+    payload = TurnPayload(text="refund order 7", event=InboundEvent(source="web", text="refund", principal=seat))
+    # one session opened by its intake, the other by the runner's own commit after a plain intake
+    by_intake = _ref()
+    by_runner = SessionRef("ops", by_intake.session + "-r")
+    got = q.intake(by_intake, "t1", payload, "w1", opening=opening_commit("t1", payload, seat))
+    plain = q.intake(by_runner, "t1", payload, "w1")
+    assert got.lease is not None and plain.lease is not None and plain.lease.opened is None
+    runner_opening = opening_commit("t1", payload, seat)
+    runner_opening.count_attempt = False  # (the intake counted this start)
+    store.commit(by_runner, runner_opening, fence=plain.lease.fence)
+
+    assert _rows(store, by_intake) == _rows(store, by_runner)
+    rows = _rows(store, by_intake)
+    assert rows["session"][0][:2] == ("running", 1) and rows["turns"] == [("t1", "running", 1, None)]
+    assert [m[:3] for m in rows["messages"]] == [(0, "t1", "user")]
+    assert [s[:2] for s in rows["steps"]] == [("session:initiator", "t1")]
+    opened = got.lease.opened
+    assert opened is not None and [i for i, _ in opened.messages] == [0] and [e.seq for e in opened.events] == [1]
+    assert [s.step_id for s in opened.steps] == ["session:initiator"]
+    assert got.lease.snapshot is not None and got.lease.snapshot.messages == []  # the session before the opening
+    assert store.events(by_intake) == opened.events
+
+
+def test_an_intake_opens_a_later_turn_at_the_transcripts_end_and_leaves_a_taken_seat(
+    queue: tuple[PostgresStore, SessionQueue],
+) -> None:
+    from june_worker.engine.loop import opening_commit
+    from june_worker.engine.types import InboundEvent, Principal
+
+    store, q = queue
+    ref = _ref()
+    q.beat("w1", 60)
+    first = Principal(id="u-1")
+    p1 = TurnPayload(text="hi", event=InboundEvent(source="web", principal=first))
+    lease = q.intake(ref, "t1", p1, "w1", opening=opening_commit("t1", p1, first)).lease
+    assert lease is not None and lease.opened is not None
+    store.commit(ref, _ending("t1"), fence=lease.fence)
+    assert q.release(ref, lease.fence)
+    other = Principal(id="u-2")
+    p2 = TurnPayload(text="again", event=InboundEvent(source="web", principal=other))
+    second = q.intake(ref, "t2", p2, "w1", opening=opening_commit("t2", p2, other)).lease
+    assert second is not None and second.opened is not None
+    assert [i for i, _ in second.opened.messages] == [1] and second.opened.steps == []  # the seat is u-1's
+    assert [e.seq for e in second.opened.events] == [3]  # after t1's started and completed
+    rows = _rows(store, ref)
+    assert [m[:2] for m in rows["messages"]] == [(0, "t1"), (1, "t2")]
+    assert [(s[0], s[1]) for s in rows["steps"]] == [("session:initiator", "t1")]
+    assert '"u-1"' in rows["steps"][0][2]
+
+
+def test_an_intake_does_not_open_a_turn_that_is_not_the_next_to_run(
+    queue: tuple[PostgresStore, SessionQueue],
+) -> None:
+    from june_worker.engine.loop import opening_commit
+
+    store, q = queue
+    ref = _ref()
+    q.beat("w1", 60)
+    p1, p2 = TurnPayload(text="one"), TurnPayload(text="two")
+    first = q.intake(ref, "t1", p1, "w1")  # recorded and leased, not opened (the runner would open it)
+    assert first.lease is not None and first.lease.opened is None
+    # t1 is still unfinished: t2 is recorded behind it, and the lease (ours) comes with t1, not opened here
+    second = q.intake(ref, "t2", p2, "w1", opening=opening_commit("t2", p2, None))
+    assert second.recorded and second.lease is not None and second.lease.opened is None
+    assert second.lease.turn is not None and second.lease.turn.turn_id == "t1"
+    rows = _rows(store, ref)
+    assert rows["messages"] == [] and rows["events"] == [] and rows["session"][0][:2] == ("new", 0)
+    assert [t[:2] for t in rows["turns"]] == [("t1", "queued"), ("t2", "queued")]
+
+
 def test_intake_under_a_live_holder_records_the_turn_and_leaves_it_to_the_holder(
     queue: tuple[PostgresStore, SessionQueue],
 ) -> None:

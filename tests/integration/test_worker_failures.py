@@ -114,6 +114,8 @@ def test_a_turn_whose_process_dies_at_every_start_before_the_runner_counts_it_en
     try:
         # Every start of every turn is killed after the turn was picked and before the runner writes anything (as
         # an out-of-memory while loading the session would be): only the pick's own count can give the turn up.
+        # (The first pick is the intake, which records and opens the turn in one statement; the later ones are
+        # the sweeper's re-sends, each counted where it is picked.)
         env = {"JUNE_MAX_ATTEMPTS": str(MAX_ATTEMPTS), "JUNE_CRASH_AT": "before-start"}
         dying.worker("dying", env=env)
         dying.beat()
@@ -121,11 +123,13 @@ def test_a_turn_whose_process_dies_at_every_start_before_the_runner_counts_it_en
         turn_id = dying.turn("ops", session, "hello")
         failed = dying.wait_terminal("ops", session, turn_id, timeout_s=90)
         assert failed["type"] == "turn.failed"
-        assert (failed["error"]["type"], failed["phase"], failed["step"]) == ("PoisonTurnError", None, "turn:open")
+        assert (failed["error"]["type"], failed["phase"], failed["step"]) == ("PoisonTurnError", "model", "model:1")
         assert f"given up after {MAX_ATTEMPTS} attempts" in failed["error"]["message"]
+        assert "each ended without a result" in failed["error"]["message"]
         row = dying.turn_row("ops", session, turn_id)
         assert row is not None and row["status"] == "failed" and row["attempts"] == MAX_ATTEMPTS
-        assert _structural_types(dying, "ops", session, turn_id) == ["turn.failed"]  # it never opened
+        # it opened (with its intake), and no step of it ever ran
+        assert _structural_types(dying, "ops", session, turn_id) == ["turn.started", "turn.failed"]
     finally:
         dying.close()
 
