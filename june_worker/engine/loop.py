@@ -83,7 +83,7 @@ def opening_commit(turn_id: str, payload: TurnPayload, seat: Principal | None) -
     the session's initiator step goes to, in the same transaction, when the session has none yet.
 
     The runner makes it (:meth:`TurnRunner._open`); a worker sends the same to the database with its intake,
-    so that a new turn is recorded, leased and opened in one statement (``june_intake_open``)."""
+    so that a new turn is recorded, leased and opened in one statement (``june_intake``, Postgres migration 17)."""
     opening: Message
     if payload.trigger_by is not None:
         opening = TriggerMessage(turn_id=turn_id, text=payload.text, by=payload.trigger_by)

@@ -528,54 +528,155 @@ MIGRATIONS: list[str] = [
     drop index june_sessions_unrelayed;
     """,
     # 17: intake and the turn's opening in one statement (one round trip and one commit fewer per turn): as 13,
-    # and when the turn was recorded now, its lease taken for it and its start counted, it is the session's first
-    # unfinished turn, and the session is neither parked nor waiting for a reset, the turn opens in the same
-    # transaction: its opening message at the transcript's end, the initiator step when the session has none
-    # (p_initiator: the turn's resolved principal, or null), its turn.started event (p_event: the body without
-    # the leading '{' and its seq, as the commit statement sends events), the session and the turn running.
-    # opened_seq is the event's seq; null when the turn was not opened here (the runner opens it then).
+    # and when the turn recorded now is the one to run (the session has no unfinished turn, no park, no pending
+    # reset) and the lease is taken for it, it opens in the same statement, as the runner's opening commit would:
+    # its opening message at the transcript's end (p_role, p_body: a transcript row's columns), the session's
+    # initiator step when it has none (p_initiator: the turn's resolved principal, or null), its turn.started
+    # (p_event: the body without its leading '{' and its seq, as the commit statement sends events), the session
+    # and the turn running; one new version of each row, as before. opened_seq and opened_idx are the event's seq
+    # and the message's index; null when the turn did not open here (p_role null: never; the runner opens it).
+    # event_seq is the count before the opening (the events a new holder may have to catch up on).
     """
-    create function june_intake_open(
+    drop function june_intake(text, text, text, json, text, double precision, integer, integer, text, integer);
+
+    create function june_intake(
         p_agent text, p_session text, p_turn_id text, p_payload json, p_owner text, p_lease_s double precision,
         p_generation integer, p_have integer, p_last_turn text, p_max_attempts integer,
         p_role text, p_body json, p_event text, p_initiator json
     ) returns table (
         recorded boolean, took boolean, retry boolean, fence bigint, generation integer, status text,
         suspended text, event_seq bigint, reset_pending boolean, valid boolean, compacted_at integer,
-        messages text, steps text, existing june_turns, first_turn june_turns, counted boolean, opened_seq bigint
+        messages text, steps text, existing june_turns, first_turn june_turns, counted boolean, opened_seq bigint,
+        opened_idx integer
     ) language plpgsql volatile as $$
     #variable_conflict use_column
-    declare
-        r record;
-        v_seq bigint;
-        v_idx integer;
     begin
-    select * into r from june_intake(p_agent, p_session, p_turn_id, p_payload, p_owner, p_lease_s, p_generation,
-                                     p_have, p_last_turn, p_max_attempts) x;
-    if r.recorded and r.took and r.counted and not coalesce(r.reset_pending, false) and r.suspended is null
-       and (r.first_turn).turn_id = p_turn_id then
-        update june_sessions s
-           set event_seq = s.event_seq + 1, relay_due = true, status = 'running',
-               updated_at = extract(epoch from now())
-         where s.agent = p_agent and s.session = p_session and s.fence = r.fence
-        returning s.event_seq into v_seq;
-        select coalesce(max(m.idx) + 1, 0) into v_idx
-          from june_messages m where m.agent = p_agent and m.session = p_session;
+    return query
+    with snap as (
+        select s.xmin as version, s.fence, s.generation, s.status, s.suspended::text as suspended, s.reset_pending,
+               -- the lease is ours, free, expired, or held by a worker process that is no longer alive
+               (s.lease_owner = p_owner or s.lease_owner is null
+                or s.lease_expires < extract(epoch from clock_timestamp())
+                or not exists (select 1 from june_workers w where w.owner = s.lease_owner
+                                 and w.alive_until >= extract(epoch from clock_timestamp()))) as free
+          from june_sessions s where s.agent = p_agent and s.session = p_session
+    ), existing as (
+        -- (a whole-row reference by its alias: every such alias here is unlike any column name, so that
+        -- the name cannot resolve to a column of an outer query instead)
+        select et as turn from june_turns et where et.agent = p_agent and et.session = p_session and et.turn_id = p_turn_id
+    ), plan as (
+        select not exists (select 1 from existing)
+               and not exists (select 1 from snap where snap.suspended is not null and not snap.reset_pending)
+               as record,
+               exists (select 1 from existing e where (e.turn).status in ('queued', 'running')) as rerun,
+               -- the turn recorded now opens here too (if the lease is taken for it): it is the one to run
+               p_role is not null and p_max_attempts > 0
+               and not exists (select 1 from snap where snap.suspended is not null or snap.reset_pending)
+               and not exists (select 1 from june_turns u where u.agent = p_agent and u.session = p_session
+                                 and u.status in ('queued', 'running')) as may_open
+    ), sess as (
+        insert into june_sessions as s (agent, session, next_position, lease_owner, lease_expires, fence, status,
+                                        event_seq, relay_due)
+        select p_agent, p_session, 2, p_owner, extract(epoch from clock_timestamp()) + p_lease_s, 1,
+               case when plan.record and plan.may_open then 'running' else 'new' end,
+               (plan.record and plan.may_open)::int, plan.record and plan.may_open
+          from plan where plan.record or plan.rerun
+        on conflict (agent, session) do update
+           set next_position = s.next_position + (select plan.record::int from plan),
+               -- open: the lease is taken (as below) for the turn recorded now, which may open
+               status = case when s.xmin = (select snap.version from snap) and (select snap.free from snap)
+                                  and (select plan.record and plan.may_open from plan)
+                             then 'running' else s.status end,
+               event_seq = s.event_seq
+                           + case when s.xmin = (select snap.version from snap) and (select snap.free from snap)
+                                       and (select plan.record and plan.may_open from plan) then 1 else 0 end,
+               relay_due = s.relay_due
+                           or coalesce(s.xmin = (select snap.version from snap) and (select snap.free from snap)
+                                       and (select plan.record and plan.may_open from plan), false),
+               updated_at = case when s.xmin = (select snap.version from snap) and (select snap.free from snap)
+                                      and (select plan.record and plan.may_open from plan)
+                                 then extract(epoch from now()) else s.updated_at end,
+               -- take: the row is the version snap read, and the lease was free in it
+               fence = case when s.xmin = (select snap.version from snap) and (select snap.free from snap)
+                            then s.fence + 1 else s.fence end,
+               lease_owner = case when s.xmin = (select snap.version from snap) and (select snap.free from snap)
+                                  then excluded.lease_owner else s.lease_owner end,
+               lease_expires = case when s.xmin = (select snap.version from snap) and (select snap.free from snap)
+                                    then excluded.lease_expires else s.lease_expires end
+        returning s.next_position - 1 as position, s.generation, s.fence, s.lease_owner, s.lease_expires,
+                  s.event_seq, s.reset_pending
+    ), taken as (
+        select coalesce(sess.lease_owner = p_owner and sess.fence = coalesce(snap.fence, 0) + 1, false) as yes,
+               coalesce(sess.reset_pending, false) as resetting
+          from (select 1) one left join snap on true left join sess on true
+    ), first_old as (
+        -- the turn the lease is taken for, if one was recorded before: its start is counted here, now
+        select ut as turn from june_turns ut, taken
+         where taken.yes and ut.agent = p_agent and ut.session = p_session and ut.status in ('queued', 'running')
+         order by ut.position limit 1
+    ), counted_old as (
+        -- (a turn queued behind a pending reset runs once the reset is done, and is counted then)
+        update june_turns cu set attempts = cu.attempts + 1
+          from first_old fo, taken
+         where cu.agent = p_agent and cu.session = p_session and cu.turn_id = (fo.turn).turn_id
+           and cu.attempts < p_max_attempts and (not taken.resetting or (fo.turn).cancel_reason is not null)
+        returning 1
+    ), opened as (
+        -- the turn recorded now, the lease taken for it and nothing before it: its opening is written here
+        select sess.event_seq as seq,
+               coalesce((select max(m.idx) + 1 from june_messages m where m.agent = p_agent and m.session = p_session),
+                        0) as idx
+          from sess, plan, taken where taken.yes and plan.record and plan.may_open
+    ), opening as (
         insert into june_messages (agent, session, idx, turn_id, role, body)
-        values (p_agent, p_session, v_idx, p_turn_id, p_role, p_body);
-        if p_initiator is not null then
-            insert into june_steps (agent, session, step_id, turn_id, data)
-            values (p_agent, p_session, 'session:initiator', p_turn_id, p_initiator)
-            on conflict do nothing;
-        end if;
+        select p_agent, p_session, o.idx, p_turn_id, p_role, p_body from opened o
+    ), seat as (
+        -- the session's initiator, when it has none yet: the turn's resolved principal
+        insert into june_steps (agent, session, step_id, turn_id, data)
+        select p_agent, p_session, 'session:initiator', p_turn_id, p_initiator from opened where p_initiator is not null
+        on conflict do nothing
+    ), started as (
         insert into june_events (agent, session, seq, turn_id, type, body)
-        values (p_agent, p_session, v_seq, p_turn_id, 'turn.started', ('{"seq":' || v_seq || ',' || p_event)::json);
-        update june_turns t set status = 'running'
-         where t.agent = p_agent and t.session = p_session and t.turn_id = p_turn_id;
-    end if;
-    return query select r.recorded, r.took, r.retry, r.fence, r.generation, r.status, r.suspended, r.event_seq,
-                        r.reset_pending, r.valid, r.compacted_at, r.messages, r.steps, r.existing, r.first_turn,
-                        r.counted, v_seq;
+        select p_agent, p_session, o.seq, p_turn_id, 'turn.started', ('{"seq":' || o.seq || ',' || p_event)::json
+          from opened o
+    ), ins as (
+        -- the turn recorded now, and the lease taken for it: its first start is counted as it is recorded
+        insert into june_turns as it (agent, session, turn_id, position, status, payload, generation, attempts)
+        select p_agent, p_session, p_turn_id, sess.position,
+               case when exists (select 1 from opened) then 'running' else 'queued' end, p_payload, sess.generation,
+               case when taken.yes and not taken.resetting and p_max_attempts > 0
+                         and not exists (select 1 from first_old) then 1 else 0 end
+          from sess, plan, taken where plan.record
+        on conflict do nothing
+        returning it as turn
+    )
+    select exists (select 1 from ins), k.took,
+           -- not taken although free or ours: the row changed under this statement; call again
+           not k.took and sess.fence is not null
+           and (sess.lease_owner = p_owner or sess.lease_owner is null
+                or sess.lease_expires < extract(epoch from clock_timestamp())
+                or not exists (select 1 from june_workers w where w.owner = sess.lease_owner
+                                 and w.alive_until >= extract(epoch from clock_timestamp()))),
+           sess.fence, snap.generation, snap.status, snap.suspended,
+           sess.event_seq - coalesce((select 1 from opened), 0), sess.reset_pending,
+           tr.valid, tr.compacted_at, tr.messages, tr.steps, e.turn, f.turn,
+           exists (select 1 from counted_old) or exists (select 1 from ins i where (i.turn).attempts = 1),
+           (select o.seq from opened o), (select o.idx from opened o)
+      from (select 1) one
+      left join snap on true
+      left join sess on true
+      cross join lateral (
+            select coalesce(sess.lease_owner = p_owner and sess.fence = coalesce(snap.fence, 0) + 1, false) as took) k
+      left join existing e on true
+      left join lateral (
+            select x.* from june_transcript(p_agent, p_session, p_generation, p_have, p_last_turn) x
+             where k.took) tr on true
+      -- the first unfinished turn as it was before this statement (its attempts not counting this start)
+      left join lateral (
+            select coalesce((select fo.turn from first_old fo),
+                            (select json_populate_record(i.turn, '{"attempts": 0, "status": "queued"}')
+                               from ins i)) as turn
+             where k.took) f on true;
     end
     $$;
     """,

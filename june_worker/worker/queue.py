@@ -70,25 +70,16 @@ _LEASE_IS_FREE = f"""(
     or not exists (select 1 from june_workers w where w.owner = {{s}}.lease_owner and w.alive_until >= {_NOW}))"""
 
 
-# Intake in one statement: june_intake (migrations 8 and 10 in stores/_pg_schema.py, where the whole statement is,
-# with why each part is there) records the turn and takes the lease, and with the lease reads the session: only the
-# messages after those the worker holds (`held`), when what it holds is still the session's transcript.
+# Intake in one statement: june_intake (migrations 8, 10, 13 and 17 in stores/_pg_schema.py, where the whole statement
+# is, with why each part is there) records the turn and takes the lease, and with the lease reads the session: only the
+# messages after those the worker holds (`held`), when what it holds is still the session's transcript; and when the
+# turn it recorded is the one to run, opens it (the o_* parameters: SessionQueue.intake's `opening`; null: it does not).
 _INTAKE = one_line(f"""
 select r.recorded, r.took, r.retry, r.fence, r.generation, r.status, r.suspended, r.event_seq, r.reset_pending,
        r.valid, r.compacted_at, r.messages, r.steps, {turn_columns("(r.existing).")}, {turn_columns("(r.first_turn).")},
-       r.counted
+       r.counted, r.opened_seq, r.opened_idx
   from june_intake(%(agent)s, %(session)s, %(turn_id)s, %(payload)s::json, %(o)s, %(l)s, %(g)s, %(have)s, %(last)s,
-                   %(max)s) r
-""")
-
-# The same, and the turn opened with it when it is recorded now and is the one to run (june_intake_open, migration 17):
-# its opening message, initiator step and turn.started event go in the same transaction.
-_INTAKE_OPEN = one_line(f"""
-select r.recorded, r.took, r.retry, r.fence, r.generation, r.status, r.suspended, r.event_seq, r.reset_pending,
-       r.valid, r.compacted_at, r.messages, r.steps, {turn_columns("(r.existing).")}, {turn_columns("(r.first_turn).")},
-       r.counted, r.opened_seq
-  from june_intake_open(%(agent)s, %(session)s, %(turn_id)s, %(payload)s::json, %(o)s, %(l)s, %(g)s, %(have)s,
-                        %(last)s, %(max)s, %(o_role)s, %(o_body)s::json, %(o_event)s, %(o_seat)s::json) r
+                   %(max)s, %(o_role)s, %(o_body)s::json, %(o_event)s, %(o_seat)s::json) r
 """)
 
 # The session for its next turn, under a lease already held: what the intake reads with the lease.
@@ -173,16 +164,19 @@ select exists (select 1 from released), s.fence, s.reset_pending, exists (select
 """
 
 
-def _as_opened(opening: Commit | None, snapshot: SessionSnapshot, seq: int) -> Commit:
-    """``opening`` as ``june_intake_open`` wrote it on ``snapshot`` (the session before it): its message at the
-    transcript's end, its event numbered ``seq``, its initiator step only if the session had none."""
+_NO_OPENING = {"o_role": None, "o_body": None, "o_event": None, "o_seat": None}
+
+
+def _as_opened(opening: Commit | None, snapshot: SessionSnapshot, seq: int, idx: int) -> Commit:
+    """``opening`` as ``june_intake`` wrote it on ``snapshot`` (the session before it): its message at ``idx``
+    (the transcript's end), its event numbered ``seq``, its initiator step only if the session had none."""
     assert opening is not None
     (_, message), (event,) = opening.messages[0], opening.events
     seated = INITIATOR_STEP in snapshot.steps
     return replace(
         opening,
-        messages=[(len(snapshot.messages), message)],
-        events=[event.model_copy(update={"seq": seq})],
+        messages=[(int(idx), message)],
+        events=[event.model_copy(update={"seq": int(seq)})],
         steps=[] if seated else opening.steps,
     )
 
@@ -308,7 +302,7 @@ class SessionQueue:
 
         ``opening`` (:func:`~june_worker.engine.loop.opening_commit`): when the turn is recorded now, the lease is
         taken for it and it is the session's first unfinished turn, not behind a park or a pending reset, the same
-        statement opens it (``june_intake_open``, migration 17): one round trip and one commit fewer per turn.
+        statement opens it (``june_intake``, migration 17): one round trip and one commit fewer per turn.
         :attr:`Lease.opened` then says what was written; otherwise the runner opens the turn itself.
         """
         params = {
@@ -321,6 +315,7 @@ class SessionQueue:
             "max": self.max_attempts,
             **held_params(held),
         }
+        params.update(_NO_OPENING)
         if opening is not None:
             (_, message), (event,) = opening.messages[0], opening.events
             seat = opening.steps[0].data if opening.steps else None
@@ -333,13 +328,13 @@ class SessionQueue:
         recorded = False
         for _ in range(_INTAKE_ATTEMPTS):
             with pooled(self.pool) as conn:
-                row = conn.execute(_INTAKE if opening is None else _INTAKE_OPEN, params).fetchone()
+                row = conn.execute(_INTAKE, params).fetchone()
             assert row is not None
             inserted, took, retry, fence, generation, status, suspended, event_seq, reset_pending = row[:9]
             valid, compacted_at, messages, steps = row[9:13]
             existing, first = row[13 : 13 + TURN_WIDTH], row[13 + TURN_WIDTH : 13 + 2 * TURN_WIDTH]
             counted = row[13 + 2 * TURN_WIDTH]
-            opened_seq = row[14 + 2 * TURN_WIDTH] if opening is not None else None
+            opened_seq, opened_idx = row[14 + 2 * TURN_WIDTH : 16 + 2 * TURN_WIDTH]
             recorded = recorded or bool(inserted)
             if not retry:
                 break
@@ -363,7 +358,7 @@ class SessionQueue:
                 snapshot=snapshot,
                 read_from=len(kept),
                 counted=bool(counted),
-                opened=_as_opened(opening, snapshot, int(opened_seq)) if opened_seq is not None else None,
+                opened=_as_opened(opening, snapshot, opened_seq, opened_idx) if opened_seq is not None else None,
             )
         elif retry and unusable is None:
             try:

@@ -50,6 +50,10 @@ def _intake_params(ref: SessionRef, turn_id: str, owner: str) -> dict[str, objec
         "l": 30.0,
         "max": 5,
         **held_params(None),
+        "o_role": None,  # (no opening: the runner would open the turn)
+        "o_body": None,
+        "o_event": None,
+        "o_seat": None,
     }
 
 
