@@ -14,7 +14,8 @@ return) and named after the code that sends it. What no round trip explains (the
 pydantic, the event loop) is the remainder. Next to it: a bare ``select 1`` and a PING, timed
 in the same run, as the price of one round trip on this machine, and the CPU the Postgres backends
 serving the host used per turn (``/proc``, so the server must run on this machine), and redis-server's
-(``INFO cpu``: the events only, no broker here; shared with whatever else uses that Redis).
+(``INFO cpu``: the events only, no broker here; shared with whatever else uses that Redis), and the WAL the
+server wrote per turn (``pg_current_wal_insert_lsn``: the whole cluster's, so run it on a quiet server).
 
 ``--partitions 0,16`` measures the same turns on two databases, one with the per-session tables
 hash-partitioned into 16 (``june migrate --partitions 16``), their turns alternating in rounds.
@@ -179,6 +180,7 @@ class Run:
         self.host: WorkerHost | None = None
         self.turns = 0
         self.wall_s = self.cpu_s = self.pg_s = self.redis_s = 0.0
+        self.wal_bytes = 0
         self.totals: collections.Counter[str] = collections.Counter()
         self.counts: collections.Counter[str] = collections.Counter()
         self.pings: list[float] = []
@@ -197,6 +199,7 @@ class Run:
     def measure(self, r: int, n: int) -> None:
         with self.stack.postgres_cpu() as pg:  # its statements and INFO are the bench's, sent before the meter is on
             r0 = self.stack.redis_cpu_s()
+            w0 = self._wal_lsn()
             self.meter.install()
             try:
                 c0, t0 = cpu_s(), time.perf_counter()
@@ -208,11 +211,20 @@ class Run:
             finally:
                 self.meter.uninstall()
             self.redis_s += self.stack.redis_cpu_s() - r0
+            self.wal_bytes += self._wal_lsn() - w0
         self.pg_s += pg.clients_s
         self.turns += n
         self.totals.update(self.meter.wall)
         self.counts.update(self.meter.count)
         self.meter.clear()
+
+    def _wal_lsn(self) -> int:
+        """Where the server's WAL is (bytes; the whole cluster's, so shared with whatever else writes to it)."""
+        assert self.host is not None
+        with self.host.store.pool.connection() as conn:
+            row = conn.execute("select pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint").fetchone()
+        assert row is not None
+        return int(row[0])
 
     def baseline(self) -> None:
         assert self.host is not None
@@ -250,7 +262,7 @@ class Run:
         print(
             f"(CPU per turn: this process {self.cpu_s * 1000 / n:.2f} ms, the Postgres backends serving it "
             f"{self.pg_s * 1000 / n:.2f} ms, redis-server {self.redis_s * 1000 / n:.2f} ms (shared with whatever else "
-            f"uses it); in the same run a bare `select 1` took {median(self.selects) * 1000:.3f} "
+            f"uses it); WAL {self.wal_bytes / n / 1024:.1f} KB per turn (the cluster's); in the same run a bare `select 1` took {median(self.selects) * 1000:.3f} "
             f"ms and a PING {median(self.pings) * 1000:.3f} ms, medians)"
         )
 

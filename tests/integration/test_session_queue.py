@@ -250,6 +250,20 @@ def test_an_intake_does_not_open_a_turn_that_is_not_the_next_to_run(
     assert [t[:2] for t in rows["turns"]] == [("t1", "queued"), ("t2", "queued")]
 
 
+def test_an_intake_does_not_open_a_turn_behind_a_pending_reset(queue: tuple[PostgresStore, SessionQueue]) -> None:
+    from june_worker.engine.loop import opening_commit
+
+    store, q = queue
+    ref = _ref()
+    q.beat("w1", 60)
+    q.request_reset(ref)  # the holder performs the reset first, then runs (and opens) what queued behind it
+    payload = TurnPayload(text="after the reset")
+    got = q.intake(ref, "t1", payload, "w1", opening=opening_commit("t1", payload, None))
+    assert got.recorded and got.lease is not None and got.lease.reset_pending and got.lease.opened is None
+    rows = _rows(store, ref)
+    assert rows["messages"] == [] and rows["events"] == [] and [t[:2] for t in rows["turns"]] == [("t1", "queued")]
+
+
 def test_intake_under_a_live_holder_records_the_turn_and_leaves_it_to_the_holder(
     queue: tuple[PostgresStore, SessionQueue],
 ) -> None:
