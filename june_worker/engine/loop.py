@@ -326,7 +326,8 @@ class TurnRunner(ModelSteps, ToolSteps):
         publish its event and take it in, as :meth:`_commit` does after the store returns."""
         self._hit("before-start", "turn:open")
         self._hit("before-publish", "turn:open")
-        # (called here, not through _blocking: a worker's sink in either mode returns at once or may block the loop)
+        # (not through _blocking: with many turns per process the turn's sink hands the publish to the turn's
+        # thread and returns at once; with one turn per process nothing else runs on the loop)
         self.sink.publish(self.ref, opened.events)
         self._took_in(opened)
         if any(s.step_id == INITIATOR_STEP for s in opened.steps):
