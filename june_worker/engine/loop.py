@@ -77,10 +77,11 @@ from .types import (
 __all__ = ["NO_CANCEL", "CancelProbe", "CrashHook", "TurnRunner", "error_info", "reject_turn"]
 
 
-def opening_commit(turn_id: str, payload: TurnPayload, seat: Principal | None) -> Commit:
-    """The commit that opens a turn: its opening message (at index 0 here; the caller places it at the
-    transcript's end), its ``turn.started`` event, the session and the turn running. ``seat``: the principal
-    the session's initiator step goes to, in the same transaction, when the session has none yet.
+def opening_commit(turn_id: str, payload: TurnPayload, seat: Principal | None, *, at: int = 0) -> Commit:
+    """The commit that opens a turn: its opening message at index ``at`` (the transcript's end; the worker's
+    intake statement places it there itself), its ``turn.started`` event, the session and the turn running.
+    ``seat``: the principal the session's initiator step goes to, in the same transaction, when the session has
+    none yet.
 
     The runner makes it (:meth:`TurnRunner._open`); a worker sends the same to the database with its intake,
     so that a new turn is recorded, leased and opened in one statement (``june_intake``, Postgres migration 17)."""
@@ -96,7 +97,7 @@ def opening_commit(turn_id: str, payload: TurnPayload, seat: Principal | None) -
     )
     steps = [StepRecord(step_id=INITIATOR_STEP, turn_id=turn_id, data=seat.model_dump())] if seat is not None else []
     return Commit(
-        messages=[(0, opening)],
+        messages=[(at, opening)],
         steps=steps,
         events=[TurnStarted(turn_id=turn_id, trigger=trigger, parent=payload.parent)],
         status="running",
@@ -313,8 +314,9 @@ class TurnRunner(ModelSteps, ToolSteps):
 
     async def _open(self) -> None:
         seat = self.principal is not None and self.initiator is None  # the seat goes to the first resolved principal
-        commit = opening_commit(self.turn_id, self.record.payload, self.principal if seat else None)
-        commit.messages = [(len(self.messages), commit.messages[0][1])]
+        commit = opening_commit(
+            self.turn_id, self.record.payload, self.principal if seat else None, at=len(self.messages)
+        )
         commit.count_attempt = not self._counted_by_host
         await self._commit(commit, "turn:open", cancellable=True)  # a turn cancelled before it opened never opens
         if seat:

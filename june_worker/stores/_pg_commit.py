@@ -36,10 +36,11 @@ from typing import Any, NamedTuple
 
 from psycopg.types.numeric import Int8
 
+from ..engine.events import TurnEvent
 from ..engine.store import Commit, SessionRef
 from ._sql import dumps, message_body
 
-__all__ = ["NOTHING_NEW", "VALUES_MAX", "commit_statement"]
+__all__ = ["NOTHING_NEW", "VALUES_MAX", "commit_statement", "event_rest"]
 
 NOTHING_NEW = (
     "s.next_position = (select s2.next_position from june_sessions s2"
@@ -131,7 +132,7 @@ def commit_statement(
         "e",
         shape.events,
         [(e.turn_id, e.type) for e in events],
-        [e.model_dump_json(by_alias=True, exclude={"seq"})[1:] for e in events],
+        [event_rest(e) for e in events],
     )
     if commit.turn_id is not None:
         p["t_id"] = commit.turn_id
@@ -144,6 +145,12 @@ def commit_statement(
     if shape.cancel:
         p["t_cancel"] = commit.cancel_reason
     return _sql(shape), p
+
+
+def event_rest(event: TurnEvent) -> str:
+    """An event's JSON as a statement sends it: without its ``seq`` and its leading ``{`` (the statement puts
+    ``{"seq":<n>,`` in front once it knows the number)."""
+    return event.model_dump_json(by_alias=True, exclude={"seq"})[1:]
 
 
 def _count(n: int) -> int:

@@ -32,7 +32,7 @@ from ..engine.store import (
     TurnRecord,
 )
 from ..errors import UnusableTurnError
-from ..stores._pg_commit import NOTHING_NEW
+from ..stores._pg_commit import NOTHING_NEW, event_rest
 from ..stores._pg_conn import pooled
 from ..stores._sql import dumps, message_body, one_line
 from ..stores.postgres import TURN_WIDTH, session_snapshot, stored_turn, turn_columns, turn_from_row
@@ -167,10 +167,9 @@ select exists (select 1 from released), s.fence, s.reset_pending, exists (select
 _NO_OPENING = {"o_role": None, "o_body": None, "o_event": None, "o_seat": None}
 
 
-def _as_opened(opening: Commit | None, snapshot: SessionSnapshot, seq: int, idx: int) -> Commit:
+def _as_opened(opening: Commit, snapshot: SessionSnapshot, seq: int, idx: int) -> Commit:
     """``opening`` as ``june_intake`` wrote it on ``snapshot`` (the session before it): its message at ``idx``
     (the transcript's end), its event numbered ``seq``, its initiator step only if the session had none."""
-    assert opening is not None
     (_, message), (event,) = opening.messages[0], opening.events
     seated = INITIATOR_STEP in snapshot.steps
     return replace(
@@ -314,15 +313,15 @@ class SessionQueue:
             "l": self.lease_s,
             "max": self.max_attempts,
             **held_params(held),
+            **_NO_OPENING,
         }
-        params.update(_NO_OPENING)
         if opening is not None:
             (_, message), (event,) = opening.messages[0], opening.events
             seat = opening.steps[0].data if opening.steps else None
             params.update(
                 o_role=message.role,
                 o_body=message_body(message),
-                o_event=event.model_dump_json(by_alias=True, exclude={"seq"})[1:],
+                o_event=event_rest(event),
                 o_seat=dumps(seat) if seat is not None else None,
             )
         recorded = False
@@ -358,7 +357,11 @@ class SessionQueue:
                 snapshot=snapshot,
                 read_from=len(kept),
                 counted=bool(counted),
-                opened=_as_opened(opening, snapshot, opened_seq, opened_idx) if opened_seq is not None else None,
+                opened=(
+                    _as_opened(opening, snapshot, opened_seq, opened_idx)
+                    if opening is not None and opened_seq is not None
+                    else None
+                ),
             )
         elif retry and unusable is None:
             try:

@@ -17,7 +17,7 @@ from june_worker.engine.types import AssistantMessage, InputRequest, ProactiveTr
 from june_worker.errors import LeaseLostError
 from june_worker.stores._pg_commit import commit_statement
 from june_worker.stores.postgres import PostgresStore
-from june_worker.worker.queue import _INTAKE, Intake, SessionQueue
+from june_worker.worker.queue import _INTAKE, _NO_OPENING, Intake, SessionQueue
 from june_worker.worker.transcripts import held_params
 
 from .conftest import _database, wait_for
@@ -50,10 +50,7 @@ def _intake_params(ref: SessionRef, turn_id: str, owner: str) -> dict[str, objec
         "l": 30.0,
         "max": 5,
         **held_params(None),
-        "o_role": None,  # (no opening: the runner would open the turn)
-        "o_body": None,
-        "o_event": None,
-        "o_seat": None,
+        **_NO_OPENING,  # (no opening: the runner would open the turn)
     }
 
 
