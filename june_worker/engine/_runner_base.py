@@ -169,6 +169,7 @@ class RunnerBase:
         opened: Commit | None = None,
         race_stall_s: float = RACE_STALL_S,
         blocking: Blocking = inline,
+        statements: Blocking | None = None,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -186,6 +187,7 @@ class RunnerBase:
         self.attempt = attempt if attempt is not None else record.attempts + 1
         self.hooks = hooks
         self._blocking = blocking
+        self._statements = statements if statements is not None else blocking
         self._commits = asyncio.Lock()
         """One commit of this turn at a time, made from the runner's state as it is then (calls run in parallel
         each commit their own result)."""
@@ -321,7 +323,7 @@ class RunnerBase:
         (:mod:`.blocking`), a cancel of the waiting task is delivered once the commit is mirrored.
         """
         async with self._commits:
-            if self._blocking is inline:  # nothing suspends in between: the plain call, no task for it
+            if self._blocking is inline and self._statements is inline:  # nothing suspends: the plain call, no task
                 await self._commit_now(commit, step, cancellable)
             else:
                 await finish(self._commit_now(commit, step, cancellable))
@@ -348,7 +350,7 @@ class RunnerBase:
         try:
             if isinstance(commit, Commit):
                 ready = built = guarded(commit)
-                await self._blocking(lambda: commit_then_publish(ready))
+                await self._statements(lambda: commit_then_publish(ready))  # one statement, no tool code in it
             else:
                 builder = commit
 

@@ -4,7 +4,9 @@ The engine is asyncio; its store, a sync tool and a child's launch are blocking 
 that runs one turn per event loop (the in-process runtime, a prefork worker process) runs them
 right where the coroutine is (:func:`inline`): nothing else waits on that loop. A host that runs
 many turns on one loop hands them to a thread of the turn's own, so that no turn's statement, and
-no sync tool holding its step's transaction, holds up the others (``june_worker.worker.inflight``).
+no sync tool holding its step's transaction, holds up the others (``june_worker.worker.inflight``);
+there a ready commit (one statement, no tool code in it) goes to one of a few threads shared by all
+turns instead (the runner's ``statements``), since waking a thread per turn for each costs more.
 
 The one rule a reader must not break: **a blocking call runs to its end once started**, whatever
 happens to the coroutine that asked for it; the engine mirrors a commit in memory only after it

@@ -137,6 +137,11 @@ class TurnRunner(ModelSteps, ToolSteps):
     ``counted``: the host counted this start in the statement that picked the turn (a worker does, so that
     a process that dies before the runner's first commit, however often, still uses up the turn's
     attempts); ``record.attempts`` is the count before it. The runner then writes no count of its own.
+
+    ``blocking``, ``statements``: where the turn's blocking calls run (:mod:`.blocking`). ``statements`` takes
+    the commits whose checkpoint is ready (one statement and its publish, no tool code inside), ``blocking``
+    everything else (a sync tool inside its step's transaction, reads, a child's launch); by default both go
+    to ``blocking``. Calls of one turn run one at a time, in the order asked, whichever of the two took them.
     """
 
     # --- entry point -----------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from ..observe.turns import TurnObserver
 from ..stores.postgres import PostgresStore
 from . import rendering
 from ._running import _Cancel, _Ending, _Running
-from .inflight import EventLoopThread, LoopWatch, QueuedSink, TurnThread, WatchedHooks
+from .inflight import EventLoopThread, LoopWatch, QueuedSink, StoreLanes, TurnThread, WatchedHooks
 from .queue import Intake, Lease, SessionQueue
 from .settings import WorkerSettings
 from .transcripts import TranscriptCache
@@ -183,6 +183,8 @@ class WorkerHost:
         )
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._loop_thread = EventLoopThread() if inflight else None
+        # many turns: their ready commits and publishes run on a few threads, one per connection (inflight.StoreLanes)
+        self.lanes = StoreLanes(settings.db_pool_size) if inflight else None
         self.loop = self._loop_thread.loop if self._loop_thread is not None else asyncio.new_event_loop()
         self.watch = (
             LoopWatch(self.loop, threshold_s=settings.loop_blocked_s, on_blocked=self._blocked_loop)
@@ -537,7 +539,7 @@ class WorkerHost:
         ending = _Ending(self, running, rec.turn_id, release=release and target is None, deliver_due=target is not None)
         live = rendering.start_live(agent, self.store, ref, rec) if target is not None else None
         sink: EventSink = live.tee(self._turn_sink) if live is not None else self._turn_sink
-        turn_thread = TurnThread(self.loop) if self.inflight else None
+        turn_thread = TurnThread(self.loop, self.lanes) if self.inflight else None
         try:
             with self.observer.run(agent, ref, rec) as watch:  # observe: the turn's span, metrics and logs
                 hooks: TurnHooks = watch
@@ -561,6 +563,7 @@ class WorkerHost:
                     counted=counted,
                     opened=opened,
                     blocking=turn_thread.blocking if turn_thread is not None else inline,
+                    statements=turn_thread.statement if turn_thread is not None else inline,
                 )
                 if turn_thread is not None:
                     result = turn_thread.run(runner.run())
@@ -733,6 +736,8 @@ class WorkerHost:
             t.join(5)
         if self.watch is not None:
             self.watch.close()
+        if self.lanes is not None:
+            self.lanes.close()  # (after the turns: their last calls are done)
         self._turn_sink.close()
         self.store.close()
         if self._beats is not self.queue:

@@ -4,10 +4,16 @@
 in flight has a pool thread, which holds the message (``acks_late``) and does the turn's intake and
 lease statements, as a prefork process does. The turn itself runs as a task on the process's one
 event loop (:class:`EventLoopThread`), where a turn that waits on its model or an async tool costs a
-coroutine, not a process. What would hold that loop up goes back to the turn's pool thread
-(:class:`TurnThread`): every store statement of the turn, a sync tool inside its step's transaction,
-its event publishes (in order: a turn's publishes and statements run one at a time, first asked,
-first run), a child's launch. Neither Postgres nor Redis is ever waited on by the loop.
+coroutine, not a process. What would hold that loop up goes to a thread (:class:`TurnThread`): a
+sync tool inside its step's transaction, the turn's reads, a child's launch go back to the turn's
+pool thread; its ready commits (one statement and its publish, no tool code in them) and its other
+event publishes go to its *lane*, one of a few threads shared by every turn of the process, one per
+connection of the store's pool (:class:`StoreLanes`). Either way a turn's calls run one at a time,
+first asked, first run. Neither Postgres nor Redis is ever waited on by the loop.
+
+Why lanes: a pool thread woken for each statement of its turn made the process switch threads about
+120 times per turn (a prefork pool process: 7), which cost it a fifth of its CPU
+(docs/benchmarks.md); a lane that is busy takes its next statement without sleeping in between.
 
 :class:`LoopWatch` reports whatever holds the loop anyway (a blocking call inside an async tool):
 the tool, its turn and for how long. Nothing of a turn's safety needs the loop: leases, liveness
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import itertools
 import queue
 import threading
 import time
@@ -36,7 +43,7 @@ from ..engine.secrets import scrubbed_logger
 from ..engine.sink import EventSink
 from ..engine.store import Commit, SessionRef
 
-__all__ = ["EventLoopThread", "LoopWatch", "QueuedSink", "TurnThread", "WatchedHooks"]
+__all__ = ["EventLoopThread", "LoopWatch", "QueuedSink", "StoreLanes", "TurnThread", "WatchedHooks"]
 
 log = scrubbed_logger("june_worker.worker")
 
@@ -77,15 +84,64 @@ class EventLoopThread:
             self.loop.close()
 
 
+class StoreLanes:
+    """A few threads that run the ready commits and the publishes of every turn in flight; each turn is given one
+    lane for its run (:class:`TurnThread`), whose calls then run in the order they were handed over."""
+
+    def __init__(self, lanes: int) -> None:
+        self._queues: list[queue.SimpleQueue[Callable[[], None] | object]] = [
+            queue.SimpleQueue() for _ in range(max(lanes, 1))
+        ]
+        self._threads = [
+            threading.Thread(target=self._serve, args=(q,), name=f"june-lane-{i}", daemon=True)
+            for i, q in enumerate(self._queues)
+        ]
+        self._idents: set[int] = set()
+        self._started = threading.Barrier(len(self._threads) + 1)
+        self._next = itertools.count()
+        for thread in self._threads:
+            thread.start()
+        self._started.wait()
+
+    def _serve(self, jobs: queue.SimpleQueue[Callable[[], None] | object]) -> None:
+        self._idents.add(threading.get_ident())
+        self._started.wait()
+        while (job := jobs.get()) is not _DONE:
+            job()  # type: ignore[operator]  # (never raises: TurnThread's jobs catch what their call raised)
+
+    def pick(self) -> int:
+        """A lane for a new run, in turn."""
+        return next(self._next) % len(self._queues)
+
+    def put(self, lane: int, job: Callable[[], None]) -> None:
+        self._queues[lane].put(job)
+
+    def on_a_lane(self) -> bool:
+        """True on a lane's own thread."""
+        return threading.get_ident() in self._idents
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        for jobs in self._queues:
+            jobs.put(_DONE)
+        for thread in self._threads:
+            thread.join(timeout_s)
+
+
 class TurnThread:
-    """The pool thread a turn's message came on: it waits for the turn and, meanwhile, runs its blocking calls.
+    """The pool thread a turn's message came on: it waits for the turn and, meanwhile, runs its blocking calls;
+    with ``lanes``, the turn's ready commits and publishes run on one lane of them instead (see the module).
 
     One per run of a turn (:meth:`run` once). Calls run one at a time in the order they were handed over,
-    so a publish handed over after a commit goes out after it.
+    so a publish handed over after a commit goes out after it: a call on the turn's own thread first waits for
+    what the turn handed to its lane before, and the run ends only once the lane has done the turn's calls.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, lanes: StoreLanes | None = None) -> None:
         self._loop = loop
+        self._lanes = lanes
+        self._lane = lanes.pick() if lanes is not None else 0
+        self._on_lane: threading.Event | None = None
+        """Set once the lane has run the last call this turn handed it (None: none handed)."""
         self._jobs: queue.SimpleQueue[Callable[[], None] | object] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
@@ -106,6 +162,7 @@ class TurnThread:
         try:
             while (job := self._jobs.get()) is not _DONE:
                 job()  # type: ignore[operator]
+            self._lane_done()  # (the turn's last publishes): the session's next run publishes after them
             return outcome.result()
         finally:
             with self._lock:
@@ -137,16 +194,39 @@ class TurnThread:
         future: asyncio.Future[T] = loop.create_future()
 
         def job() -> None:
-            try:
-                value = fn()
-            except BaseException as exc:  # (a sync tool's rollback marker is one): the awaiting step decides
-                loop.call_soon_threadsafe(_settle, future, None, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, future, value, None)
+            self._lane_done()
+            _run_into(fn, loop, future)
 
         if not self._put(job):
             return fn()  # the run is over (a task of the turn outlived it): nothing else waits for this thread
         return await future
+
+    async def statement(self, fn: Callable[[], T], /) -> T:
+        """:class:`~june_worker.engine.blocking.Blocking` for a ready commit: ``fn`` on the turn's lane (on this
+        thread without lanes)."""
+        if self._lanes is None:
+            return await self.blocking(fn)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._to_lane(lambda: _run_into(fn, loop, future))
+        return await future
+
+    def _to_lane(self, job: Callable[[], None]) -> None:
+        assert self._lanes is not None
+        done = self._on_lane = threading.Event()
+
+        def laned() -> None:
+            try:
+                job()
+            finally:
+                done.set()
+
+        self._lanes.put(self._lane, laned)
+
+    def _lane_done(self) -> None:
+        """Wait until the lane has run what this turn handed it (the turn's calls run in the order asked)."""
+        if self._on_lane is not None:
+            self._on_lane.wait()
 
     def submit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on this thread after what was handed over before it, without waiting for it; it never raises.
@@ -158,8 +238,22 @@ class TurnThread:
             except Exception:
                 log.exception("a turn's background call failed")
 
-        if threading.get_ident() == self._ident or not self._put(job):
+        if threading.get_ident() == self._ident or (self._lanes is not None and self._lanes.on_a_lane()):
+            job()  # inside one of the turn's calls (a lane runs one call at a time: this turn's, now)
+        elif self._lanes is not None:
+            self._to_lane(job)
+        elif not self._put(job):
             job()
+
+
+def _run_into(fn: Callable[[], T], loop: asyncio.AbstractEventLoop, future: asyncio.Future[T]) -> None:
+    """Call ``fn`` here and settle the loop's ``future`` with what it returned or raised."""
+    try:
+        value = fn()
+    except BaseException as exc:  # (a sync tool's rollback marker is one): the awaiting step decides
+        loop.call_soon_threadsafe(_settle, future, None, exc)
+    else:
+        loop.call_soon_threadsafe(_settle, future, value, None)
 
 
 def _settle(future: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
