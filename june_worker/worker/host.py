@@ -171,20 +171,20 @@ class WorkerHost:
         trim = Trim(maxlen=settings.stream_maxlen or None, max_age_s=settings.stream_max_age_s or None)
         ttl = settings.stream_ttl_s or None
         self.sink = RedisStreamSink(self.redis, keys=self.keys, store=self.store, session_trim=trim, session_ttl_s=ttl)
-        # One turn at a time: a running turn's steps publish without waiting for Redis (the next step overlaps the
-        # append); _run_turn flushes it when the turn ends. Many turns: each publishes from its own thread
-        # (inflight.QueuedSink), through the plain sink. Everything else publishes through self.sink.
-        self._turn_sink = (
-            self.sink
-            if inflight
-            else RedisStreamSink(
+        # A running turn's steps publish without waiting for Redis (the next step overlaps the append); _run_turn
+        # flushes the sink when the turn ends. One turn at a time: one such sink. Many turns: one per lane
+        # (inflight.StoreLanes), the lane's thread being what publishes its turns' events. Everything else
+        # publishes through self.sink.
+        self._turn_sinks = [
+            RedisStreamSink(
                 self.redis, keys=self.keys, store=self.store, session_trim=trim, pipelined=True, session_ttl_s=ttl
             )
-        )
+            for _ in range(settings.db_pool_size if inflight else 1)
+        ]
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._loop_thread = EventLoopThread() if inflight else None
         # many turns: their ready commits and publishes run on a few threads, one per connection (inflight.StoreLanes)
-        self.lanes = StoreLanes(settings.db_pool_size) if inflight else None
+        self.lanes = StoreLanes(len(self._turn_sinks)) if inflight else None
         self.loop = self._loop_thread.loop if self._loop_thread is not None else asyncio.new_event_loop()
         self.watch = (
             LoopWatch(self.loop, threshold_s=settings.loop_blocked_s, on_blocked=self._blocked_loop)
@@ -538,8 +538,9 @@ class WorkerHost:
         # A turn with a target keeps the lease while it is delivered; its ending marks the delivery due.
         ending = _Ending(self, running, rec.turn_id, release=release and target is None, deliver_due=target is not None)
         live = rendering.start_live(agent, self.store, ref, rec) if target is not None else None
-        sink: EventSink = live.tee(self._turn_sink) if live is not None else self._turn_sink
         turn_thread = TurnThread(self.loop, self.lanes) if self.inflight else None
+        turn_sink = self._turn_sinks[turn_thread.lane if turn_thread is not None else 0]
+        sink: EventSink = live.tee(turn_sink) if live is not None else turn_sink
         try:
             with self.observer.run(agent, ref, rec) as watch:  # observe: the turn's span, metrics and logs
                 hooks: TurnHooks = watch
@@ -570,7 +571,7 @@ class WorkerHost:
                 else:
                     result = self.loop.run_until_complete(runner.run())
                 watch.finished(result)
-            self._turn_sink.flush()  # the turn's events are in Redis (or relayed) before anyone hears it ended
+            turn_sink.flush()  # the turn's events are in Redis (or relayed) before anyone hears it ended
         except BaseException:
             self.transcripts.drop(ref)
             raise
@@ -673,8 +674,9 @@ class WorkerHost:
     def _relayed(self) -> dict[SessionRef, int]:
         """What this process's sinks saw the streams hold, by session, since the last call."""
         marks = self.sink.take_relayed()
-        for ref, seq in self._turn_sink.take_relayed().items():
-            marks[ref] = max(seq, marks.get(ref, 0))
+        for sink in self._turn_sinks:
+            for ref, seq in sink.take_relayed().items():
+                marks[ref] = max(seq, marks.get(ref, 0))
         return marks
 
     def _listen(self) -> None:
@@ -738,7 +740,8 @@ class WorkerHost:
             self.watch.close()
         if self.lanes is not None:
             self.lanes.close()  # (after the turns: their last calls are done)
-        self._turn_sink.close()
+        for sink in self._turn_sinks:
+            sink.close()
         self.store.close()
         if self._beats is not self.queue:
             self._beats.pool.close()

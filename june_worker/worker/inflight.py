@@ -147,6 +147,11 @@ class TurnThread:
         self._closed = False
         self._ident: int | None = None
 
+    @property
+    def lane(self) -> int:
+        """Which of the lanes this run's calls go to (0 without lanes)."""
+        return self._lane
+
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` as a task on the loop (in this thread's context: its trace span is the turn's parent) and
         serve its blocking calls here until it ends; return its result or raise its exception."""
@@ -266,8 +271,8 @@ def _settle(future: asyncio.Future[Any], value: Any, exc: BaseException | None) 
 
 
 class QueuedSink:
-    """The turn's sink as its coroutine sees it: each publish is handed to the turn's thread, in order, and returns
-    at once. The engine publishes only after a commit returned, so an event still never goes out before its commit."""
+    """The turn's sink as its coroutine sees it: each publish is handed to the turn's lane (or its thread), in order,
+    and returns at once. The engine publishes only after a commit returned, so an event still never goes out before its commit."""
 
     def __init__(self, inner: EventSink, thread: TurnThread) -> None:
         self.inner = inner
