@@ -107,7 +107,10 @@ class StoreLanes:
         self._idents.add(threading.get_ident())
         self._started.wait()
         while (job := jobs.get()) is not _DONE:
-            job()  # type: ignore[operator]  # (never raises: TurnThread's jobs catch what their call raised)
+            try:
+                job()  # type: ignore[operator]
+            except BaseException:  # (TurnThread's jobs hand their call's error to the turn): a lane outlives anything
+                log.exception("a call on a store lane raised past its turn; the lane serves on")
 
     def pick(self) -> int:
         """A lane for a new run, in turn."""
@@ -272,7 +275,8 @@ def _settle(future: asyncio.Future[Any], value: Any, exc: BaseException | None) 
 
 class QueuedSink:
     """The turn's sink as its coroutine sees it: each publish is handed to the turn's lane (or its thread), in order,
-    and returns at once. The engine publishes only after a commit returned, so an event still never goes out before its commit."""
+    and returns at once. The engine publishes only after a commit returned, so an event still never goes out before
+    its commit."""
 
     def __init__(self, inner: EventSink, thread: TurnThread) -> None:
         self.inner = inner

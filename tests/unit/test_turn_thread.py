@@ -34,7 +34,7 @@ def lanes() -> Iterator[StoreLanes]:
 
 def run_turn(
     loop: asyncio.AbstractEventLoop, lanes: StoreLanes | None, body: Callable[[TurnThread], Coroutine[Any, Any, Any]]
-) -> tuple[TurnThread, threading.Thread, dict[str, Any]]:
+) -> tuple[threading.Thread, dict[str, Any]]:
     """Start a run of ``body`` on a pool-like thread of its own, as the worker does for a turn's message."""
     turn = TurnThread(loop, lanes)
     out: dict[str, Any] = {}
@@ -48,7 +48,7 @@ def run_turn(
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    return turn, thread, out
+    return thread, out
 
 
 def finished(thread: threading.Thread, out: dict[str, Any]) -> Any:
@@ -63,7 +63,7 @@ def test_without_lanes_every_call_runs_on_the_turns_own_thread(loop: asyncio.Abs
     async def body(turn: TurnThread) -> list[int]:
         return [await turn.statement(threading.get_ident), await turn.blocking(threading.get_ident)]
 
-    _, thread, out = run_turn(loop, None, body)
+    thread, out = run_turn(loop, None, body)
     assert finished(thread, out) == [out["ident"], out["ident"]]
 
 
@@ -74,7 +74,7 @@ def test_a_ready_commit_runs_on_a_lane_and_a_sync_tools_call_on_the_turns_own_th
         on_loop = threading.get_ident()
         return await turn.statement(threading.get_ident), await turn.blocking(threading.get_ident), on_loop
 
-    _, thread, out = run_turn(loop, lanes, body)
+    thread, out = run_turn(loop, lanes, body)
     on_lane, on_own, on_loop = finished(thread, out)
     assert on_own == out["ident"]
     assert on_lane not in (out["ident"], on_loop)
@@ -98,7 +98,7 @@ def test_a_turns_calls_run_in_the_order_asked_whichever_thread_takes_them(
         await turn.statement(lambda: seen.append("commit 2"))
         turn.submit(lambda: seen.append("last publish"))
 
-    _, thread, out = run_turn(loop, lanes, body)
+    thread, out = run_turn(loop, lanes, body)
     finished(thread, out)
     # the run ended only once the lane had done the turn's last publish
     assert seen == ["commit 1", "publish", "sync tool", "commit 2", "last publish"]
@@ -115,7 +115,7 @@ def test_a_publish_asked_inside_a_commit_runs_at_once(loop: asyncio.AbstractEven
 
         await turn.statement(commit_then_publish)
 
-    _, thread, out = run_turn(loop, lanes, body)
+    thread, out = run_turn(loop, lanes, body)
     finished(thread, out)
     assert seen == ["commit", "publish", "commit returned"]
 
@@ -129,7 +129,7 @@ def test_what_a_commit_raises_reaches_its_turn_and_the_lane_serves_on(
         return await turn.statement(lambda: "still served")
 
     for _ in range(3):  # every lane, in turn
-        _, thread, out = run_turn(loop, lanes, body)
+        thread, out = run_turn(loop, lanes, body)
         assert finished(thread, out) == "still served"
 
 
@@ -145,8 +145,8 @@ def test_a_sync_tool_that_waits_holds_up_no_other_turns_commits(loop: asyncio.Ab
         async def other(turn: TurnThread) -> None:
             await turn.statement(committed.set)
 
-        _, slow_thread, slow_out = run_turn(loop, one_lane, slow_tool)
-        _, other_thread, other_out = run_turn(loop, one_lane, other)
+        slow_thread, slow_out = run_turn(loop, one_lane, slow_tool)
+        other_thread, other_out = run_turn(loop, one_lane, other)
         assert committed.wait(5), "a turn's commit waited for another turn's sync tool"
         finished(other_thread, other_out)
         release.set()
@@ -161,6 +161,17 @@ def test_new_runs_are_spread_over_the_lanes(loop: asyncio.AbstractEventLoop, lan
 
     idents = set()
     for _ in range(4):
-        _, thread, out = run_turn(loop, lanes, body)
+        thread, out = run_turn(loop, lanes, body)
         idents.add(finished(thread, out))
     assert len(idents) == 2
+
+
+def test_a_lane_outlives_a_call_that_raises_past_its_turn(lanes: StoreLanes) -> None:
+    served = threading.Event()
+
+    def escapes() -> None:
+        raise SystemExit("not caught by the call itself")
+
+    lanes.put(0, escapes)
+    lanes.put(0, served.set)
+    assert served.wait(5), "the lane stopped serving after a call raised"
