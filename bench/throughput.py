@@ -26,7 +26,11 @@ stack's workers), so the producer does not compete for the CPUs while the worker
 rate is the batch size over the time from that move to the last task's end (an empty task's
 ``date_done``; a turn's ``finished_at`` in Postgres: turn tasks store no result). Turn batches:
 each turn in its own session, and ``--per-session`` turns per session (sent back to back).
-Every turn of a batch is checked ``completed`` in Postgres. Figures: the median over rounds of
+Every turn of a batch is checked ``completed`` in Postgres. A fourth kind, the **floor**, is
+``bench.commits``: a task that makes a turn's four commits and nothing else (four one-row INSERTs in
+autocommit, each a round trip and an fsync, on a connection the pool process keeps), so that its
+rate over the empty task's says how close to the empty task a turn could come at all while it
+commits every step. Figures: the median over rounds of
 each rate, and of turns/s divided by the empty-task rate of the same round. Next to them, the CPU
 time per task (from ``/proc``) of the workers' main processes (they take every message from the
 broker and hand it to the pool) and of their pool processes, of the Postgres client backends of
@@ -158,9 +162,9 @@ def run_batch(stack: BenchStack, kind: str, n: int, per_session: int = 1) -> Bat
     ids: list[str] = []
     # Redis: a staging list moved into the queue at once; RabbitMQ: the queue itself, consumed on release.
     staging = stack.staging_queue if stack.broker == "redis" else stack.queue
-    if kind == "empty":
+    if kind in ("empty", "commits"):
         for _ in range(n):
-            ids.append(stack.send("bench.empty", {}, queue=staging).id)
+            ids.append(stack.send(f"bench.{kind}", {}, queue=staging).id)
     else:
         for s in range(n // per_session):
             session = stack.session(f"{batch}-{s}")
@@ -183,7 +187,7 @@ def run_batch(stack: BenchStack, kind: str, n: int, per_session: int = 1) -> Bat
             assert moved == len(ids), f"moved {moved} of {len(ids)} messages"
         else:
             stack.consume(stack.queue, True)
-        if kind == "empty":
+        if kind in ("empty", "commits"):
             results = wait_results(stack, ids, timeout_s=60 + len(ids) / 5)
         else:
             t_last = wait_turns(stack, batch, len(ids), timeout_s=60 + len(ids) / 5)
@@ -191,7 +195,7 @@ def run_batch(stack: BenchStack, kind: str, n: int, per_session: int = 1) -> Bat
         if stack.broker != "redis":
             stack.consume(stack.queue, False)
         main, pooled, broker, busy = (b - a for a, b in zip(before, sample(), strict=True))
-    if kind == "empty":
+    if kind in ("empty", "commits"):
         failed = [m for m in results.values() if m["status"] != "SUCCESS"]
         if failed:
             raise RuntimeError(f"{len(failed)} {kind} tasks failed, e.g. {failed[0]}")
@@ -219,6 +223,8 @@ class LayoutResult:
     empty: list[Batch] = field(default_factory=list)
     one: list[Batch] = field(default_factory=list)
     many: list[Batch] = field(default_factory=list)
+    floor: list[Batch] = field(default_factory=list)
+    """``bench.commits``: four one-row commits in a task, what a turn cannot do without."""
 
     def ratio(self, name: str) -> float:
         """Median over rounds of turns/s over the empty-task rate of the same round."""
@@ -253,7 +259,12 @@ def throughput(args: argparse.Namespace) -> list[LayoutResult]:
     for name in names:
         layout(name)  # refuse a bad layout before starting anything
     results: list[LayoutResult] = []
-    kinds = [("empty", args.empty, 1), ("one", args.turns, 1), ("many", args.turns, args.per_session)]
+    kinds = [
+        ("empty", args.empty, 1),
+        ("one", args.turns, 1),
+        ("many", args.turns, args.per_session),
+        ("floor", args.turns, 1),
+    ]
     for broker in args.brokers.split(","):
         with ExitStack() as stacks:
             runs = []
@@ -264,13 +275,15 @@ def throughput(args: argparse.Namespace) -> list[LayoutResult]:
             for r in range(args.rounds):
                 order = runs[r % len(runs) :] + runs[: r % len(runs)]
                 for stack, res in order:
-                    for kind, n, k in kinds[r % 3 :] + kinds[: r % 3]:  # rotate: drift hits every kind alike
+                    turn = r % len(kinds)
+                    for kind, n, k in kinds[turn:] + kinds[:turn]:  # rotate: drift hits every kind alike
                         time.sleep(0.3)
-                        getattr(res, kind).append(run_batch(stack, "empty" if kind == "empty" else "turns", n, k))
-                    e, o, m = res.empty[-1], res.one[-1], res.many[-1]
+                        task = {"empty": "empty", "floor": "commits"}.get(kind, "turns")
+                        getattr(res, kind).append(run_batch(stack, task, n, k))
+                    e, o, m, f = res.empty[-1], res.one[-1], res.many[-1], res.floor[-1]
                     print(
                         f"#   {broker} {res.layout} round {r + 1}: empty {e.rate:6.1f}/s  turns {o.rate:5.1f}/s  "
-                        f"turns ({args.per_session}/session) {m.rate:5.1f}/s  | CPU ms/task empty "
+                        f"turns ({args.per_session}/session) {m.rate:5.1f}/s  floor {f.rate:5.1f}/s  | CPU ms/task empty "
                         f"{e.main_ms:.1f}+{e.pool_ms:.1f}+{e.redis_ms:.1f}  turn {o.main_ms:.1f}+{o.pool_ms:.1f}+"
                         f"{o.pg_ms:.2f}+{o.redis_ms:.1f} (main+pool+pg+broker)  "
                         f"| others used {100 * median([e.others, o.others, m.others]):.0f}% of the CPUs",
@@ -286,16 +299,18 @@ def report(results: list[LayoutResult], args: argparse.Namespace) -> None:
     print()
     print(
         f"| broker | layout | empty task/s | turns/s, 1 per session | ratio | turns/s, {k} per session | ratio | "
-        "CPU ms per empty task | CPU ms per turn | CPU ratio | of a turn: main | pool | Postgres | broker | autovacuum |"
+        "CPU ms per empty task | CPU ms per turn | CPU ratio | of a turn: main | pool | Postgres | broker | autovacuum | "
+        "floor task/s | ratio | CPU ms per floor task |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for res in results:
         print(
             f"| {res.broker} | {res.layout} | {res.rate('empty'):.0f} | {res.rate('one'):.1f} | "
             f"{res.ratio('one'):.2f} | {res.rate('many'):.1f} | {res.ratio('many'):.2f} | "
             f"{res.ms('empty'):.2f} | {res.ms('one'):.2f} | {res.ms('empty') / res.ms('one'):.2f} | "
             f"{res.ms('one', 'main_ms'):.2f} | {res.ms('one', 'pool_ms'):.2f} | {res.ms('one', 'pg_ms'):.2f} | "
-            f"{res.ms('one', 'redis_ms'):.2f} | {res.ms('one', 'vacuum_ms'):.2f} |"
+            f"{res.ms('one', 'redis_ms'):.2f} | {res.ms('one', 'vacuum_ms'):.2f} | "
+            f"{res.rate('floor'):.0f} | {res.ratio('floor'):.2f} | {res.ms('floor'):.2f} |"
         )
     print(
         f"(medians over {args.rounds} rounds, batches of {args.empty} empty tasks and {args.turns} turns; ratio: median "
@@ -303,7 +318,8 @@ def report(results: list[LayoutResult], args: argparse.Namespace) -> None:
         "messages from the broker; pool: the ones that run tasks) + Postgres client backends of the bench database "
         "+ the broker's server (redis-server or RabbitMQ's node, shared), per task; CPU ratio: empty / turn, what "
         "the ratio would be if the CPUs were the only limit; autovacuum: CPU of autovacuum workers on the bench "
-        "database during the batch, not in the total)"
+        "database during the batch, not in the total; floor: bench.commits, four one-row INSERTs in autocommit per "
+        "task on the pool process's own connection, what a 3-step turn's four durable commits cost with no engine)"
     )
     for res in results:
         ratio = res.ratio("one")
