@@ -19,6 +19,7 @@ The rule a reader must not break: **resume from the last ``stream_id`` you handl
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -97,8 +98,14 @@ def text(value: Any) -> str:
 
 def encode_data(agent: str, session: str, event_json: str) -> str:
     """The ``data`` field of an entry: ``event_json`` (one JSON object) with ``agent`` and ``session`` put first."""
-    head = json.dumps({"agent": agent, "session": session}, separators=(",", ":"))
+    head = _head(agent, session)
     return head if event_json == "{}" else head[:-1] + "," + event_json[1:]
+
+
+@functools.lru_cache(maxsize=4096)
+def _head(agent: str, session: str) -> str:
+    """``{"agent":...,"session":...}``, made once per session while it is busy (every event of a turn has it)."""
+    return json.dumps({"agent": agent, "session": session}, separators=(",", ":"))
 
 
 def decode_entry(

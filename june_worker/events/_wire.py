@@ -13,13 +13,19 @@ keeps the events; the caller relays them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 from redis.exceptions import MovedError
 
 from june_wire.redis_url import health_check_interval_s, is_cluster
+
+_hiredis_pack: Callable[[Command], bytes] | None
+try:  # a dependency of redis[hiredis], which the worker installs
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover - redis-py's own packing serves instead
+    _hiredis_pack = None
 
 __all__ = ["Wire"]
 
@@ -50,7 +56,7 @@ class Wire:
             conn = self._connection(node)
             if not any(c is conn for c, _ in self._owed):  # (else a PING's PONG would be read in an owed reply's place)
                 _check_idle(conn)
-            conn.send_packed_command(conn.pack_commands([command for command, _ in batch]), check_health=False)
+            conn.send_packed_command(_pack(conn, [command for command, _ in batch]), check_health=False)
             self._owed.extend((conn, tag) for _, tag in batch)
         return len(commands)
 
@@ -110,6 +116,19 @@ class Wire:
             conn = self._conns[node] = pool.make_connection()
             conn.health_check_interval = self._idle_check_s
         return conn
+
+
+def _pack(conn: Any, commands: list[Command]) -> list[bytes]:
+    """The commands in Redis's protocol, as the chunks ``send_packed_command`` takes (one here). The sink's commands hold only str and int, which hiredis packs
+    as redis-py would (UTF-8), at a tenth of the cost of redis-py's per-argument encoder (~50 us for a publish's two
+    appends); anything else goes through redis-py, which packs it or says why not."""
+    if _hiredis_pack is not None:
+        try:
+            return [b"".join([_hiredis_pack(command) for command in commands])]
+        except TypeError:
+            pass
+    packed: list[bytes] = conn.pack_commands(commands)
+    return packed
 
 
 def _check_idle(conn: Any) -> None:
