@@ -21,15 +21,15 @@ from redis.exceptions import MovedError
 
 from june_wire.redis_url import health_check_interval_s, is_cluster
 
+__all__ = ["Wire"]
+
+Command = tuple[Any, ...]
+
 _hiredis_pack: Callable[[Command], bytes] | None
 try:  # a dependency of redis[hiredis], which the worker installs
     from hiredis import pack_command as _hiredis_pack
 except ImportError:  # pragma: no cover - redis-py's own packing serves instead
     _hiredis_pack = None
-
-__all__ = ["Wire"]
-
-Command = tuple[Any, ...]
 
 
 class Wire:
@@ -119,9 +119,11 @@ class Wire:
 
 
 def _pack(conn: Any, commands: list[Command]) -> list[bytes]:
-    """The commands in Redis's protocol, as the chunks ``send_packed_command`` takes (one here). The sink's commands hold only str and int, which hiredis packs
-    as redis-py would (UTF-8), at a tenth of the cost of redis-py's per-argument encoder (~50 us for a publish's two
-    appends); anything else goes through redis-py, which packs it or says why not."""
+    """The commands in Redis's protocol, as the chunks ``send_packed_command`` takes (one here).
+
+    The sink's commands hold only str and int, which hiredis packs as redis-py would (UTF-8), at a tenth of the cost
+    of redis-py's per-argument encoder (~50 us for a publish's two appends); anything else goes through redis-py,
+    which packs it or says why not."""
     if _hiredis_pack is not None:
         try:
             return [b"".join([_hiredis_pack(command) for command in commands])]
