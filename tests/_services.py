@@ -20,6 +20,10 @@ log, stays until the run ends) and made again from scratch, in a new dir, on fre
 line, with the end of that attempt's log and the first attempt's reason; the tests that need the service fail with
 that line and the rest of the run goes on (a missing binary still stops the run: nothing would start it).
 
+Under ``pytest-xdist`` (``make test`` runs two processes) each process is a run of its own here: it starts its
+own throwaway servers, or shares the ones the environment names (each integration module makes its own database,
+queue names and key prefix, so two runs can share them), and only the servers' lines of the run's end go unprinted.
+
 The chosen URLs are exported to ``os.environ`` (``JUNE_DATABASE_URL``, ``JUNE_REDIS_URL``,
 ``JUNE_TEST_AMQP_URL``) so subprocesses started by tests (Celery workers) inherit them.
 
