@@ -22,7 +22,7 @@ that line and the rest of the run goes on (a missing binary still stops the run:
 
 Under ``pytest-xdist`` (``make test`` runs two processes) each process is a run of its own here: it starts its
 own throwaway servers, or shares the ones the environment names (each integration module makes its own database,
-queue names and key prefix, so two runs can share them), and only the servers' lines of the run's end go unprinted.
+queue names and key prefix, so two runs can share them); the run's end lists each process's servers, marked ``[gw0]``...
 
 The chosen URLs are exported to ``os.environ`` (``JUNE_DATABASE_URL``, ``JUNE_REDIS_URL``,
 ``JUNE_TEST_AMQP_URL``) so subprocesses started by tests (Celery workers) inherit them.

@@ -114,8 +114,26 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     _services.shutdown()
 
 
+_WORKERS_SERVICES: dict[str, list[str]] = {}
+"""Under pytest-xdist, in the controller: the services each worker process used, as it reported them at its end."""
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)  # set in an xdist worker process only
+    if workeroutput is not None:
+        workeroutput["june_services"] = _services.describe()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    worker = (getattr(node, "workerinput", None) or {}).get("workerid", "?")
+    _WORKERS_SERVICES[str(worker)] = list((getattr(node, "workeroutput", None) or {}).get("june_services", ()))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    lines = _services.describe()
+    lines = _services.describe() + [
+        f"[{worker}] {line}" for worker, said in sorted(_WORKERS_SERVICES.items()) for line in said
+    ]
     if lines:
         terminalreporter.write_sep("-", "services")
         for line in lines:
