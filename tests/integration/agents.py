@@ -178,10 +178,15 @@ def _authorize(req: AnswerRequest) -> bool:
 
 
 class DribblingModel:
-    """Streams ``JUNE_IT_DELTAS`` deltas ~2 ms apart on a turn's first model call, then answers."""
+    """Streams ``JUNE_IT_DELTAS`` deltas ~2 ms apart on a turn's first model call, then answers. A turn whose text
+    starts with "long" streams 30 times as many (a minute or more): a test that stops it mid-stream (cancel,
+    replace, reset) does not race the stream's end on a busy machine, and a stop that fails still shows."""
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelDelta]:
         n = int(os.environ.get("JUNE_IT_DELTAS", "2000"))
+        said = next((m.text for m in reversed(request.messages) if isinstance(m, UserMessage)), "")
+        if said.startswith("long"):
+            n *= 30
         for i in range(n):
             await asyncio.sleep(0.002)
             yield TextChunk(text=f"{i} ")

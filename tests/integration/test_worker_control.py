@@ -105,7 +105,7 @@ def _streaming(stack: Stack, session: str) -> None:
 
 
 def test_cancel_stops_a_streaming_turn_at_the_next_delta(stack: Stack, session_id: str) -> None:
-    turn_id = stack.turn("dribble", session_id, "talk")
+    turn_id = stack.turn("dribble", session_id, "long talk")
     _streaming(stack, session_id)
     out = stack.send("june.cancel", {"agent": "dribble", "session": session_id, "turn_id": turn_id}).get(timeout=30)
     assert out["status"] == "cancel-requested" and out["turn_ids"] == [turn_id]
@@ -115,7 +115,7 @@ def test_cancel_stops_a_streaming_turn_at_the_next_delta(stack: Stack, session_i
 
 
 def test_a_queued_turn_cancelled_before_it_starts_never_runs(stack: Stack, session_id: str) -> None:
-    first = stack.turn("dribble", session_id, "one")
+    first = stack.turn("dribble", session_id, "long one")
     _streaming(stack, session_id)
     second = stack.turn("dribble", session_id, "two")
     wait_for(lambda: stack.turn_row("dribble", session_id, second), what="the second turn to be recorded")
@@ -127,7 +127,7 @@ def test_a_queued_turn_cancelled_before_it_starts_never_runs(stack: Stack, sessi
 
 
 def test_replace_cancels_the_running_turn_and_the_new_one_completes(stack: Stack, session_id: str) -> None:
-    old = stack.turn("dribble", session_id, "old question")
+    old = stack.turn("dribble", session_id, "long old question")
     _streaming(stack, session_id)
     new = stack.turn("dribble", session_id, "corrected question", replace=True)
     assert stack.wait_terminal("dribble", session_id, old)["reason"] == "replaced"
