@@ -179,7 +179,7 @@ def _authorize(req: AnswerRequest) -> bool:
 
 class DribblingModel:
     """Streams ``JUNE_IT_DELTAS`` deltas ~2 ms apart on a turn's first model call, then answers. A turn whose text
-    starts with "long" streams 30 times as many (a minute or more): a test that stops it mid-stream (cancel,
+    starts with "long" streams 30 times as many (two minutes or more): a test that stops it mid-stream (cancel,
     replace, reset) does not race the stream's end on a busy machine, and a stop that fails still shows."""
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelDelta]:
